@@ -1,0 +1,34 @@
+# One command to set up and run the demo; one to set up and run the tests.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test unit integration bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/stalwart run --state-dir .stalwart/demo --fresh --machines 4 --gpus-per-machine 2 \
+	    --tp 2 --pp 2 --dp 2 --steps 200 --standby 1 --ckpt-every 10 \
+	    --chaos "crash@step=60,machine=1" --chaos "machine-down@step=120,machine=2" \
+	    -- python -m stalwart.examples.gpt
+	$(BIN)/stalwart report --state-dir .stalwart/demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: setup
+	$(BIN)/python -m pytest -q tests/integration
+
+clean:
+	rm -rf $(VENV) .stalwart build src/*.egg-info
