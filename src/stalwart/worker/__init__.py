@@ -1,0 +1,26 @@
+"""The stalwart worker SDK, used inside training scripts (optional: plain scripts work too).
+
+    from stalwart import worker
+    ctx = worker.init(tp=2, pp=2)
+    start, state = ctx.restore()
+    for step in range(start, steps):
+        ctx.begin_step(step)
+        ...                                   # forward / backward
+        ctx.on_gradients(step, model.parameters())
+        ...                                   # data-parallel reduction, optimizer step
+        ctx.report(step, loss=loss, grad_norm=gn, tokens=n)
+        ctx.checkpoint(state_dict, step)
+    ctx.finish()
+"""
+from __future__ import annotations
+
+from stalwart.worker.context import Context
+
+
+def init(tp: int | None = None, pp: int | None = None, dp: int | None = None, cp: int | None = None,
+         ep: int | None = None, timeout_s: float = 60.0) -> Context:
+    """Join the job: rendezvous, process groups for every parallel dimension, link to the agent."""
+    return Context(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, timeout_s=timeout_s)
+
+
+__all__ = ["init", "Context"]

@@ -1,0 +1,182 @@
+"""The worker SDK's context: rank, topology, process groups, metrics, checkpoints, chaos hooks."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from stalwart.topology import Topology
+from stalwart.worker import durable
+from stalwart.worker.link import AgentLink
+
+GROUP_KINDS = ("tp", "cp", "ep", "dp", "pp")
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+class Context:
+    """What `stalwart.worker.init()` returns. See the README's "Worker SDK" section."""
+
+    def __init__(self, tp: int | None = None, pp: int | None = None, dp: int | None = None,
+                 cp: int | None = None, ep: int | None = None, timeout_s: float = 60.0):
+        self._chaos: dict[str, dict] = {}
+        self._activation = threading.Event()
+        self._activation_env: dict[str, str] = {}
+        self.link = AgentLink(os.environ.get("STALWART_AGENT_SOCK"), self._on_agent_message)
+        if os.environ.get("STALWART_STANDBY") == "1":
+            self._wait_for_activation()
+        env = os.environ
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.run = _env_int("STALWART_RUN", None)
+        self.job = env.get("STALWART_JOB", "local")
+        local_world = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        gpm = _env_int("STALWART_GPUS_PER_MACHINE", local_world)
+        machines = _env_int("STALWART_MACHINES", max(1, self.world_size // max(1, gpm)))
+        sizes = {k: _env_int(f"STALWART_{k.upper()}", None) for k in GROUP_KINDS}
+        given = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+        for k in GROUP_KINDS:  # the agent's layout wins: it is the job's layout
+            if sizes[k] is None:
+                sizes[k] = given[k]
+        for k in ("tp", "pp", "cp", "ep"):
+            sizes[k] = sizes[k] or 1
+        if sizes["dp"] is None:
+            sizes["dp"] = self.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["ep"])
+        self.topology = Topology(machines, gpm, tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"],
+                                 cp=sizes["cp"], ep=sizes["ep"])
+        self.coords = self.topology.coords(self.rank)
+        self.seed = _env_int("STALWART_SEED", 0)
+        self.steps = _env_int("STALWART_STEPS", None)
+        self.ckpt_dir = env.get("STALWART_CKPT_DIR") or os.path.abspath("checkpoints")
+        self.ckpt_every = _env_int("STALWART_CKPT_EVERY", 10)
+        self.timeout_s = timeout_s
+        self.cuda = torch.cuda.is_available() and env.get("STALWART_FORCE_CPU") != "1"
+        self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        self._init_process_groups()
+        self._step_t0 = time.time()
+        self._local_grad_norm: float | None = None
+        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _wait_for_activation(self) -> None:
+        """A warm standby: torch is imported; block until the agent hands us our ranks."""
+        self.link.send_now({"type": "standby_ready", "pid": os.getpid()})
+        self._activation.wait()
+        os.environ.update(self._activation_env)
+        os.environ.pop("STALWART_STANDBY", None)
+
+    def _init_process_groups(self) -> None:
+        backend = "nccl" if self.cuda else "gloo"
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.run is not None:
+            # The controller hosts the rendezvous store; a per-run prefix means a restart never
+            # reads the addresses of an earlier run (pytorch#135712).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  self.world_size, is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"stalwart/run{self.run}/", store)
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+        elif self.world_size > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, init_method="env://", rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        self.groups: dict[str, Any] = {}
+        self.group_ranks: dict[str, tuple[int, ...]] = {}
+        for kind in GROUP_KINDS:
+            for ranks in self.topology.groups(kind):  # every rank creates every group, same order
+                pg = dist.new_group(list(ranks), timeout=timeout)
+                if self.rank in ranks:
+                    self.groups[kind] = pg
+                    self.group_ranks[kind] = tuple(ranks)
+
+    def _on_agent_message(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "activate":
+            self._activation_env = {k: str(v) for k, v in msg["env"].items()}
+            self._activation.set()
+        elif kind == "chaos":
+            self._chaos[msg["kind"]] = msg
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self) -> tuple[int, Any]:
+        """(first step to run, state to load) — (0, None) on a fresh start.
+
+        Under stalwart the controller names the step to restore (STALWART_RESTORE_STEP); under a
+        plain launcher the newest complete durable checkpoint is used.
+        """
+        step = _env_int("STALWART_RESTORE_STEP", None)
+        if step is None and self.run is None:
+            steps = durable.complete_steps(self.ckpt_dir, self.world_size)
+            step = steps[-1] if steps else -1
+        if step is None or step < 0:
+            return 0, None
+        state = durable.load(self.ckpt_dir, step, self.rank)
+        self.link.send({"type": "restored", "rank": self.rank, "step": step, "tier": "durable"})
+        return step + 1, state
+
+    # -- per-step hooks ----------------------------------------------------------------------
+    def chaos_active(self, kind: str, step: int) -> bool:
+        """True when chaos of `kind` was armed on this worker and applies from `step` on."""
+        c = self._chaos.get(kind)
+        return c is not None and step >= int(c.get("from_step", 0))
+
+    def begin_step(self, step: int) -> None:
+        """Call at the start of every step."""
+        self._step_t0 = time.time()
+
+    def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
+        """Call after backward and before the data-parallel reduction of the gradients."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.chaos_active("nan", step):
+            for g in grads:
+                g.fill_(float("nan"))
+        sq = sum(float(g.detach().float().pow(2).sum()) for g in grads)
+        self._local_grad_norm = sq ** 0.5
+
+    def report(self, step: int, loss: float | None = None, grad_norm: float | None = None,
+               tokens: int | None = None, **extra: float) -> None:
+        """Report step metrics (sent to the agent off the training thread)."""
+        now = time.time()
+        msg = {"type": "step", "rank": self.rank, "step": step, "t": now, "dur": now - self._step_t0,
+               "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
+               "local_grad_norm": self._local_grad_norm}
+        msg.update(extra)
+        self.link.send(msg)
+
+    def checkpoint(self, state: Any, step: int) -> None:
+        """Checkpoint the state reached after `step`; durable every `ckpt_every` steps."""
+        last = self.steps is not None and step + 1 >= self.steps
+        if (step + 1) % self.ckpt_every == 0 or last:
+            meta = durable.save(self.ckpt_dir, step, self.rank, state, layout=self.topology_dict())
+            self.link.send({"type": "ckpt", "rank": self.rank, "step": step, "tier": "durable",
+                            "location": durable.shard_paths(self.ckpt_dir, step, self.rank)[0],
+                            "checksum": meta["crc32"]})
+
+    def topology_dict(self) -> dict:
+        t = self.topology
+        return {"tp": t.tp, "pp": t.pp, "dp": t.dp, "cp": t.cp, "ep": t.ep,
+                "machines": t.machines, "gpus_per_machine": t.gpus_per_machine}
+
+    def log(self, text: str) -> None:
+        print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        """Flush metrics and leave the process groups; call once at the end of training."""
+        self.link.send_now({"type": "done", "rank": self.rank})
+        self.link.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
