@@ -1,0 +1,199 @@
+"""Peer-similarity detection of a faulty machine (Minder-style, papers.md §2.1).
+
+Under 3D parallelism the healthy machines of one job show near-identical
+second-level metric patterns; a faulty machine is the one that stays dissimilar
+to its peers (similarity) for minutes (continuity).  This module is pure numpy /
+scipy: no model is trained (Minder's per-metric LSTM-VAE denoiser is replaced by
+the raw min-max-normalized window).
+
+Algorithm, per call of :func:`detect`:
+
+1. align: every machine's array is cut to the shortest length and NaN gaps are
+   filled with the nearest valid sample of the same machine and metric;
+2. min-max normalize each metric across all machines over the data up to
+   ``now_index``;
+3. slide a window (default 8 samples); for each metric, in the order given
+   (priority order, most fault-sensitive first), each machine's window is a
+   vector, its score is the summed Euclidean distance to every other machine
+   divided by the cluster size minus one;
+4. the machine with the maximal score is the window's candidate when that score
+   is an outlier: ``z = (max - mean(rest)) / std(rest) > z_threshold`` (default
+   3; ``std(rest)`` is floored at ``min_std`` so a perfectly flat peer set does
+   not divide by zero) AND it stands clear of its peers in absolute terms:
+   ``max - mean(rest) >= min_gap`` (default 0.2 in normalized units).  The z-score
+   alone is not enough: among 8 machines carrying only sampling noise, the
+   noisiest one has z > 3 in most windows.  The first metric (in priority order)
+   that yields a candidate decides the window.
+
+:class:`Continuity` then turns per-window candidates into a suspect only when the
+same machine stays the candidate for ``continuity_s`` (Minder: 4 minutes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+from scipy.spatial.distance import cdist
+
+DEFAULT_WINDOW = 8
+DEFAULT_Z = 3.0
+DEFAULT_CONTINUITY_S = 240.0
+DEFAULT_MIN_GAP = 0.2
+
+
+def _fill_nearest(col: np.ndarray) -> np.ndarray:
+    """Fill NaNs in a 1-D array with the nearest valid sample (ties: earlier)."""
+    valid = np.flatnonzero(~np.isnan(col))
+    if valid.size == 0:
+        return np.zeros_like(col)
+    if valid.size == col.size:
+        return col
+    idx = np.arange(col.size)
+    pos = np.clip(np.searchsorted(valid, idx), 1, max(valid.size - 1, 1))
+    if valid.size == 1:
+        return np.full_like(col, col[valid[0]])
+    left, right = valid[pos - 1], valid[pos]
+    nearest = np.where(idx - left <= right - idx, left, right)
+    return col[nearest]
+
+
+def align(series: Mapping[Hashable, np.ndarray], n_metrics: int) -> tuple[list, np.ndarray]:
+    """Stack machines into one array of shape (machines, T, M), gaps filled.
+
+    Raises ValueError on an empty input or an array of the wrong shape.
+    """
+    if len(series) < 3:
+        raise ValueError(f"peer similarity needs at least 3 machines, got {len(series)}")
+    machines = list(series)
+    arrays = []
+    for m in machines:
+        a = np.asarray(series[m], dtype=float)
+        if a.ndim != 2 or a.shape[1] != n_metrics:
+            raise ValueError(f"machine {m!r}: expected shape (T, {n_metrics}), got {a.shape}")
+        arrays.append(a)
+    t = min(a.shape[0] for a in arrays)
+    if t == 0:
+        raise ValueError("peer similarity needs at least one sample per machine")
+    out = np.empty((len(machines), t, n_metrics))
+    for i, a in enumerate(arrays):
+        for j in range(n_metrics):
+            out[i, :, j] = _fill_nearest(a[:t, j].copy())
+    return machines, out
+
+
+def normalize(data: np.ndarray) -> np.ndarray:
+    """Min-max normalize each metric (last axis) across all machines and samples."""
+    lo = data.min(axis=(0, 1), keepdims=True)
+    span = data.max(axis=(0, 1), keepdims=True) - lo
+    span[span == 0] = 1.0
+    return (data - lo) / span
+
+
+def window_scores(windows: np.ndarray) -> np.ndarray:
+    """Per-machine summed Euclidean distance to its peers, divided by (N - 1).
+
+    ``windows`` has shape (machines, window_len).
+    """
+    d = cdist(windows, windows)
+    return d.sum(axis=1) / (windows.shape[0] - 1)
+
+
+def outlier_z(scores: np.ndarray, min_std: float) -> tuple[int, float]:
+    """Index of the max score and its z-score against the other machines."""
+    top = int(np.argmax(scores))
+    rest = np.delete(scores, top)
+    std = max(float(rest.std()), min_std)
+    return top, (float(scores[top]) - float(rest.mean())) / std
+
+
+def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_index: int,
+           window: int = DEFAULT_WINDOW, z_threshold: float = DEFAULT_Z,
+           min_std: float = 1e-3, min_gap: float = DEFAULT_MIN_GAP,
+           start_index: int = 0) -> list[tuple[int, Hashable, float]]:
+    """Per-window candidates ``(t, machine, score)`` for windows ending at t <= now_index.
+
+    ``series`` maps machine -> array (T, len(metrics)), one row per sample; ``t`` is
+    the index of the window's last sample and ``score`` the candidate's distance
+    score on the deciding metric.  Windows without a candidate are absent.
+    """
+    if window < 2:
+        raise ValueError(f"window must be at least 2 samples, got {window}")
+    machines, data = align(series, len(metrics))
+    if not 0 <= now_index < data.shape[1]:
+        raise ValueError(f"now_index {now_index} outside the data (0..{data.shape[1] - 1})")
+    data = normalize(data[:, : now_index + 1, :])
+    found = []
+    for t in range(max(window - 1, start_index), now_index + 1):
+        for j in range(len(metrics)):
+            scores = window_scores(data[:, t - window + 1: t + 1, j])
+            top, z = outlier_z(scores, min_std)
+            gap = float(scores[top]) - float(np.delete(scores, top).mean())
+            if z > z_threshold and gap >= min_gap:
+                found.append((t, machines[top], float(scores[top])))
+                break
+    return found
+
+
+@dataclass
+class Continuity:
+    """Reports a machine that stays the candidate for ``continuity_s`` seconds.
+
+    Feed it one observation per window with :meth:`observe`.  A run of one
+    machine survives windows without any candidate for up to ``grace_s``
+    seconds; another machine becoming the candidate, or a longer gap, ends it.
+    """
+
+    continuity_s: float = DEFAULT_CONTINUITY_S
+    grace_s: float = 10.0
+    machine: Hashable | None = field(default=None, init=False)
+    since: float | None = field(default=None, init=False)
+    last_seen: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.continuity_s <= 0:
+            raise ValueError(f"continuity_s must be positive, got {self.continuity_s}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    def observe(self, now: float, candidate: Hashable | None) -> Hashable | None:
+        """Record this window's candidate (or None); return the suspect, if any."""
+        if self.last_seen is not None and now < self.last_seen:
+            raise ValueError(f"observations must move forward in time ({now} < {self.last_seen})")
+        if candidate is None:
+            if self.machine is not None and now - self.last_seen > self.grace_s:
+                self.machine = self.since = self.last_seen = None
+            return self.suspect()
+        if candidate != self.machine or now - self.last_seen > self.grace_s:
+            self.machine, self.since = candidate, now
+        self.last_seen = now
+        return self.suspect()
+
+    def suspect(self) -> Hashable | None:
+        """The machine whose candidacy has lasted ``continuity_s``, else None."""
+        if self.machine is None or self.last_seen - self.since < self.continuity_s:
+            return None
+        return self.machine
+
+
+def find_suspects(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str],
+                  now_index: int, period_s: float = 1.0,
+                  continuity_s: float = DEFAULT_CONTINUITY_S, grace_s: float = 10.0,
+                  window: int = DEFAULT_WINDOW,
+                  z_threshold: float = DEFAULT_Z) -> list[tuple[int, Hashable]]:
+    """Replay :func:`detect` through :class:`Continuity`: ``[(t, machine)]`` first reports.
+
+    ``t`` is the sample index at which the machine first became a suspect;
+    sample ``i`` is taken to be at ``i * period_s`` seconds.
+    """
+    by_t = {t: m for t, m, _ in detect(series, metrics, now_index, window, z_threshold)}
+    cont = Continuity(continuity_s=continuity_s, grace_s=grace_s)
+    reported: list[tuple[int, Hashable]] = []
+    current = None
+    for t in range(window - 1, now_index + 1):
+        s = cont.observe(t * period_s, by_t.get(t))
+        if s is not None and s != current:
+            reported.append((t, s))
+        current = s
+    return reported
