@@ -1,0 +1,296 @@
+"""The bundled tiny 3D-parallel GPT: ``python -m stalwart.examples.gpt`` (or under torchrun).
+
+Tensor parallelism inside a stage (``model``), a GPipe pipeline across stages (``pipeline``),
+data parallelism across replicas (gradient all-reduce averaged in the DP group), a pure
+per-step batch (``data``). Ranks follow Megatron's ``tp-cp-ep-dp-pp`` order:
+``rank = tp + TP*(dp + DP*pp)``.
+
+With the stalwart worker SDK present it runs through ``stalwart.worker.init`` (metrics,
+in-memory checkpoints, chaos); ``--plain`` uses bare ``torch.distributed`` instead, with
+metrics printed as JSON lines by global rank 0 and optional checkpoints in ``--ckpt-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stalwart.examples.data import VOCAB_SIZE, batch_for
+from stalwart.examples.model import GPTConfig, GPTStage, TPInfo
+from stalwart.examples.pipeline import StageLinks, gpipe_step
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Parse the command line; --tp/--pp/--dp/--steps default to STALWART_TP/PP/DP/STEPS."""
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog="python -m stalwart.examples.gpt", description=__doc__)
+    p.add_argument("--tp", type=int, default=_env_int(env, "STALWART_TP", 1))
+    p.add_argument("--pp", type=int, default=_env_int(env, "STALWART_PP", 1))
+    p.add_argument("--dp", type=int, default=_env_int(env, "STALWART_DP", 0),
+                   help="data-parallel size (default: world_size / (tp*pp))")
+    p.add_argument("--steps", type=int, default=_env_int(env, "STALWART_STEPS", 200))
+    p.add_argument("--seed", type=int, default=None, help="default: the SDK's seed, else 1234")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=256)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--ckpt-every", type=int, default=1, help="0 disables checkpoints")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
+    p.add_argument("--plain", action="store_true",
+                   help="bare torch.distributed instead of the stalwart worker SDK")
+    p.add_argument("--ckpt-dir", default=None, help="--plain only: checkpoint directory")
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "steps", "batch", "micro_batches", "layers", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dp < 0 or args.ckpt_every < 0 or args.lr <= 0:
+        raise ValueError("--dp and --ckpt-every must be >= 0 and --lr > 0")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPTConfig the arguments describe."""
+    return GPTConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_heads=args.heads,
+                     d_ff=args.d_ff, n_layers=args.layers, seq_len=args.seq)
+
+
+def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Every TP, PP and DP group (sorted global ranks) for ``rank = tp + TP*(dp + DP*pp)``."""
+    rank = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731
+    return {
+        "tp": [tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)],
+        "dp": [tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)],
+        "pp": [tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)],
+    }
+
+
+def coords_of(rank: int, tp: int, pp: int, dp: int) -> dict[str, int]:
+    """The (tp, pp, dp) coordinates of a global rank."""
+    if not 0 <= rank < tp * pp * dp:
+        raise ValueError(f"rank {rank} is outside a world of {tp * pp * dp}")
+    return {"tp": rank % tp, "dp": (rank // tp) % dp, "pp": rank // (tp * dp)}
+
+
+@dataclass
+class PlainContext:
+    """The training context over bare torch.distributed (the SDK's surface, no agent).
+
+    Metrics go to ``out`` as JSON lines from global rank 0; checkpoints, if ``ckpt_dir`` is
+    set, are ``torch.save``d per rank and restored on the next start.
+    """
+
+    rank: int
+    world_size: int
+    coords: dict[str, int]
+    groups: dict[str, Any]
+    group_ranks: dict[str, tuple[int, ...]]
+    seed: int = 1234
+    ckpt_dir: str | None = None
+    out: Any = field(default=sys.stdout, repr=False)
+
+    @classmethod
+    def init(cls, tp: int, pp: int, dp: int, timeout_s: float = 60.0,
+             ckpt_dir: str | None = None, env: Mapping[str, str] | None = None
+             ) -> "PlainContext":
+        """Join the job from torchrun's environment (single process when WORLD_SIZE is unset)."""
+        env = os.environ if env is None else env
+        world, rank = _env_int(env, "WORLD_SIZE", 1), _env_int(env, "RANK", 0)
+        dp = dp or max(world // (tp * pp), 1)
+        if tp * pp * dp != world:
+            raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world}")
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        groups: dict[str, Any] = {}
+        mine: dict[str, tuple[int, ...]] = {}
+        for kind, all_groups in megatron_groups(tp, pp, dp).items():
+            for ranks in all_groups:
+                pg = dist.new_group(list(ranks)) if world > 1 else None
+                if rank in ranks:
+                    groups[kind], mine[kind] = pg, ranks
+        return cls(rank, world, coords_of(rank, tp, pp, dp), groups, mine,
+                   ckpt_dir=ckpt_dir)
+
+    def _path(self) -> str:
+        return os.path.join(self.ckpt_dir, f"rank{self.rank}.pt")
+
+    def restore(self) -> tuple[int, dict | None]:
+        """(0, None) on a fresh start, else (step after the checkpoint, the saved state)."""
+        if not self.ckpt_dir or not os.path.exists(self._path()):
+            return 0, None
+        saved = torch.load(self._path(), weights_only=False)
+        return saved["step"] + 1, saved["state"]
+
+    def begin_step(self, step: int) -> None:
+        """Nothing to do without an agent."""
+
+    def on_gradients(self, step: int, params: list[torch.Tensor]) -> None:
+        """Nothing to do without an agent."""
+
+    def report(self, step: int, **metrics: float) -> None:
+        """Print one JSON line per step from global rank 0."""
+        if self.rank == 0:
+            print(json.dumps({"step": step, **metrics}), file=self.out, flush=True)
+
+    def checkpoint(self, state: dict, step: int) -> None:
+        """Save this rank's state atomically when a checkpoint directory is set."""
+        if not self.ckpt_dir:
+            return
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        tmp = self._path() + ".tmp"
+        torch.save({"step": step, "state": state}, tmp)
+        os.replace(tmp, self._path())
+
+    def finish(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def allreduce_mean(params: list[torch.Tensor], group: Any, size: int) -> None:
+    """Average the gradients of ``params`` over a group with one flat all-reduce."""
+    if size == 1:
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_loss_and_norm(stage: GPTStage, local_loss: torch.Tensor | None,
+                         coords: Mapping[str, int], dp: int, world_size: int
+                         ) -> tuple[float, float]:
+    """The global-batch mean loss and the full model's grad norm, known on every rank.
+
+    One world all-reduce of ``[loss, sum of squared grads]``: the loss counts on the last
+    stage's TP rank 0 (divided by dp); squared grads of TP-sharded parameters count on every
+    TP rank, of replicated ones on TP rank 0 only; both only on DP rank 0 for the norm.
+    """
+    sq = torch.zeros((), dtype=torch.float64)
+    if coords["dp"] == 0:
+        for name, p in stage.named_parameters():
+            if p.grad is not None and (coords["tp"] == 0 or stage.is_tp_sharded(name)):
+                sq += p.grad.double().pow(2).sum()
+    loss = torch.zeros((), dtype=torch.float64)
+    if local_loss is not None and coords["tp"] == 0:
+        loss += local_loss.double() / dp
+    vec = torch.stack([loss, sq])
+    if world_size > 1:
+        dist.all_reduce(vec)
+    return float(vec[0]), float(vec[1].sqrt())
+
+
+def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
+    """Train with any context exposing the worker SDK's surface; returns per-step metrics."""
+    torch.set_num_threads(args.threads)
+    tp, pp = args.tp, args.pp
+    dp = ctx.world_size // (tp * pp)
+    if tp * pp * dp != ctx.world_size or (args.dp and args.dp != dp):
+        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{args.dp or dp} does not match world size "
+                         f"{ctx.world_size}")
+    cfg = model_config(args)
+    cfg.validate(tp, pp)
+    if args.batch % (dp * args.micro_batches):
+        raise ValueError(f"--batch {args.batch} is not divisible by dp*micro-batches = "
+                         f"{dp}*{args.micro_batches}")
+    seed = args.seed if args.seed is not None else getattr(ctx, "seed", 1234)
+    c = ctx.coords
+    tp_info = TPInfo(c["tp"], tp, ctx.groups.get("tp") if tp > 1 else None)
+    stage = GPTStage(cfg, seed, tp_info, c["pp"], pp)
+    links = StageLinks.from_ranks(ctx.group_ranks["pp"], c["pp"], ctx.groups.get("pp"))
+    opt = torch.optim.AdamW(stage.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    start, state = ctx.restore()
+    if state is not None:
+        stage.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+    params = list(stage.parameters())
+    history: list[dict[str, float]] = []
+    t_first = None
+    for step in range(start, args.steps):
+        ctx.begin_step(step)
+        t0 = time.perf_counter()
+        x, y = batch_for(seed, step, c["dp"], dp, args.batch, cfg.seq_len)
+        opt.zero_grad(set_to_none=False)
+        local_loss = gpipe_step(stage, x, y, args.micro_batches, links)
+        ctx.on_gradients(step, params)
+        allreduce_mean(params, ctx.groups.get("dp"), dp)
+        loss, gnorm = global_loss_and_norm(stage, local_loss, c, dp, ctx.world_size)
+        opt.step()
+        t1 = time.perf_counter()
+        metrics = {"loss": loss, "grad_norm": gnorm, "tokens": args.batch * cfg.seq_len}
+        ctx.report(step, **metrics)
+        history.append({"step": step, **metrics, "step_time": t1 - t0})
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            ctx.checkpoint({"model": stage.state_dict(), "optim": opt.state_dict(),
+                            "seed": seed}, step)
+        if t_first is None:
+            t_first = time.perf_counter()
+    if len(history) > 1 and ctx.rank == 0:
+        rate = (len(history) - 1) / (time.perf_counter() - t_first)
+        print(json.dumps({"event": "done", "steps_per_s": round(rate, 2), "tp": tp, "pp": pp,
+                          "dp": dp, "final_loss": history[-1]["loss"]}), flush=True)
+    return history
+
+
+def _sdk_init():
+    """``stalwart.worker.init`` if the SDK provides it, else None."""
+    try:
+        from stalwart import worker
+    except ImportError:
+        return None
+    return getattr(worker, "init", None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse arguments, join the job, train, leave."""
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    init = None if args.plain else _sdk_init()
+    if init is not None:
+        ctx = init(tp=args.tp, pp=args.pp, dp=args.dp or None, timeout_s=args.timeout)
+    else:
+        ctx = PlainContext.init(args.tp, args.pp, args.dp, args.timeout, args.ckpt_dir)
+    try:
+        train(ctx, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        ctx.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

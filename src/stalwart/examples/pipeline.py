@@ -1,0 +1,91 @@
+"""GPipe schedule for the example: all forwards, then all backwards, over micro-batches.
+
+Stages exchange activations forward and activation gradients backward with blocking
+``dist.send`` / ``dist.recv`` in the PP group (peers named by global rank). Every stage runs
+the micro-batches in the same order, so the chain of sends never forms a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stalwart.examples.model import GPTStage
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """Where this stage sits in its pipeline: neighbour global ranks (None at the ends)."""
+
+    pp_rank: int = 0
+    pp_size: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    group: object = None
+
+    @classmethod
+    def from_ranks(cls, pp_ranks: tuple[int, ...] | list[int], pp_rank: int,
+                   group: object = None) -> "StageLinks":
+        """Links for stage ``pp_rank`` of a pipeline whose global ranks are ``pp_ranks``."""
+        n = len(pp_ranks)
+        if not 0 <= pp_rank < n:
+            raise ValueError(f"pp_rank {pp_rank} is not a stage of a pipeline of {n}")
+        return cls(pp_rank, n, pp_ranks[pp_rank - 1] if pp_rank > 0 else None,
+                   pp_ranks[pp_rank + 1] if pp_rank < n - 1 else None, group)
+
+
+def split_micro(t: torch.Tensor, micro_batches: int) -> list[torch.Tensor]:
+    """Split a local batch along dim 0 into ``micro_batches`` equal pieces."""
+    if micro_batches < 1 or t.shape[0] % micro_batches:
+        raise ValueError(f"local batch {t.shape[0]} is not divisible into "
+                         f"{micro_batches} micro-batches")
+    return list(t.chunk(micro_batches, dim=0))
+
+
+def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
+               micro_batches: int, links: StageLinks) -> torch.Tensor | None:
+    """Run forward and backward of one local batch through the pipeline; grads accumulate.
+
+    Returns the mean cross-entropy over the local batch (a detached scalar) on the last
+    stage and None elsewhere. Each micro-batch loss is scaled by ``1/micro_batches`` before
+    backward, so the accumulated gradient is that of the local-batch mean.
+    """
+    xs = split_micro(inputs, micro_batches)
+    ys = split_micro(targets, micro_batches)
+    first, last = links.prev_rank is None, links.next_rank is None
+    b, t = xs[0].shape
+    act_shape = (b, t, stage.cfg.d_model)
+    stage_inputs: list[torch.Tensor | None] = []
+    outputs: list[torch.Tensor] = []
+    total = torch.zeros(())
+    for m in range(micro_batches):
+        if first:
+            x = xs[m]
+        else:
+            x = torch.empty(act_shape)
+            dist.recv(x, src=links.prev_rank, group=links.group)
+            x.requires_grad_(True)
+        out = stage(x)
+        if last:
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), ys[m].reshape(-1))
+            loss = loss / micro_batches
+            total += loss.detach()
+            outputs.append(loss)
+        else:
+            dist.send(out.detach().contiguous(), dst=links.next_rank, group=links.group)
+            outputs.append(out)
+        stage_inputs.append(None if first else x)
+    for m in range(micro_batches):
+        if last:
+            outputs[m].backward()
+        else:
+            grad = torch.empty(act_shape)
+            dist.recv(grad, src=links.next_rank, group=links.group)
+            outputs[m].backward(grad)
+        if not first:
+            x = stage_inputs[m]
+            dist.send(x.grad.contiguous(), dst=links.prev_rank, group=links.group)
+    return total if last else None
