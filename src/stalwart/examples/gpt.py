@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from stalwart.examples.data import VOCAB_SIZE, batch_for
 from stalwart.examples.model import GPTConfig, GPTStage, TPInfo
 from stalwart.examples.pipeline import StageLinks, gpipe_step
+from stalwart.topology import Topology
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -60,6 +61,8 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ckpt-every", type=int, default=1, help="0 disables checkpoints")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="global rank 0 prints metrics every N steps (0: only the summary)")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--plain", action="store_true",
                    help="bare torch.distributed instead of the stalwart worker SDK")
@@ -68,8 +71,8 @@ def parse_args(argv: Sequence[str] | None = None,
     for name in ("tp", "pp", "steps", "batch", "micro_batches", "layers", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.dp < 0 or args.ckpt_every < 0 or args.lr <= 0:
-        raise ValueError("--dp and --ckpt-every must be >= 0 and --lr > 0")
+    if args.dp < 0 or args.ckpt_every < 0 or args.log_every < 0 or args.lr <= 0:
+        raise ValueError("--dp, --ckpt-every and --log-every must be >= 0 and --lr > 0")
     return args
 
 
@@ -79,29 +82,12 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
                      d_ff=args.d_ff, n_layers=args.layers, seq_len=args.seq)
 
 
-def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
-    """Every TP, PP and DP group (sorted global ranks) for ``rank = tp + TP*(dp + DP*pp)``."""
-    rank = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731
-    return {
-        "tp": [tuple(rank(t, d, p) for t in range(tp)) for p in range(pp) for d in range(dp)],
-        "dp": [tuple(rank(t, d, p) for d in range(dp)) for p in range(pp) for t in range(tp)],
-        "pp": [tuple(rank(t, d, p) for p in range(pp)) for d in range(dp) for t in range(tp)],
-    }
-
-
-def coords_of(rank: int, tp: int, pp: int, dp: int) -> dict[str, int]:
-    """The (tp, pp, dp) coordinates of a global rank."""
-    if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} is outside a world of {tp * pp * dp}")
-    return {"tp": rank % tp, "dp": (rank // tp) % dp, "pp": rank // (tp * dp)}
-
-
 @dataclass
 class PlainContext:
     """The training context over bare torch.distributed (the SDK's surface, no agent).
 
-    Metrics go to ``out`` as JSON lines from global rank 0; checkpoints, if ``ckpt_dir`` is
-    set, are ``torch.save``d per rank and restored on the next start.
+    Checkpoints, if ``ckpt_dir`` is set, are ``torch.save``d per rank and restored on the next
+    start; without it nothing is saved and every start is fresh.
     """
 
     rank: int
@@ -111,7 +97,6 @@ class PlainContext:
     group_ranks: dict[str, tuple[int, ...]]
     seed: int = 1234
     ckpt_dir: str | None = None
-    out: Any = field(default=sys.stdout, repr=False)
 
     @classmethod
     def init(cls, tp: int, pp: int, dp: int, timeout_s: float = 60.0,
@@ -125,15 +110,16 @@ class PlainContext:
             raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world}")
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        topo = Topology(1, world, tp=tp, pp=pp, dp=dp)
         groups: dict[str, Any] = {}
         mine: dict[str, tuple[int, ...]] = {}
-        for kind, all_groups in megatron_groups(tp, pp, dp).items():
-            for ranks in all_groups:
-                pg = dist.new_group(list(ranks)) if world > 1 else None
+        for kind in ("tp", "dp", "pp"):
+            for ranks in topo.groups(kind):  # every rank creates every group, same order
+                pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s)) \
+                    if world > 1 else None
                 if rank in ranks:
                     groups[kind], mine[kind] = pg, ranks
-        return cls(rank, world, coords_of(rank, tp, pp, dp), groups, mine,
-                   ckpt_dir=ckpt_dir)
+        return cls(rank, world, topo.coords(rank), groups, mine, ckpt_dir=ckpt_dir)
 
     def _path(self) -> str:
         return os.path.join(self.ckpt_dir, f"rank{self.rank}.pt")
@@ -152,9 +138,7 @@ class PlainContext:
         """Nothing to do without an agent."""
 
     def report(self, step: int, **metrics: float) -> None:
-        """Print one JSON line per step from global rank 0."""
-        if self.rank == 0:
-            print(json.dumps({"step": step, **metrics}), file=self.out, flush=True)
+        """Nothing to report to without an agent (``train`` prints the metrics itself)."""
 
     def checkpoint(self, state: dict, step: int) -> None:
         """Save this rank's state atomically when a checkpoint directory is set."""
@@ -194,12 +178,13 @@ def global_loss_and_norm(stage: GPTStage, local_loss: torch.Tensor | None,
     stage's TP rank 0 (divided by dp); squared grads of TP-sharded parameters count on every
     TP rank, of replicated ones on TP rank 0 only; both only on DP rank 0 for the norm.
     """
-    sq = torch.zeros((), dtype=torch.float64)
+    device = next(stage.parameters()).device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     if coords["dp"] == 0:
         for name, p in stage.named_parameters():
             if p.grad is not None and (coords["tp"] == 0 or stage.is_tp_sharded(name)):
                 sq += p.grad.double().pow(2).sum()
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     if local_loss is not None and coords["tp"] == 0:
         loss += local_loss.double() / dp
     vec = torch.stack([loss, sq])
@@ -224,13 +209,14 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
     seed = args.seed if args.seed is not None else getattr(ctx, "seed", 1234)
     c = ctx.coords
     tp_info = TPInfo(c["tp"], tp, ctx.groups.get("tp") if tp > 1 else None)
-    stage = GPTStage(cfg, seed, tp_info, c["pp"], pp)
+    device = torch.device(getattr(ctx, "device", "cpu"))
+    stage = GPTStage(cfg, seed, tp_info, c["pp"], pp).to(device)
     links = StageLinks.from_ranks(ctx.group_ranks["pp"], c["pp"], ctx.groups.get("pp"))
     opt = torch.optim.AdamW(stage.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     start, state = ctx.restore()
     if state is not None:
-        stage.load_state_dict(state["model"])
+        stage.load_state_dict(state["model"])  # tensors land on the stage's device
         opt.load_state_dict(state["optim"])
     params = list(stage.parameters())
     history: list[dict[str, float]] = []
@@ -239,6 +225,7 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         ctx.begin_step(step)
         t0 = time.perf_counter()
         x, y = batch_for(seed, step, c["dp"], dp, args.batch, cfg.seq_len)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=False)
         local_loss = gpipe_step(stage, x, y, args.micro_batches, links)
         ctx.on_gradients(step, params)
@@ -248,6 +235,8 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         t1 = time.perf_counter()
         metrics = {"loss": loss, "grad_norm": gnorm, "tokens": args.batch * cfg.seq_len}
         ctx.report(step, **metrics)
+        if ctx.rank == 0 and args.log_every and step % args.log_every == 0:
+            print(json.dumps({"step": step, **metrics}), flush=True)
         history.append({"step": step, **metrics, "step_time": t1 - t0})
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             ctx.checkpoint({"model": stage.state_dict(), "optim": opt.state_dict(),
@@ -271,24 +260,22 @@ def _sdk_init():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse arguments, join the job, train, leave."""
+    """Entry point: parse arguments, join the job, train, leave. Bad input exits with 2."""
+    ctx = None
     try:
         args = parse_args(argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    init = None if args.plain else _sdk_init()
-    if init is not None:
-        ctx = init(tp=args.tp, pp=args.pp, dp=args.dp or None, timeout_s=args.timeout)
-    else:
-        ctx = PlainContext.init(args.tp, args.pp, args.dp, args.timeout, args.ckpt_dir)
-    try:
+        init = None if args.plain else _sdk_init()
+        if init is not None:
+            ctx = init(tp=args.tp, pp=args.pp, dp=args.dp or None, timeout_s=args.timeout)
+        else:
+            ctx = PlainContext.init(args.tp, args.pp, args.dp, args.timeout, args.ckpt_dir)
         train(ctx, args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        ctx.finish()
+        if ctx is not None:
+            ctx.finish()
     return 0
 
 

@@ -58,14 +58,15 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
     first, last = links.prev_rank is None, links.next_rank is None
     b, t = xs[0].shape
     act_shape = (b, t, stage.cfg.d_model)
+    device = inputs.device
     stage_inputs: list[torch.Tensor | None] = []
     outputs: list[torch.Tensor] = []
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for m in range(micro_batches):
         if first:
             x = xs[m]
         else:
-            x = torch.empty(act_shape)
+            x = torch.empty(act_shape, device=device)
             dist.recv(x, src=links.prev_rank, group=links.group)
             x.requires_grad_(True)
         out = stage(x)
@@ -82,7 +83,7 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
         if last:
             outputs[m].backward()
         else:
-            grad = torch.empty(act_shape)
+            grad = torch.empty(act_shape, device=device)
             dist.recv(grad, src=links.next_rank, group=links.group)
             outputs[m].backward(grad)
         if not first:
