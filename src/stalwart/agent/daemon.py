@@ -1,0 +1,294 @@
+"""The agent: owns one machine. Registers, heartbeats, obeys commands, reports everything.
+
+Threads: heartbeat (every `heartbeat_s`), command long-poll, event sender, the local socket server
+for the workers (one reader per worker), and one exit watcher per worker. The agent makes no
+job-level decision; it reports and obeys, and it re-registers when the controller comes back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+
+from stalwart.agent.workers import Worker, WorkerSet, kill_tree
+from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.jsonlines import JsonLineSocket
+
+log = logging.getLogger("stalwart.agent")
+
+FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
+
+
+class Agent:
+    def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
+                 gpus: int = 1, heartbeat_s: float = 1.0):
+        self.client = Client(controller_url, timeout=10)
+        self.machine_id = machine_id
+        self.workdir = os.path.abspath(workdir)
+        self.address = address
+        self.gpus = gpus
+        self.heartbeat_s = heartbeat_s
+        os.makedirs(self.workdir, exist_ok=True)
+        self.sock_path = os.path.join(self.workdir, "agent.sock")
+        self.simgpu_path = os.path.join(self.workdir, "simgpu.json")
+        self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
+        self._events: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
+        self._standby_ready: list[int] = []              # pids of warm workers at the barrier
+        self._lock = threading.Lock()
+        self._run: int | None = None
+        self.registered = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        self._start_socket_server()
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
+                             (self._sender_loop, "events")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        self._stop.wait()
+        self.workers.stop()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    def _register(self) -> None:
+        info = {"address": self.address, "gpus": self.gpus, "hostname": socket.gethostname(),
+                "pid": os.getpid(), "workdir": self.workdir, "running_run": self._run,
+                "workers": self.workers.pids()}
+        reply = self.client.post(f"/api/agents/{self.machine_id}/register", info)
+        self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
+        self.registered.set()
+        log.info("registered with the controller as %s (%s)", self.machine_id, reply.get("role"))
+
+    def _ensure_registered(self) -> bool:
+        if self.registered.is_set():
+            return True
+        try:
+            self._register()
+            return True
+        except (ControllerUnreachable, ApiError) as e:
+            log.warning("%s; retrying", e)
+            return False
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._ensure_registered():
+                try:
+                    reply = self.client.post(f"/api/agents/{self.machine_id}/heartbeat",
+                                             {"t": time.time(), "workers": self.workers.pids()},
+                                             timeout=max(2.0, 3 * self.heartbeat_s))
+                    if reply.get("reregister"):
+                        self.registered.clear()
+                except ControllerUnreachable:
+                    self.registered.clear()
+                except ApiError as e:
+                    log.warning("heartbeat refused: %s", e)
+                    self.registered.clear()
+            self._stop.wait(self.heartbeat_s)
+
+    def _command_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.registered.wait(0.5):
+                continue
+            try:
+                reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait=5", timeout=15)
+            except (ControllerUnreachable, ApiError):
+                self.registered.clear()
+                self._stop.wait(0.2)
+                continue
+            for cmd in reply.get("commands", []):
+                try:
+                    self._execute(cmd)
+                except Exception as e:  # report, never die on one bad command
+                    log.exception("command %s failed", cmd.get("type"))
+                    self.emit({"type": "command_failed", "command": cmd.get("type"), "error": str(e)})
+
+    def _sender_loop(self) -> None:
+        while not self._stop.is_set():
+            batch = [self._events.get()]
+            while True:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            while not self._stop.is_set():
+                try:
+                    self.client.post(f"/api/agents/{self.machine_id}/events", {"events": batch})
+                    break
+                except (ControllerUnreachable, ApiError):
+                    self._stop.wait(0.2)
+
+    def emit(self, event: dict) -> None:
+        event.setdefault("t", time.time())
+        event["machine"] = self.machine_id
+        self._events.put(event)
+
+    # -- the workers' local socket -----------------------------------------------------------------
+    def _start_socket_server(self) -> None:
+        if os.path.exists(self.sock_path):
+            os.unlink(self.sock_path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(self.sock_path)
+        srv.listen(64)
+        threading.Thread(target=self._accept_loop, args=(srv,), daemon=True, name="sock").start()
+
+    def _accept_loop(self, srv: socket.socket) -> None:
+        while not self._stop.is_set():
+            conn, _ = srv.accept()
+            pid = socket_peer_pid(conn)
+            jl = JsonLineSocket(conn)
+            with self._lock:
+                self._conns[pid] = jl
+            threading.Thread(target=self._reader, args=(pid, jl), daemon=True).start()
+
+    def _reader(self, pid: int, jl: JsonLineSocket) -> None:
+        while True:
+            try:
+                msg = jl.recv()
+            except (OSError, ValueError):
+                msg = None
+            if msg is None:
+                with self._lock:
+                    self._conns.pop(pid, None)
+                return
+            kind = msg.get("type")
+            if kind == "standby_ready":
+                with self._lock:
+                    self._standby_ready.append(pid)
+            if kind in FORWARDED:
+                msg["run"] = self._run
+                self.emit(msg)
+
+    # -- commands -----------------------------------------------------------------------------
+    def _execute(self, cmd: dict) -> None:
+        kind = cmd["type"]
+        if kind == "start":
+            self._start(cmd)
+        elif kind == "prewarm":
+            self._prewarm(cmd)
+        elif kind == "activate":
+            self._activate(cmd)
+        elif kind == "stop":
+            self._stop_workers(cmd.get("run"), float(cmd.get("grace_s", 0.0)))
+        elif kind == "chaos":
+            self._chaos(cmd)
+        elif kind == "shutdown":
+            self.workers.stop()
+            self.shutdown()
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    def _base_env(self, cmd: dict) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in cmd.get("env", {}).items()})
+        env["STALWART_AGENT_SOCK"] = self.sock_path
+        env["STALWART_SIMGPU"] = self.simgpu_path
+        env["STALWART_MACHINE"] = self.machine_id
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _start(self, cmd: dict) -> None:
+        self.workers.stop()
+        self._run = cmd["run"]
+        base = self._base_env(cmd)
+        envs, ranks = [], []
+        for w in cmd["workers"]:
+            env = dict(base)
+            env.update({k: str(v) for k, v in w["env"].items()})
+            envs.append(env)
+            ranks.append(w["rank"])
+        self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}")
+        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids()})
+
+    def _prewarm(self, cmd: dict) -> None:
+        self.workers.stop()
+        with self._lock:
+            self._standby_ready.clear()
+        base = self._base_env(cmd)
+        base["STALWART_STANDBY"] = "1"
+        n = int(cmd.get("count", self.gpus))
+        self.workers.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
+                           [None] * n, None, cmd.get("cwd"), f"standby{int(time.time())}")
+        self.emit({"type": "prewarmed", "pids": self.workers.pids()})
+
+    def _activate(self, cmd: dict) -> None:
+        """Hand the ranks to the warm workers; fall back to a cold start if they are not ready."""
+        deadline = time.time() + float(cmd.get("wait_s", 30))
+        n = len(cmd["workers"])
+        while time.time() < deadline:
+            with self._lock:
+                ready = [p for p in self._standby_ready if p in self._conns]
+            if len(ready) >= n:
+                break
+            time.sleep(0.02)
+        else:
+            log.warning("warm workers not ready; starting cold")
+            self._start(cmd)
+            return
+        self._run = cmd["run"]
+        by_pid = {w.proc.pid: w for w in self.workers.workers}
+        ordered = sorted(ready[:n], key=lambda p: by_pid[p].local_rank if p in by_pid else 0)
+        ranks = []
+        for pid, w in zip(ordered, cmd["workers"]):
+            env = {k: str(v) for k, v in cmd.get("env", {}).items()}
+            env.update({k: str(v) for k, v in w["env"].items()})
+            with self._lock:
+                conn = self._conns[pid]
+                self._standby_ready.remove(pid)
+            conn.send({"type": "activate", "env": env})
+            ranks.append((by_pid[pid].local_rank, w["rank"]))
+        for local, rank in ranks:
+            self.workers.workers[local].rank = rank
+            self.workers.workers[local].run = self._run
+        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": True})
+
+    def _stop_workers(self, run: int | None, grace_s: float) -> None:
+        self.workers.stop(grace_s)
+        self.emit({"type": "stopped", "run": run})
+
+    def _chaos(self, cmd: dict) -> None:
+        kind = cmd["kind"]
+        if kind == "crash":
+            w = self._chaos_target(cmd)
+            os.kill(w.proc.pid, signal.SIGKILL)
+        elif kind == "machine-down":
+            for pid in self.workers.pids():
+                kill_tree(pid)
+            os._exit(137)
+        else:
+            w = self._chaos_target(cmd)
+            with self._lock:
+                conn = self._conns.get(w.proc.pid)
+            if conn is None:
+                raise RuntimeError(f"rank {w.rank} has no SDK link; {kind} needs the worker SDK")
+            conn.send({"type": "chaos", **cmd})
+        self.emit({"type": "chaos_applied", "kind": kind, "rank": cmd.get("rank"),
+                   "injected_at": time.time()})
+
+    def _chaos_target(self, cmd: dict) -> Worker:
+        rank = cmd.get("rank")
+        live = [w for w in self.workers.workers if w.proc.poll() is None]
+        w = next((w for w in live if w.rank == rank), None) if rank is not None else \
+            (live[0] if live else None)
+        if w is None:
+            raise RuntimeError(f"no live worker for rank {rank} on {self.machine_id}")
+        return w
+
+    # -- worker exits ----------------------------------------------------------------------------
+    def _on_worker_exit(self, w: Worker) -> None:
+        code = w.exit_code
+        sig = -code if code is not None and code < 0 else None
+        self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
+                   "code": code, "signal": sig, "expected": w.expected_exit,
+                   "log_tail": "" if w.expected_exit else w.log_tail(), "pid": w.proc.pid})
+
+
+def socket_peer_pid(conn: socket.socket) -> int:
+    import struct
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]

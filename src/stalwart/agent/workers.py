@@ -1,0 +1,148 @@
+"""Worker processes of one machine: spawn with a torchrun-compatible environment, watch, kill.
+
+Each worker runs in its own session (so its whole tree can be signalled), writes stdout and stderr
+to its own files, and has a watcher thread that reports its exit code or signal the moment it ends.
+Stopping kills the whole process tree, stopped and frozen processes included: SIGCONT first, then
+SIGKILL after a short grace — never a 30 s wait.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+
+def tail(path: str, nbytes: int = 8192) -> str:
+    """The last `nbytes` of a text file ('' if missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (children first found through /proc)."""
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, grace_s: float = 0.0) -> None:
+    """Kill a process and every descendant, also when stopped (SIGSTOP) or frozen."""
+    procs = process_tree(pid)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)
+            if grace_s > 0:
+                p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    if grace_s > 0:
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        procs = alive
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    rank: int | None
+    proc: subprocess.Popen
+    out_path: str
+    err_path: str
+    run: int | None
+    started_at: float = field(default_factory=time.time)
+    exit_code: int | None = None
+    expected_exit: bool = False
+
+    def log_tail(self, nbytes: int = 8192) -> str:
+        return tail(self.err_path, nbytes) + tail(self.out_path, nbytes // 4)
+
+
+class WorkerSet:
+    """The workers of one machine for the current run (or the warm standbys waiting for one)."""
+
+    def __init__(self, log_dir: str, on_exit: Callable[[Worker], None]):
+        self.log_dir = log_dir
+        self.on_exit = on_exit
+        self.workers: list[Worker] = []
+        self._lock = threading.Lock()
+
+    def spawn(self, command: list[str], envs: list[dict[str, str]], ranks: list[int | None],
+              run: int | None, cwd: str | None, tag: str, prefix: list[str] | None = None) -> None:
+        """Start one process per entry of `envs` (each a complete environment)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        with self._lock:
+            for i, (env, rank) in enumerate(zip(envs, ranks)):
+                name = f"{tag}_rank{rank}" if rank is not None else f"{tag}_local{i}"
+                out_path = os.path.join(self.log_dir, f"{name}.out")
+                err_path = os.path.join(self.log_dir, f"{name}.err")
+                with open(out_path, "ab") as out, open(err_path, "ab") as err:
+                    proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
+                                            stderr=err, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+                w = Worker(local_rank=i, rank=rank, proc=proc, out_path=out_path, err_path=err_path,
+                           run=run)
+                self.workers.append(w)
+                threading.Thread(target=self._watch, args=(w,), daemon=True,
+                                 name=f"watch-{name}").start()
+
+    def _watch(self, w: Worker) -> None:
+        code = w.proc.wait()
+        w.exit_code = code
+        self.on_exit(w)
+
+    def assign(self, ranks: list[int], run: int) -> None:
+        """Warm standbys got their ranks: record them (logs keep their standby names)."""
+        with self._lock:
+            for w, r in zip(self.workers, ranks):
+                w.rank, w.run = r, run
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.proc.poll() is None]
+
+    def all_pids(self) -> list[int]:
+        """Every live process of every worker's tree (for stacks, cgroups, chaos)."""
+        out = []
+        for pid in self.pids():
+            out.extend(p.pid for p in process_tree(pid))
+        return out
+
+    def by_rank(self, rank: int) -> Worker | None:
+        return next((w for w in self.workers if w.rank == rank), None)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Kill every worker's tree and forget them."""
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            w.expected_exit = True
+        threads = []
+        for w in workers:
+            t = threading.Thread(target=kill_tree, args=(w.proc.pid, grace_s), daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        for w in workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass

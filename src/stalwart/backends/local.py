@@ -1,0 +1,148 @@
+"""The embedded default backend: a controller and one agent per machine, all on this host.
+
+Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). Every process is
+started in its own session and recorded in `<state_dir>/pids.json`, so `stalwart cleanup` (and the
+next start) can remove what a crashed `stalwart run` left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from stalwart.agent.workers import kill_tree
+from stalwart.client import Client, ControllerUnreachable
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "stalwart.cli"]
+
+
+class LocalCluster:
+    def __init__(self, state_dir: str, machines: int, gpus_per_machine: int,
+                 heartbeat_s: float = 1.0, missed_beats: int = 3, db_url: str | None = None,
+                 log_level: str = "INFO"):
+        self.state_dir = os.path.abspath(state_dir)
+        self.n = machines
+        self.gpus = gpus_per_machine
+        self.heartbeat_s = heartbeat_s
+        self.missed_beats = missed_beats
+        self.db_url = db_url or f"sqlite:///{os.path.join(self.state_dir, 'stalwart.db')}"
+        self.log_level = log_level
+        self.controller: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.url: str | None = None
+
+    # -- processes ------------------------------------------------------------------------------
+    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
+        os.makedirs(os.path.join(self.state_dir, "logs"), exist_ok=True)
+        with open(os.path.join(self.state_dir, "logs", log_name), "ab") as out:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=env)
+        self._record_pids()
+        return p
+
+    def _record_pids(self) -> None:
+        pids = ([self.controller.pid] if self.controller else []) + [p.pid for p in self.agents.values()]
+        with open(os.path.join(self.state_dir, "pids.json"), "w") as f:
+            json.dump(pids, f)
+
+    def start(self, timeout: float = 60.0) -> str:
+        os.makedirs(self.state_dir, exist_ok=True)
+        cleanup_stale(self.state_dir)
+        port_file = os.path.join(self.state_dir, "controller.port")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+        self.controller = self._spawn(
+            _python() + ["controller", "--db", self.db_url, "--listen", "127.0.0.1:0",
+                         "--state-dir", self.state_dir, "--port-file", port_file,
+                         "--heartbeat", str(self.heartbeat_s), "--missed-beats", str(self.missed_beats),
+                         "--log-level", self.log_level], "controller.log")
+        deadline = time.time() + timeout
+        while not os.path.exists(port_file):
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"the controller exited at start (code {self.controller.returncode});"
+                                   f" see {self.state_dir}/logs/controller.log")
+            if time.time() > deadline:
+                raise RuntimeError("the controller did not start within %.0fs" % timeout)
+            time.sleep(0.05)
+        with open(port_file) as f:
+            self.url = f"http://127.0.0.1:{int(f.read().strip())}"
+        with open(os.path.join(self.state_dir, "controller.json"), "w") as f:
+            json.dump({"url": self.url, "pid": self.controller.pid}, f)
+        for i in range(self.n):
+            self.start_agent(f"m{i}")
+        self.wait_registered(timeout)
+        return self.url
+
+    def start_agent(self, machine: str) -> None:
+        self.agents[machine] = self._spawn(
+            _python() + ["agent", "--controller", self.url, "--machine-id", machine,
+                         "--workdir", os.path.join(self.state_dir, "machines", machine),
+                         "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s),
+                         "--log-level", self.log_level], f"agent-{machine}.log")
+
+    def wait_registered(self, timeout: float) -> None:
+        client = Client(self.url)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                alive = {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
+            except ControllerUnreachable:
+                alive = set()
+            if set(self.agents) <= alive:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"machines did not register within {timeout:.0f}s; see "
+                           f"{self.state_dir}/logs/agent-*.log")
+
+    def stop(self) -> None:
+        """Stop every process this cluster started (agents with their workers, then the controller)."""
+        for p in list(self.agents.values()):
+            kill_tree(p.pid)
+        if self.controller is not None:
+            kill_tree(self.controller.pid, grace_s=3.0)
+        for p in list(self.agents.values()) + ([self.controller] if self.controller else []):
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.agents.clear()
+        self.controller = None
+        pid_file = os.path.join(self.state_dir, "pids.json")
+        if os.path.exists(pid_file):
+            os.unlink(pid_file)
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def cleanup_stale(state_dir: str) -> list[int]:
+    """Kill processes a crashed `stalwart run` left behind (recorded in pids.json)."""
+    import psutil
+    pid_file = os.path.join(state_dir, "pids.json")
+    killed = []
+    if not os.path.exists(pid_file):
+        return killed
+    try:
+        with open(pid_file) as f:
+            pids = json.load(f)
+    except (OSError, ValueError):
+        pids = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if "stalwart" in " ".join(p.cmdline()):
+                kill_tree(pid)
+                killed.append(pid)
+        except psutil.Error:
+            pass
+    os.unlink(pid_file)
+    return killed

@@ -1,0 +1,80 @@
+"""The chaos catalogue: every fault stalwart can inject, and the `KIND@step=S,machine=M` syntax."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# kind -> (where it acts, what it does). `stalwart inject --help` and the README print this table.
+KINDS: dict[str, str] = {
+    "crash": "SIGKILL one worker (the given rank, else the machine's first)",
+    "machine-down": "kill the machine's agent and all its workers (the machine is lost)",
+}
+
+
+class ChaosError(ValueError):
+    """A chaos request that cannot be understood or cannot be applied."""
+
+
+@dataclass(frozen=True)
+class ChaosSpec:
+    kind: str
+    machine: int
+    step: int | None = None
+    rank: int | None = None
+    params: dict = field(default_factory=dict)
+
+    def machine_id(self) -> str:
+        return f"m{self.machine}"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "machine": self.machine, "step": self.step, "rank": self.rank,
+                "params": dict(self.params)}
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ChaosError(f"unknown chaos kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
+
+
+def parse(text: str) -> ChaosSpec:
+    """Parse `KIND@step=S,machine=M[,rank=R][,key=value...]`."""
+    m = re.fullmatch(r"\s*([a-z][a-z0-9-]*)\s*(?:@(.*))?", text)
+    if not m:
+        raise ChaosError(f"cannot parse chaos {text!r}; expected KIND@step=S,machine=M[,rank=R]")
+    kind, rest = m.group(1), m.group(2) or ""
+    check_kind(kind)
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        if "=" not in part:
+            raise ChaosError(f"chaos {text!r}: {part!r} is not key=value")
+        k, v = (s.strip() for s in part.split("=", 1))
+        fields[k] = v
+    ints = {}
+    for k in ("step", "machine", "rank"):
+        if k in fields:
+            try:
+                ints[k] = int(fields.pop(k))
+            except ValueError:
+                raise ChaosError(f"chaos {text!r}: {k} must be an integer") from None
+            if ints[k] < 0:
+                raise ChaosError(f"chaos {text!r}: {k} must be >= 0")
+    if "machine" not in ints:
+        raise ChaosError(f"chaos {text!r}: machine=M is required")
+    return ChaosSpec(kind=kind, machine=ints["machine"], step=ints.get("step"), rank=ints.get("rank"),
+                     params=fields)
+
+
+def validate_against(spec: ChaosSpec, machines_total: int, gpus_per_machine: int,
+                     active_machines: int) -> None:
+    """Check a chaos request against the cluster: machine exists, rank lives on it."""
+    if spec.machine >= machines_total:
+        raise ChaosError(f"chaos {spec.kind}: machine {spec.machine} does not exist "
+                         f"(machines are m0..m{machines_total - 1})")
+    if spec.rank is not None:
+        if spec.machine >= active_machines:
+            raise ChaosError(f"chaos {spec.kind}: machine m{spec.machine} is a standby and holds no "
+                             f"rank at start")
+        lo = spec.machine * gpus_per_machine
+        if not lo <= spec.rank < lo + gpus_per_machine:
+            raise ChaosError(f"chaos {spec.kind}: rank {spec.rank} does not live on machine "
+                             f"m{spec.machine} (it holds ranks {lo}..{lo + gpus_per_machine - 1})")

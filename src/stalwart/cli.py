@@ -1,0 +1,335 @@
+"""The `stalwart` command. User mistakes end in a one-line `error: …` and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+
+from stalwart.chaos import catalogue
+from stalwart.client import ApiError, Client, ControllerUnreachable
+
+DEFAULT_STATE = ".stalwart"
+
+
+class UserError(Exception):
+    """A mistake of the user's: printed as one line, exit code 2."""
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _chaos_help() -> str:
+    return "chaos kinds:\n" + "\n".join(f"  {k:<14} {v}" for k, v in catalogue.KINDS.items())
+
+
+# -- controller / agent services -----------------------------------------------------------------
+def cmd_controller(a) -> int:
+    from stalwart.controller.api import ApiServer
+    from stalwart.controller.service import Controller
+    _setup_logging(a.log_level)
+    host, _, port = a.listen.rpartition(":")
+    if not port.isdigit():
+        raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
+    ctl = Controller(a.db, a.state_dir, store_host=a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1"),
+                     heartbeat_s=a.heartbeat, missed_beats=a.missed_beats)
+    srv = ApiServer(ctl, host or "0.0.0.0", int(port))
+    srv.start()
+    if a.port_file:
+        tmp = a.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(srv.port))
+        os.replace(tmp, a.port_file)
+    logging.getLogger("stalwart").info("controller listening on %s:%s", host, srv.port)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    srv.stop()
+    ctl.close()
+    return 0
+
+
+def cmd_agent(a) -> int:
+    from stalwart.agent.daemon import Agent
+    _setup_logging(a.log_level)
+    agent = Agent(a.controller, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+                  address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat)
+    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
+    try:
+        agent.serve_forever()
+    except KeyboardInterrupt:
+        agent.shutdown()
+    return 0
+
+
+# -- run --------------------------------------------------------------------------------------
+def _spec_from_args(a):
+    from stalwart.spec import JobSpec
+    d: dict = {}
+    if a.config:
+        if not os.path.exists(a.config):
+            raise UserError(f"config file {a.config} does not exist")
+        d = JobSpec.from_yaml(a.config).to_dict()
+    for key in ("name", "machines", "gpus_per_machine", "tp", "pp", "dp", "steps", "ckpt_every"):
+        v = getattr(a, key)
+        if v is not None:
+            d[key] = v
+    if a.standby is not None:
+        d["standby"] = a.standby if a.standby == "auto" else _int_arg("--standby", a.standby)
+    if a.chaos:
+        d["chaos"] = list(d.get("chaos", [])) + a.chaos
+    cmd = list(a.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if cmd:
+        d["command"] = cmd
+    if not d.get("command"):
+        raise UserError("no training command given: stalwart run [options] -- python train.py ...")
+    if d["command"][0] in ("python", "python3"):
+        d["command"] = [sys.executable] + d["command"][1:]
+    d.setdefault("code_dir", os.getcwd())
+    if a.env:
+        env = dict(d.get("env", {}))
+        for kv in a.env:
+            if "=" not in kv:
+                raise UserError(f"--env takes KEY=VALUE (got {kv!r})")
+            k, v = kv.split("=", 1)
+            env[k] = v
+        d["env"] = env
+    if "machines" not in d:
+        raise UserError("--machines is required (or a config file that sets machines)")
+    spec = JobSpec.from_dict(d)
+    for c in spec.chaos:
+        from stalwart.controller.pool import standby_count
+        catalogue.validate_against(catalogue.parse(c), spec.machines + standby_count(spec),
+                                   spec.gpus_per_machine, spec.machines)
+    return spec
+
+
+def _int_arg(name: str, v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"{name} takes a number or 'auto' (got {v!r})") from None
+
+
+def cmd_run(a) -> int:
+    from stalwart.backends.local import LocalCluster
+    from stalwart.controller.pool import standby_count
+    from stalwart.progress import Progress, summary
+    spec = _spec_from_args(a)
+    if a.fresh and os.path.isdir(a.state_dir):
+        shutil.rmtree(a.state_dir)
+    total = spec.machines + standby_count(spec)
+    cluster = LocalCluster(a.state_dir, total, spec.gpus_per_machine, heartbeat_s=spec.policy.heartbeat_s,
+                           missed_beats=spec.policy.missed_beats, log_level=a.log_level)
+    print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
+          f"{total - spec.machines} standby) in {os.path.abspath(a.state_dir)}", flush=True)
+    rep = None
+    try:
+        url = cluster.start()
+        client = Client(url)
+        job = client.post("/api/jobs", {"spec": spec.to_dict()})["job"]
+        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}", flush=True)
+        prog = Progress()
+        while True:
+            st = client.get(f"/api/jobs/{job}")
+            prog.update(st)
+            if st["state"] != "running":
+                rep = st
+                break
+            time.sleep(0.5)
+        prog.close()
+    except KeyboardInterrupt:
+        print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()
+    print(summary(rep))
+    return 0 if rep["state"] == "succeeded" else 1
+
+
+# -- status / report / inject / machines -------------------------------------------------------
+def _controller_url(a) -> str:
+    if getattr(a, "controller", None):
+        return a.controller
+    path = os.path.join(a.state_dir, "controller.json")
+    if not os.path.exists(path):
+        raise UserError(f"no controller found for state dir {a.state_dir} (pass --controller URL)")
+    with open(path) as f:
+        return json.load(f)["url"]
+
+
+def _offline_report(a, job: str = "latest") -> dict:
+    from stalwart.controller.report import build_report
+    from stalwart.controller.store import Store
+    db = os.path.join(a.state_dir, "stalwart.db")
+    if not os.path.exists(db):
+        raise UserError(f"no stalwart state in {os.path.abspath(a.state_dir)} (run a job first, or pass --state-dir)")
+    store = Store(f"sqlite:///{db}")
+    try:
+        row = store.latest_job() if job == "latest" else store.job(int(job))
+        if row is None:
+            raise UserError("no job in this state dir")
+        return build_report(store, row["id"])
+    finally:
+        store.close()
+
+
+def _report(a) -> dict:
+    try:
+        return Client(_controller_url(a), timeout=5).get(f"/api/jobs/{a.job}")
+    except (UserError, ControllerUnreachable):
+        if getattr(a, "controller", None):
+            raise
+        return _offline_report(a, a.job)
+
+
+def cmd_status(a) -> int:
+    rep = _report(a)
+    live = rep.get("live") or {}
+    print(f"job {rep['job']}: {live.get('state', rep['state'])}" + (f" ({rep['reason']})" if rep.get("reason") else ""))
+    print(f"  step {live.get('step', rep['steps_completed'])}/{rep['steps_target']}  loss {live.get('loss', rep['final_loss'])}"
+          f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
+    for m in rep["machines"]:
+        print(f"  machine {m['id']:<6} {m['state']:<9} {m.get('address') or ''} {m.get('reason') or ''}")
+    for inc in rep["incidents"]:
+        print(f"  incident {inc['id']}: {inc['symptom']} -> {inc['mechanism']} evicted {inc['machines_evicted']}")
+    return 0
+
+
+def cmd_report(a) -> int:
+    from stalwart.controller.report import render_html
+    from stalwart.progress import summary
+    rep = _report(a)
+    rep.pop("live", None)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    if a.html:
+        with open(a.html, "w") as f:
+            f.write(render_html(rep))
+    print(summary(rep))
+    return 0
+
+
+def cmd_inject(a) -> int:
+    catalogue.check_kind(a.kind)
+    text = f"{a.kind}@machine={a.machine}" + (f",rank={a.rank}" if a.rank is not None else "")
+    out = Client(_controller_url(a), timeout=5).post(f"/api/jobs/{a.job}/inject", {"chaos": text})
+    print(f"injected {out['chaos']['kind']} on m{out['chaos']['machine']}")
+    return 0
+
+
+def cmd_machines(a) -> int:
+    try:
+        ms = Client(_controller_url(a), timeout=5).get("/api/machines")["machines"]
+    except (UserError, ControllerUnreachable):
+        ms = _offline_report(a)["machines"]
+    for m in ms:
+        print(f"{m['id']:<8} {m['state']:<9} {m.get('address') or '':<16} {m.get('reason') or ''}")
+    return 0
+
+
+def cmd_cleanup(a) -> int:
+    from stalwart.backends.local import cleanup_stale
+    killed = cleanup_stale(a.state_dir)
+    print(f"stopped {len(killed)} leftover process(es)")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stalwart", description="Keep large PyTorch training jobs training through failures.")
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("controller", help="run the controller service")
+    c.add_argument("--db", default=f"sqlite:///{DEFAULT_STATE}/stalwart.db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…)")
+    c.add_argument("--listen", default="0.0.0.0:7420", help="HOST:PORT for the HTTP API (port 0 = any)")
+    c.add_argument("--state-dir", default=DEFAULT_STATE)
+    c.add_argument("--store-host", help="address workers use to reach this host's rendezvous store")
+    c.add_argument("--port-file", help="write the bound port here once listening")
+    c.add_argument("--heartbeat", type=float, default=1.0)
+    c.add_argument("--missed-beats", type=int, default=3)
+    c.set_defaults(fn=cmd_controller)
+
+    g = sub.add_parser("agent", help="run the agent of one machine")
+    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420")
+    g.add_argument("--machine-id", required=True)
+    g.add_argument("--workdir")
+    g.add_argument("--address", default="127.0.0.1")
+    g.add_argument("--gpus", type=int, default=1)
+    g.add_argument("--heartbeat", type=float, default=1.0)
+    g.set_defaults(fn=cmd_agent)
+
+    r = sub.add_parser("run", help="run a job on a local cluster", epilog=_chaos_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--config", help="job spec in YAML; options given here override it")
+    r.add_argument("--name")
+    r.add_argument("--machines", type=int)
+    r.add_argument("--gpus-per-machine", type=int)
+    for k in ("tp", "pp", "dp"):
+        r.add_argument(f"--{k}", type=int)
+    r.add_argument("--steps", type=int)
+    r.add_argument("--ckpt-every", type=int, help="durable checkpoint every K steps")
+    r.add_argument("--standby", help="standby machines: a number or 'auto' (P99 sizing)")
+    r.add_argument("--chaos", action="append", help="KIND@step=S,machine=M[,rank=R] (repeatable)")
+    r.add_argument("--env", action="append", help="KEY=VALUE for the workers (repeatable)")
+    r.add_argument("--state-dir", default=DEFAULT_STATE)
+    r.add_argument("--fresh", action="store_true", help="delete the state dir first")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    r.set_defaults(fn=cmd_run)
+
+    for name, fn, hlp in (("status", cmd_status, "live state of the current/last job"),
+                          ("report", cmd_report, "the job's report (ETTR, incidents)"),
+                          ("machines", cmd_machines, "machines and their states")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("--state-dir", default=DEFAULT_STATE)
+        s.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
+        s.add_argument("--job", default="latest")
+        if name == "report":
+            s.add_argument("--json", help="write the JSON report here")
+            s.add_argument("--html", help="write the HTML report here")
+        s.set_defaults(fn=fn)
+
+    i = sub.add_parser("inject", help="inject a fault into the running job", epilog=_chaos_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("kind")
+    i.add_argument("--machine", type=int, required=True, help="machine index M (machine mM)")
+    i.add_argument("--rank", type=int)
+    i.add_argument("--state-dir", default=DEFAULT_STATE)
+    i.add_argument("--controller")
+    i.add_argument("--job", default="latest")
+    i.set_defaults(fn=cmd_inject)
+
+    k = sub.add_parser("cleanup", help="stop processes a crashed `stalwart run` left behind")
+    k.add_argument("--state-dir", default=DEFAULT_STATE)
+    k.set_defaults(fn=cmd_cleanup)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (UserError, ValueError, catalogue.ChaosError, ControllerUnreachable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""A small JSON-over-HTTP client for the controller's API (used by agents and the CLI)."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+class ControllerUnreachable(RuntimeError):
+    """The controller did not answer (not running, wrong address, network down)."""
+
+
+class ApiError(RuntimeError):
+    """The controller answered with an error."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Client:
+    def __init__(self, url: str, timeout: float = 10.0):
+        if "://" not in url:
+            url = "http://" + url
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: dict | None = None,
+                timeout: float | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                msg = json.loads(e.read()).get("error", str(e))
+            except ValueError:
+                msg = str(e)
+            raise ApiError(e.code, msg) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ControllerUnreachable(f"controller at {self.url} is not reachable ({reason})") from None
+
+    def get(self, path: str, timeout: float | None = None) -> dict:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        return self.request("POST", path, body or {}, timeout=timeout)

@@ -1,0 +1,375 @@
+"""One state machine per job: waiting for machines -> running -> recovering -> ... -> finished.
+
+The runner owns a job's live state and executes what the pure rules in `policy` decide. Everything
+it learns arrives in its inbox (agent events, lost machines, injections, cancel) and is handled on
+its own thread, so no lock is needed around the job's state. Every step of every incident is written
+to the store as an event with a timestamp, which is what the ETTR ledger is rebuilt from.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from stalwart.agent.classify import classify
+from stalwart.chaos import catalogue
+from stalwart.controller import policy
+from stalwart.controller.pool import standby_count
+from stalwart.spec import JobSpec
+
+if TYPE_CHECKING:
+    from stalwart.controller.service import Controller
+
+log = logging.getLogger("stalwart.controller")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class JobRunner:
+    def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
+        self.ctl, self.store, self.job_id, self.spec = ctl, ctl.store, job_id, spec
+        self.topo = spec.topology()
+        self.world = self.topo.world_size
+        self.G = spec.gpus_per_machine
+        self.inbox: queue.Queue = queue.Queue()
+        self.state = "waiting"
+        self.reason: str | None = None
+        self.slots: list[str] = []            # slot i (ranks i*G..) -> machine id
+        self.standby: list[str] = []          # machines kept warm for this job
+        self.warm: set[str] = set()           # standbys whose workers are pre-spawned
+        self.run_seq = 0
+        self.run_id: int | None = None
+        self.run_started_at = 0.0
+        self.steps_done = 0                   # steps completed and not lost (next step to run)
+        self.best_steps = 0
+        self.progress_at_run_start = 0
+        self.restarts_without_progress = 0
+        self.pending_steps: dict[int, dict] = {}
+        self.last_loss: float | None = None
+        self.step_times: list[tuple[float, int]] = []
+        self.done_ranks: set[int] = set()
+        self.chaos_pending = [catalogue.parse(c) for c in spec.chaos]
+        self.incident: dict | None = None     # the open incident, with its evidence
+        self.awaiting_resume: list[int] = []  # incidents whose new run has not completed a step
+        self.alerts: list[policy.Alert] = []
+        self.chaos_applied: list[dict] = []
+        self.created_at = time.time()
+        self.thread = threading.Thread(target=self._loop, name=f"job-{job_id}", daemon=True)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.event("job_submitted", {"spec": self.spec.to_dict()}, t=self.created_at)
+        self.thread.start()
+
+    def post(self, kind: str, **data) -> None:
+        self.inbox.put((kind, data))
+
+    def event(self, kind: str, data: dict, t: float | None = None) -> None:
+        self.store.add_event(self.job_id, kind, data, t=t)
+
+    def _loop(self) -> None:
+        while self.state not in TERMINAL:
+            try:
+                kind, data = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                kind, data = "tick", {}
+            try:
+                getattr(self, f"_on_{kind}")(**data)
+            except Exception as e:  # a bug must not leave the job silently stuck
+                log.exception("job %s: handling %s failed", self.job_id, kind)
+                self._finish("failed", f"internal error while handling {kind}: {e}")
+        self.ctl.job_finished(self)
+
+    # -- waiting for machines ------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        now = time.time()
+        if self.state == "waiting":
+            self._try_start(now)
+        elif self.state == "recovering":
+            self._check_stopped(now)
+
+    def _try_start(self, now: float) -> None:
+        free = self.ctl.free_machines()
+        want_standby = standby_count(self.spec)
+        enough_all = len(free) >= self.spec.machines + want_standby
+        waited = now - self.created_at > self.spec.policy.max_standby_wait_s
+        if not enough_all and not (len(free) >= self.spec.machines and waited):
+            return
+        self.slots = free[: self.spec.machines]
+        self.standby = free[self.spec.machines: self.spec.machines + want_standby]
+        for m in self.slots:
+            self.ctl.set_machine(m, state="active", job_id=self.job_id)
+        for m in self.standby:
+            self.ctl.set_machine(m, state="standby", job_id=self.job_id)
+            self._prewarm(m)
+        self.store.update_job(self.job_id, state="running")
+        self._start_run(restore=-1)
+
+    def _prewarm(self, m: str) -> None:
+        self.ctl.send(m, {"type": "prewarm", "command": self.spec.command, "cwd": self.spec.code_dir,
+                          "count": self.G, "env": self._common_env(run=None, port=None)})
+        self.warm.add(m)
+
+    # -- runs ------------------------------------------------------------------------------------
+    def _common_env(self, run: int | None, port: int | None) -> dict:
+        s, t = self.spec, self.topo
+        env = dict(s.env)
+        env.update({"WORLD_SIZE": self.world, "LOCAL_WORLD_SIZE": self.G,
+                    "STALWART_JOB": self.job_id, "STALWART_TP": t.tp, "STALWART_PP": t.pp,
+                    "STALWART_DP": t.dp, "STALWART_CP": t.cp, "STALWART_EP": t.ep,
+                    "STALWART_MACHINES": s.machines, "STALWART_GPUS_PER_MACHINE": self.G,
+                    "STALWART_STEPS": s.steps, "STALWART_CKPT_EVERY": s.ckpt_every,
+                    "STALWART_CKPT_DIR": self.ctl.ckpt_dir(self.job_id),
+                    "TORCHELASTIC_RUN_ID": f"stalwart-{self.job_id}"})
+        if run is not None:
+            env.update({"STALWART_RUN": run, "MASTER_ADDR": self.ctl.store_host, "MASTER_PORT": port,
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": run})
+        return env
+
+    def _start_run(self, restore: int) -> None:
+        self.run_seq += 1
+        port = self.ctl.rendezvous.open(self.job_id, self.run_seq)
+        env = self._common_env(self.run_seq, port)
+        env["STALWART_RESTORE_STEP"] = restore
+        start_step = restore + 1
+        for i, m in enumerate(self.slots):
+            workers = [{"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
+                       for r in range(i * self.G, (i + 1) * self.G)]
+            cmd = {"run": self.run_seq, "command": self.spec.command, "cwd": self.spec.code_dir,
+                   "env": env, "workers": workers}
+            if m in self.warm:
+                self.warm.discard(m)
+                self.ctl.send(m, dict(cmd, type="activate"))
+            else:
+                self.ctl.send(m, dict(cmd, type="start"))
+        now = time.time()
+        self.run_id = self.store.create_run(self.job_id, self.run_seq, start_step, now,
+                                            {str(i): m for i, m in enumerate(self.slots)},
+                                            {"step": restore, "tier": "durable"} if restore >= 0 else None)
+        self.event("run_started", {"run": self.run_seq, "start_step": start_step,
+                                   "machines": list(self.slots)}, t=now)
+        self.state, self.run_started_at = "running", now
+        self.pending_steps.clear()
+        self.done_ranks.clear()
+        self.steps_done = start_step
+        self.progress_at_run_start = self.best_steps
+
+    # -- agent events ----------------------------------------------------------------------------
+    def _on_agent_event(self, machine: str, ev: dict) -> None:
+        kind = ev.get("type")
+        handler = getattr(self, f"_agent_{kind}", None)
+        if handler is not None:
+            handler(machine, ev)
+
+    def _agent_step(self, machine: str, ev: dict) -> None:
+        if ev.get("run") != self.run_seq or self.state != "running":
+            return
+        s = int(ev["step"])
+        acc = self.pending_steps.setdefault(s, {"ranks": set(), "t": 0.0, "dur": 0.0})
+        acc["ranks"].add(ev["rank"])
+        acc["t"] = max(acc["t"], ev["t"])
+        acc["dur"] = max(acc["dur"], ev.get("dur") or 0.0)
+        if ev["rank"] == 0 or "loss" not in acc:
+            for k in ("loss", "grad_norm", "tokens"):
+                if ev.get(k) is not None:
+                    acc[k] = ev[k]
+        if len(acc["ranks"]) == self.world:
+            self._commit_step(s, self.pending_steps.pop(s))
+
+    def _commit_step(self, s: int, acc: dict) -> None:
+        data = {"run": self.run_seq, "step": s, "dur": acc["dur"], "loss": acc.get("loss"),
+                "grad_norm": acc.get("grad_norm"), "tokens": acc.get("tokens")}
+        self.event("step", data, t=acc["t"])
+        self.steps_done = max(self.steps_done, s + 1)
+        self.best_steps = max(self.best_steps, self.steps_done)
+        self.last_loss = acc.get("loss", self.last_loss)
+        self.step_times.append((acc["t"], s))
+        self.step_times = self.step_times[-50:]
+        for inc_id in self.awaiting_resume:
+            self.store.update_incident(inc_id, resumed_at=acc["t"])
+            self.event("incident_resumed", {"incident": inc_id}, t=acc["t"])
+        self.awaiting_resume.clear()
+        self._fire_chaos()
+
+    def _fire_chaos(self) -> None:
+        due = [c for c in self.chaos_pending if c.step is not None and self.steps_done >= c.step]
+        for c in due:
+            self.chaos_pending.remove(c)
+            self.inject(c)
+
+    def inject(self, c: catalogue.ChaosSpec) -> None:
+        m = c.machine_id()
+        self.event("chaos_sent", c.to_dict())
+        self.ctl.send(m, {"type": "chaos", "kind": c.kind, "rank": c.rank, "step": self.steps_done,
+                          "from_step": self.steps_done, **c.params})
+
+    def _on_inject(self, spec: dict) -> None:
+        self.inject(catalogue.ChaosSpec(**spec))
+
+    def _agent_chaos_applied(self, machine: str, ev: dict) -> None:
+        self.chaos_applied.append(ev)
+        self.event("chaos_applied", {"machine": machine, "kind": ev.get("kind"),
+                                     "rank": ev.get("rank")}, t=ev.get("injected_at"))
+
+    def _agent_ckpt(self, machine: str, ev: dict) -> None:
+        self.store.add_checkpoint(self.job_id, int(ev["step"]), int(ev["rank"]), ev["tier"],
+                                  ev["location"], ev["checksum"], ev["t"])
+
+    def _agent_worker_exit(self, machine: str, ev: dict) -> None:
+        if ev.get("run") != self.run_seq or ev.get("expected") or ev.get("rank") is None:
+            return
+        if ev.get("code") == 0:
+            self.done_ranks.add(ev["rank"])
+            if len(self.done_ranks) == self.world and self.state == "running":
+                self._finish("succeeded", None)
+            return
+        sym = classify(ev.get("log_tail") or "", ev.get("code"), ev.get("signal"), self.spec.code_dir)
+        exit_ = policy.Exit(machine=machine, rank=ev["rank"], code=ev.get("code"),
+                            signal=ev.get("signal"), symptom=sym.name, category=sym.category,
+                            secondary=sym.secondary, machine_certain=sym.machine_certain,
+                            user_code=sym.user_code, detail=sym.detail, t=ev["t"])
+        self._open_incident(exit_.symptom, ev["t"])
+        self.incident["exits"].append(exit_)
+
+    def _agent_stopped(self, machine: str, ev: dict) -> None:
+        if self.incident is not None and ev.get("run") == self.run_seq:
+            self.incident["awaiting"].discard(machine)
+
+    def _agent_health(self, machine: str, ev: dict) -> None:
+        alert = policy.Alert(machine=machine, kind=ev["kind"], severity=ev["severity"],
+                             machine_certain=bool(ev.get("machine_certain")),
+                             network=bool(ev.get("network")), detail=str(ev.get("detail", "")),
+                             t=ev["t"])
+        self.event("health", {"machine": machine, "kind": alert.kind, "severity": alert.severity},
+                   t=alert.t)
+        snap = self._snapshot()
+        self.alerts = [a for a in self.alerts if alert.t - a.t <= self.spec.policy.network_alert_window_s]
+        if self.incident is not None:
+            self.incident["alerts"].append(alert)
+        elif self.state == "running" and policy.should_open_incident(alert, snap, alert.t):
+            self._open_incident(alert.kind, alert.t)
+            self.incident["alerts"].extend(self.alerts + [alert])
+        self.alerts.append(alert)
+
+    def _on_machine_lost(self, machine: str) -> None:
+        if machine in self.slots and self.state in ("running", "recovering"):
+            self._open_incident("machine_lost", time.time())
+            self.incident["lost"].add(machine)
+            self.incident["awaiting"].discard(machine)
+        if machine in self.standby:
+            self.standby.remove(machine)
+            self.warm.discard(machine)
+
+    def _on_cancel(self, reason: str) -> None:
+        self._finish("cancelled", reason)
+
+    # -- incidents ------------------------------------------------------------------------------
+    def _open_incident(self, symptom: str, t: float) -> None:
+        if self.incident is not None:
+            return
+        now = time.time()
+        inc_id = self.store.create_incident(self.job_id, run_seq=self.run_seq, symptom=symptom,
+                                            category="explicit", detected_at=now, suspects=[],
+                                            evicted=[], data={})
+        self.incident = {"id": inc_id, "detected_at": now, "exits": [], "lost": set(),
+                         "alerts": [], "awaiting": set(self.slots), "stop_sent": now}
+        self.event("incident_opened", {"incident": inc_id, "symptom": symptom, "injected_at": None,
+                                       "planned": False}, t=now)
+        self.state = "recovering"
+        for m in self.slots:
+            self.ctl.send(m, {"type": "stop", "run": self.run_seq,
+                              "grace_s": self.spec.policy.stop_grace_s})
+        log.info("job %s: incident %s (%s); stopping run %s", self.job_id, inc_id, symptom,
+                 self.run_seq)
+
+    def _check_stopped(self, now: float) -> None:
+        inc = self.incident
+        limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
+        if inc["awaiting"] and now < limit:
+            return
+        for m in inc["awaiting"]:  # alive but did not stop: cannot be trusted with ranks
+            inc["lost"].add(m)
+        inc["awaiting"] = set()
+        self.event("run_stopped", {"run": self.run_seq})
+        self.store.update_run(self.run_id, stopped_at=now, end_step=self.steps_done)
+        self._localize(now)
+
+    def _snapshot(self) -> policy.Snapshot:
+        p = self.spec.policy
+        ready = tuple(m for m in self.standby if self.ctl.machine_alive(m))
+        return policy.Snapshot(active=tuple(self.slots), standby_ready=ready,
+                               restarts_without_progress=self.restarts_without_progress,
+                               max_restarts_without_progress=p.max_restarts_without_progress,
+                               network_alert_count=p.network_alert_count,
+                               network_alert_window_s=p.network_alert_window_s,
+                               recent_alerts=tuple(self.alerts))
+
+    def _localize(self, now: float) -> None:
+        inc = self.incident
+        if self.best_steps <= self.progress_at_run_start:
+            self.restarts_without_progress += 1
+        else:
+            self.restarts_without_progress = 0
+        snap = self._snapshot()
+        ev = policy.Evidence(exits=tuple(inc["exits"]), lost=tuple(sorted(inc["lost"])),
+                             alerts=tuple(inc["alerts"]))
+        res = policy.resolve(snap, ev, now)
+        injected = [c["injected_at"] for c in self.chaos_applied
+                    if c.get("injected_at") and c["injected_at"] <= inc["detected_at"] + 0.5
+                    and inc["detected_at"] - c["injected_at"] < 120]
+        injected_at = max(injected) if injected else None
+        self.store.update_incident(inc["id"], symptom=res.symptom, category=res.category,
+                                   cause=res.cause, suspects=res.suspects, evicted=res.evict,
+                                   mechanism=res.mechanism, localized_at=now,
+                                   injected_at=injected_at)
+        self.event("incident_localized", {"incident": inc["id"], "injected_at": injected_at,
+                                          "mechanism": res.mechanism}, t=now)
+        self.incident = None
+        self.awaiting_resume.append(inc["id"])
+        if res.mechanism == "fail":
+            self._finish("failed", res.fail_reason)
+            return
+        plan = policy.replacement_plan(tuple(self.slots), res.evict, snap.standby_ready)
+        for old, new in plan.items():
+            self.ctl.set_machine(old, state="evicted", reason=res.cause)
+            self.ctl.send(old, {"type": "stop", "run": None})
+            self.slots[self.slots.index(old)] = new
+            self.standby.remove(new)
+            self.ctl.set_machine(new, state="active")
+        restore = policy.restore_step(self._complete_checkpoints(), self.world)
+        self._start_run(restore)
+
+    def _complete_checkpoints(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for c in self.store.checkpoints(self.job_id):
+            out.setdefault(c["step"], set()).add(c["rank"])
+        return out
+
+    # -- the end -------------------------------------------------------------------------------
+    def _finish(self, state: str, reason: str | None) -> None:
+        if self.state in TERMINAL:
+            return
+        self.state, self.reason = state, reason
+        now = time.time()
+        for m in self.slots + self.standby:
+            self.ctl.send(m, {"type": "stop", "run": None})
+            if self.ctl.machine_state(m) in ("active", "standby"):
+                self.ctl.set_machine(m, state="idle", job_id=None)
+        if self.run_id is not None:
+            self.store.update_run(self.run_id, stopped_at=now, end_step=self.steps_done)
+        self.event("job_finished", {"state": state, "reason": reason}, t=now)
+        self.store.update_job(self.job_id, state=state, reason=reason, finished_at=now)
+        self.ctl.rendezvous.close_job(self.job_id)
+        log.info("job %s %s%s", self.job_id, state, f": {reason}" if reason else "")
+
+    # -- live status -----------------------------------------------------------------------------
+    def live(self) -> dict:
+        rate = None
+        if len(self.step_times) >= 2:
+            (t0, s0), (t1, s1) = self.step_times[0], self.step_times[-1]
+            if t1 > t0 and s1 > s0:
+                rate = (s1 - s0) / (t1 - t0)
+        return {"state": self.state, "run": self.run_seq, "step": self.steps_done,
+                "steps_target": self.spec.steps, "loss": self.last_loss, "steps_per_s": rate,
+                "slots": list(self.slots), "standby": list(self.standby), "reason": self.reason}

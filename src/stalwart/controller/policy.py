@@ -1,0 +1,191 @@
+"""Pure decision rules: what to do about an event, and how to resolve an incident.
+
+Everything here is a function of plain data (a snapshot of the job, the evidence, `now`); nothing
+here does I/O. The job state machine (`jobs.py`) executes the actions and the cluster simulator can
+reuse the rules unchanged.
+
+The ladder implemented so far (DESIGN.md "Fault handling"):
+- a machine that stopped heart-beating is lost: evict it, hand its ranks to a standby;
+- a machine-certain health fault (GPU lost / fatal Xid / DBE ECC, disk fault): evict at once;
+- a network alert: evict after `network_alert_count` alerts within `network_alert_window_s`;
+- a Python exception in the job's own code: the incident is `user_code`; fail the run clearly;
+- a crash with no certain culprit: reattempt on the same machines;
+- no progress across `max_restarts_without_progress` restarts: stop and ask for a human.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Exit:
+    """One worker's unexpected exit, with its classified symptom."""
+    machine: str
+    rank: int | None
+    code: int | None
+    signal: int | None
+    symptom: str
+    category: str = "explicit"
+    secondary: bool = False          # a consequence of another failure (e.g. gloo peer reset)
+    machine_certain: bool = False
+    user_code: bool = False
+    detail: str = ""
+    t: float = 0.0
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A health event from a probe."""
+    machine: str
+    kind: str
+    severity: str                    # fatal | warn | info
+    machine_certain: bool
+    network: bool = False
+    detail: str = ""
+    t: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the rules need to know about the job at `now`."""
+    active: tuple[str, ...]                    # machines holding ranks, by slot
+    standby_ready: tuple[str, ...]             # standbys that can take ranks now
+    restarts_without_progress: int = 0
+    max_restarts_without_progress: int = 3
+    network_alert_count: int = 2
+    network_alert_window_s: float = 300.0
+    recent_alerts: tuple[Alert, ...] = ()      # alerts of the last window (for network counting)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything collected about one incident by the time its run is stopped."""
+    exits: tuple[Exit, ...] = ()
+    lost: tuple[str, ...] = ()
+    alerts: tuple[Alert, ...] = ()
+
+
+@dataclass
+class Resolution:
+    symptom: str
+    category: str
+    cause: str
+    suspects: list[str]
+    evict: list[str] = field(default_factory=list)
+    mechanism: str = "reattempt"     # reattempt | evict_restart | fail
+    fail_reason: str | None = None
+
+
+def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
+    """Does this health alert stop the job right away?"""
+    if alert.severity != "fatal" and not alert.network:
+        return False
+    if alert.machine not in snap.active:
+        return False
+    if alert.machine_certain and alert.severity == "fatal":
+        return True
+    if alert.network:
+        window = [a for a in snap.recent_alerts + (alert,)
+                  if a.network and a.machine == alert.machine
+                  and now - a.t <= snap.network_alert_window_s]
+        return len(window) >= snap.network_alert_count
+    return False
+
+
+def _primary_exits(exits: tuple[Exit, ...]) -> list[Exit]:
+    """The exits that are causes, not consequences (earliest first)."""
+    primary = [e for e in exits if not e.secondary]
+    return sorted(primary or list(exits), key=lambda e: e.t)
+
+
+def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
+    """Decide suspects, evictions and the recovery mechanism for a stopped incident."""
+    evict: list[str] = []
+    reasons: list[str] = []
+    symptom, category = "worker_crash", "explicit"
+    for m in ev.lost:
+        if m in snap.active and m not in evict:
+            evict.append(m)
+            reasons.append(f"machine {m} lost (no heartbeat)")
+    if ev.lost:
+        symptom = "machine_lost"
+    certain = [a for a in ev.alerts if a.severity == "fatal" and a.machine_certain]
+    for a in certain:
+        if a.machine in snap.active and a.machine not in evict:
+            evict.append(a.machine)
+            reasons.append(f"{a.kind} on {a.machine}" + (f": {a.detail}" if a.detail else ""))
+    if certain and not ev.lost:
+        symptom = certain[0].kind
+    net = [a for a in ev.alerts if a.network]
+    for a in net:
+        if should_open_incident(a, snap, now) and a.machine not in evict:
+            evict.append(a.machine)
+            reasons.append(f"{a.kind} on {a.machine} seen {snap.network_alert_count}x "
+                           f"within {snap.network_alert_window_s:.0f}s")
+            if not ev.lost and not certain:
+                symptom = a.kind
+    primary = _primary_exits(ev.exits)
+    if not evict and primary:
+        first = primary[0]
+        symptom, category = first.symptom, first.category
+        certain_exits = [e for e in primary if e.machine_certain]
+        for e in certain_exits:
+            if e.machine not in evict:
+                evict.append(e.machine)
+        if certain_exits:
+            reasons.append(f"{first.symptom} on {certain_exits[0].machine}")
+    suspects = list(evict) or sorted({e.machine for e in primary})
+    cause = "; ".join(reasons) or _describe_exits(primary) or "unknown"
+
+    if any(e.user_code for e in primary) and not evict:
+        return Resolution(symptom="user_code_exception", category="user_code", cause=cause,
+                          suspects=suspects, mechanism="fail",
+                          fail_reason=f"user code raised an exception: {primary[0].detail or cause}")
+    if snap.restarts_without_progress >= snap.max_restarts_without_progress:
+        return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
+                          evict=evict, mechanism="fail",
+                          fail_reason=f"no progress across {snap.restarts_without_progress} restarts; "
+                                      f"last failure: {cause}")
+    if evict:
+        if len(evict) > len(snap.standby_ready):
+            return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
+                              evict=evict, mechanism="fail",
+                              fail_reason=f"{len(evict)} machine(s) evicted ({', '.join(evict)}) but "
+                                          f"only {len(snap.standby_ready)} standby machine(s) ready; "
+                                          f"add standbys with --standby N")
+        return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
+                          evict=evict, mechanism="evict_restart")
+    return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
+                      mechanism="reattempt")
+
+
+def _describe_exits(exits: list[Exit]) -> str:
+    parts = []
+    for e in exits[:3]:
+        how = f"killed by signal {e.signal}" if e.signal else f"exit code {e.code}"
+        if e.signal == 9:
+            how = "killed by SIGKILL"
+        who = f"rank {e.rank}" if e.rank is not None else "a worker"
+        parts.append(f"{who} on {e.machine} {how}" + (f" ({e.detail})" if e.detail else ""))
+    return "; ".join(parts)
+
+
+def replacement_plan(active: tuple[str, ...], evict: list[str],
+                     standby_ready: tuple[str, ...]) -> dict[str, str]:
+    """Which standby takes the ranks of which evicted machine (in slot order)."""
+    plan = {}
+    pool = list(standby_ready)
+    for m in active:
+        if m in evict:
+            plan[m] = pool.pop(0)
+    return plan
+
+
+def restore_step(complete: dict[int, set[int]], world_size: int, before: int | None = None) -> int:
+    """The newest step every rank can restore (-1 for a fresh start).
+
+    `complete` maps step -> ranks that have a valid copy of it somewhere.
+    """
+    ok = [s for s, ranks in complete.items() if len(ranks) >= world_size and set(range(world_size)) <= ranks
+          and (before is None or s < before)]
+    return max(ok) if ok else -1

@@ -1,0 +1,40 @@
+"""The workers' rendezvous store, hosted by the controller (never on a training machine).
+
+Every run gets a fresh torch TCPStore on its own port, and SDK workers add a per-run prefix on top,
+so a restarted run can never read the addresses of an earlier one (pytorch#135712) and losing any
+training machine never loses the store (pytorch#67616).
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch.distributed as dist
+
+
+class Rendezvous:
+    def __init__(self, host: str = "0.0.0.0", keep_runs: int = 2):
+        self.host = host
+        self.keep_runs = keep_runs
+        self._stores: dict[tuple[int, int], dist.TCPStore] = {}
+        self._lock = threading.Lock()
+
+    def open(self, job_id: int, run: int) -> int:
+        """Start the store of (job, run); returns its port. Older runs of the job are closed."""
+        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        with self._lock:
+            self._stores[(job_id, run)] = store
+            old = sorted(k for k in self._stores if k[0] == job_id)[:-self.keep_runs]
+            for k in old:
+                del self._stores[k]
+        return store.port
+
+    def close_job(self, job_id: int) -> None:
+        with self._lock:
+            for k in [k for k in self._stores if k[0] == job_id]:
+                del self._stores[k]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stores.clear()

@@ -1,0 +1,72 @@
+"""Live progress of a job for the terminal: a bar with step, loss, steps/s, ETTR, and incidents."""
+from __future__ import annotations
+
+import sys
+
+
+class Progress:
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.seen_incidents: dict[int, str] = {}
+        self.last_line = ""
+        self.last_step_printed = -1
+
+    def _bar(self, done: int, total: int, width: int = 28) -> str:
+        frac = 0 if not total else min(1.0, done / total)
+        n = int(frac * width)
+        return "[" + "#" * n + "." * (width - n) + "]"
+
+    def update(self, st: dict) -> None:
+        live = st.get("live") or {}
+        step = live.get("step", st.get("steps_completed", 0))
+        total = st.get("steps_target") or 0
+        loss = live.get("loss", st.get("final_loss"))
+        rate = live.get("steps_per_s")
+        line = (f"{self._bar(step, total)} step {step}/{total}"
+                f"  loss {loss:.4f}" if loss is not None else f"{self._bar(step, total)} step {step}/{total}")
+        line += f"  {rate:.1f} steps/s" if rate else ""
+        line += f"  ETTR {st.get('ettr', 0):.3f}  run {live.get('run', '-')}  [{live.get('state', st['state'])}]"
+        for inc in st.get("incidents", []):
+            key = f"{inc['mechanism']}:{inc['resumed_at']}"
+            if self.seen_incidents.get(inc["id"]) != key:
+                self.seen_incidents[inc["id"]] = key
+                self._print_incident(inc)
+        if self.tty:
+            self.stream.write("\r" + line.ljust(len(self.last_line)))
+            self.stream.flush()
+        elif step // 20 != self.last_step_printed // 20 or step == total:
+            self.stream.write(line + "\n")
+            self.last_step_printed = step
+        self.last_line = line
+
+    def _print_incident(self, inc: dict) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * len(self.last_line) + "\r")
+        what = (f"incident {inc['id']}: {inc['symptom']} — suspects {', '.join(inc['machine_suspects']) or '-'}"
+                f"; evicted {', '.join(inc['machines_evicted']) or '-'}; {inc['mechanism'] or 'localizing'}")
+        if inc.get("detection_s") is not None:
+            what += f"; detected {inc['detection_s']:.2f}s after injection"
+        if inc.get("resumed_at") is not None:
+            what += f"; training resumed at t={inc['resumed_at']:.1f}s"
+        if inc.get("cause"):
+            what += f"\n    cause: {inc['cause']}"
+        self.stream.write(what + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary(rep: dict) -> str:
+    lines = [f"job {rep['job']}: {rep['state']}" + (f" ({rep['reason']})" if rep.get("reason") else ""),
+             f"  steps {rep['steps_completed']}/{rep['steps_target']}, final loss {rep['final_loss']}",
+             f"  wall {rep['wall_s']:.1f}s, productive {rep['productive_s']:.1f}s, ETTR {rep['ettr']:.3f}",
+             "  unproductive: " + ", ".join(f"{k} {v:.2f}s" for k, v in rep["unproductive_s"].items() if v)]
+    for inc in rep["incidents"]:
+        lines.append(f"  incident {inc['id']}: {inc['symptom']} -> {inc['mechanism']}, evicted "
+                     f"{inc['machines_evicted'] or '-'}, detected in "
+                     f"{inc['detection_s'] if inc['detection_s'] is not None else '?'}s")
+    return "\n".join(lines)
