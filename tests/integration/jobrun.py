@@ -1,0 +1,51 @@
+"""Run a job on a real local cluster (controller + agents + gloo workers) and return its report."""
+from __future__ import annotations
+
+import sys
+import time
+
+from stalwart.backends.local import LocalCluster
+from stalwart.client import Client
+from stalwart.controller.pool import standby_count
+from stalwart.spec import JobSpec
+
+GPT = [sys.executable, "-m", "stalwart.examples.gpt"]
+
+
+def gpt_spec(machines: int = 2, gpus: int = 2, steps: int = 40, **kw) -> dict:
+    d = {"name": "test", "machines": machines, "gpus_per_machine": gpus, "steps": steps,
+         "ckpt_every": 5, "command": GPT + ["--layers", "2", "--log-every", "0"],
+         "policy": {"heartbeat_s": 0.5, "missed_beats": 4}}
+    d.update(kw)
+    return d
+
+
+def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: str | None = None) -> dict:
+    """Start a cluster sized for `spec`, run the job to the end, stop everything, return the report.
+
+    `during(client, job_id, status)` is called on every poll (to inject faults mid-run).
+    """
+    js = JobSpec.from_dict(spec)
+    total = js.machines + standby_count(js)
+    cluster = LocalCluster(str(state_dir), total, js.gpus_per_machine,
+                           heartbeat_s=js.policy.heartbeat_s, missed_beats=js.policy.missed_beats,
+                           db_url=db_url)
+    try:
+        client = Client(cluster.start())
+        job = client.post("/api/jobs", {"spec": js.to_dict()})["job"]
+        deadline = time.time() + timeout
+        while True:
+            st = client.get(f"/api/jobs/{job}")
+            if st["state"] != "running":
+                return st
+            if during is not None:
+                during(client, job, st)
+            if time.time() > deadline:
+                raise TimeoutError(f"job did not finish within {timeout}s: {st.get('live')}")
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+
+
+def losses(report: dict) -> dict[int, float]:
+    return {int(k): v for k, v in report["losses"].items()}

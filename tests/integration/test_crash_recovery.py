@@ -1,0 +1,48 @@
+"""Issue 2: a worker crash is reattempted and training continues bit for bit; a lost machine is
+replaced by a standby."""
+import pytest
+
+from jobrun import gpt_spec, losses, run_job
+
+
+@pytest.mark.timeout(400)
+def test_crash_reattempt_is_bitwise_equal_to_fault_free(tmp_path):
+    base = run_job(tmp_path / "clean", gpt_spec(tp=2, dp=2, steps=40))
+    assert base["state"] == "succeeded", base.get("reason")
+    assert base["steps_completed"] == 40 and base["incidents"] == []
+    rep = run_job(tmp_path / "crash", gpt_spec(tp=2, dp=2, steps=40, chaos=["crash@step=30,machine=1"]))
+    assert rep["state"] == "succeeded", rep.get("reason")
+    assert rep["steps_completed"] == 40
+    [inc] = rep["incidents"]
+    assert inc["mechanism"] == "reattempt"
+    assert inc["symptom"] == "worker_crash"
+    assert inc["machine_suspects"] == ["m1"] and inc["machines_evicted"] == []
+    assert inc["injected_at"] is not None and inc["detected_at"] >= inc["injected_at"]
+    assert inc["resumed_at"] > inc["localized_at"] >= inc["detected_at"]
+    assert len(rep["runs"]) == 2
+    assert losses(rep) == losses(base)          # bit for bit: floats compared exactly
+    assert losses(base)[39] < losses(base)[0]
+    assert rep["ettr"] < base["ettr"] <= 1.0
+    parts = rep["unproductive_s"]
+    assert abs(sum(parts.values()) - (rep["wall_s"] - rep["productive_s"])) < 1e-2
+
+
+@pytest.mark.timeout(300)
+def test_machine_down_is_replaced_by_standby(tmp_path):
+    rep = run_job(tmp_path / "down", gpt_spec(tp=2, dp=2, steps=30, standby=1,
+                                              chaos=["machine-down@step=12,machine=1"]))
+    assert rep["state"] == "succeeded", rep.get("reason")
+    [inc] = rep["incidents"]
+    assert inc["symptom"] == "machine_lost"
+    assert inc["machines_evicted"] == ["m1"] and inc["mechanism"] == "evict_restart"
+    states = {m["id"]: m["state"] for m in rep["machines"]}
+    assert states["m1"] == "evicted"
+    assert rep["runs"][-1]["machines"] == {"0": "m0", "1": "m2"}
+
+
+@pytest.mark.timeout(200)
+def test_machine_down_without_standby_fails_clearly(tmp_path):
+    rep = run_job(tmp_path / "nostandby", gpt_spec(tp=2, dp=2, steps=30,
+                                                   chaos=["machine-down@step=5,machine=0"]))
+    assert rep["state"] == "failed"
+    assert "standby" in rep["reason"] and "m0" in rep["reason"]
