@@ -1,0 +1,404 @@
+"""Every-step in-memory checkpoint of one rank, double-buffered in shared memory.
+
+On-disk (tmpfs) format of one *shard*, shared by every tier (own shm slots, peer backups, durable):
+
+* ``<base>.data`` — the tensors' bytes, each at a 64-byte aligned offset; padding bytes are zero.
+* ``<base>.hdr``  — JSON: format, step, rank, layout, nbytes, checksum, meta (base64 pickle of the
+  state with every tensor replaced by a reference into the data file), complete=1.
+
+The header is written last, to a temp name then ``os.replace``d, and is unlinked before a slot is
+overwritten: a shard is complete exactly when its header exists, and its checksum (CRC32 over
+``data[:nbytes]`` then over the meta bytes) says whether the bytes are intact.
+
+Own slots are ``rank{r:05d}.slot{k}.{data,hdr}`` (step s goes to slot s % 2); other tiers use
+``rank{r:05d}.step{s:012d}.{data,hdr}``. A *shard path* is the path of the ``.hdr`` file (the
+``.data`` path or the bare base are accepted too).
+
+torch is imported lazily so that the agent can use the format helpers without loading it.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import mmap
+import os
+import pickle
+import re
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+FORMAT = "stalwart-shard/1"
+ALIGN = 64
+CRC_CHUNK = 16 << 20
+_NAME = re.compile(r"^rank(\d{5})\.(slot[01]|step\d{12})\.hdr$")
+
+
+class CorruptShard(RuntimeError):
+    """A shard is incomplete, truncated, or fails its checksum."""
+
+
+# ----------------------------------------------------------------------------- format helpers
+
+def slot_base(dir: str, rank: int, slot: int) -> str:
+    """Base path (without extension) of one own double-buffer slot."""
+    return os.path.join(dir, f"rank{rank:05d}.slot{slot}")
+
+
+def step_base(dir: str, rank: int, step: int) -> str:
+    """Base path (without extension) of a per-step shard (backup and durable tiers)."""
+    return os.path.join(dir, f"rank{rank:05d}.step{step:012d}")
+
+
+def base_of(path: str) -> str:
+    """Strip ``.hdr`` / ``.data`` from a shard path."""
+    for ext in (".hdr", ".data"):
+        if path.endswith(ext):
+            return path[: -len(ext)]
+    return path
+
+
+def read_header(path: str) -> dict | None:
+    """The parsed header of a shard, or None when it is absent or not complete."""
+    try:
+        with open(base_of(path) + ".hdr", "rb") as f:
+            hdr = json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(hdr, dict) or hdr.get("format") != FORMAT or hdr.get("complete") != 1:
+        return None
+    return hdr
+
+
+def write_header(base: str, hdr: dict) -> None:
+    """Write a header atomically (temp file then rename) — the commit point of a shard."""
+    tmp = f"{base}.hdr.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(hdr, separators=(",", ":")).encode())
+    os.replace(tmp, base + ".hdr")
+
+
+def crc_of(view, crc: int = 0) -> int:
+    """CRC32 of a bytes-like object, in chunks (zlib releases the GIL on each)."""
+    mv = memoryview(view).cast("B")
+    for i in range(0, len(mv), CRC_CHUNK):
+        crc = zlib.crc32(mv[i:i + CRC_CHUNK], crc)
+    return crc
+
+
+def meta_bytes(hdr: dict) -> bytes:
+    """The pickled metadata section of a header."""
+    return base64.b64decode(hdr["meta"])
+
+
+def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]:
+    """Complete shards in `dir` as sorted (rank, step, header path); the checksum is not verified."""
+    out = []
+    try:
+        names = os.listdir(dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = _NAME.match(name)
+        if not m or (rank is not None and int(m.group(1)) != rank):
+            continue
+        path = os.path.join(dir, name)
+        hdr = read_header(path)
+        if hdr is not None and hdr.get("rank") == int(m.group(1)):
+            out.append((hdr["rank"], hdr["step"], path))
+    out.sort()
+    return out
+
+
+def verify_shard(path: str) -> dict:
+    """Re-read a shard's data and check it against its header; returns the header or raises CorruptShard."""
+    hdr = read_header(path)
+    if hdr is None:
+        raise CorruptShard(f"{base_of(path)}: no complete header")
+    crc = 0
+    try:
+        with open(base_of(path) + ".data", "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < hdr["nbytes"]:
+                raise CorruptShard(f"{base_of(path)}: data is {size} bytes, header says {hdr['nbytes']}")
+            if hdr["nbytes"]:
+                with mmap.mmap(f.fileno(), hdr["nbytes"], prot=mmap.PROT_READ) as mm:
+                    crc = crc_of(mm)
+    except FileNotFoundError:
+        raise CorruptShard(f"{base_of(path)}: data file missing") from None
+    crc = zlib.crc32(meta_bytes(hdr), crc)
+    if crc != hdr["checksum"]:
+        raise CorruptShard(f"{base_of(path)}: checksum {crc:08x} != header {hdr['checksum']:08x}")
+    return hdr
+
+
+def encode_shard(path: str) -> tuple[dict, memoryview]:
+    """(header, read-only view of the data bytes) of a complete shard, for shipping to a peer.
+
+    The view maps the file: call ``view.release()`` when done. The slot may be overwritten by its
+    worker two steps later; use `still_current` after copying to know the copy is consistent.
+    """
+    hdr = read_header(path)
+    if hdr is None:
+        raise CorruptShard(f"{base_of(path)}: no complete header")
+    n = hdr["nbytes"]
+    if n == 0:
+        return hdr, memoryview(b"")
+    with open(base_of(path) + ".data", "rb") as f:
+        if os.fstat(f.fileno()).st_size < n:
+            raise CorruptShard(f"{base_of(path)}: data shorter than header's nbytes")
+        mm = mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ)
+    return hdr, memoryview(mm)
+
+
+def still_current(path: str, hdr: dict) -> bool:
+    """True when the shard at `path` still holds the step (and checksum) that `hdr` describes.
+
+    Writers unlink the header before touching the data, so a header that is unchanged after a
+    read proves the data was not overwritten during it (a seqlock).
+    """
+    now = read_header(path)
+    return now is not None and now["step"] == hdr["step"] and now["checksum"] == hdr["checksum"]
+
+
+# ----------------------------------------------------------------------------- pickling
+
+def _eligible(obj) -> bool:
+    import torch
+    return (isinstance(obj, torch.Tensor) and (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
+            and obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, buf):
+        super().__init__(buf, protocol=5)
+        self.tensors: list = []
+        self._ids: dict[int, int] = {}
+
+    def persistent_id(self, obj):
+        if _eligible(obj):
+            idx = self._ids.get(id(obj))
+            if idx is None:
+                idx = self._ids[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return ("t", idx)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, buf, tensors):
+        super().__init__(buf)
+        self._tensors = tensors
+
+    def persistent_load(self, pid):
+        if pid[0] != "t":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return self._tensors[pid[1]]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _plan(tensors) -> tuple[list[dict], int]:
+    """Tensor table (dtype, shape, offset, nbytes, …) and total data size for a list of tensors."""
+    table, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        table.append({"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": n,
+                      "param": type(t).__name__ == "Parameter", "requires_grad": bool(t.requires_grad)})
+        off += (n + ALIGN - 1) // ALIGN * ALIGN
+    return table, off
+
+
+# ----------------------------------------------------------------------------- writer
+
+class _Slot:
+    def __init__(self, base: str):
+        self.base = base
+        self.capacity = 0
+        self.buf = None           # torch uint8 tensor mapping base.data
+        self.layout_key = None    # tuple of (offset, nbytes) last written
+        self.pending: Future | None = None
+
+
+class MemCheckpointer:
+    """Snapshots one rank's state into two preallocated shared-memory slots, alternately.
+
+    `snapshot` blocks only for the tensor copies; the checksum and header commit run on a
+    background thread. Not thread-safe: call it from the training thread.
+    """
+
+    def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05):
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        self.dir = dir
+        self.rank = rank
+        self.layout = dict(layout or {})
+        self.headroom = headroom
+        os.makedirs(dir, exist_ok=True)
+        self._slots = [_Slot(slot_base(dir, rank, k)) for k in (0, 1)]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}")
+        self._last_step: int | None = None
+
+    # -- allocation
+    def _ensure(self, slot: _Slot, nbytes: int) -> None:
+        import torch
+        if slot.buf is not None and slot.capacity >= nbytes:
+            return
+        cap = max(ALIGN, int(nbytes * (1 + self.headroom)) // ALIGN * ALIGN + ALIGN)
+        path = slot.base + ".data"
+        slot.buf = None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, cap)
+        finally:
+            os.close(fd)
+        buf = torch.from_file(path, shared=True, size=cap, dtype=torch.uint8)
+        buf.zero_()               # first touch now, not during a step
+        slot.buf, slot.capacity, slot.layout_key = buf, cap, None
+
+    # -- public API
+    def snapshot(self, state: Any, step: int) -> None:
+        """Copy `state` (nested tensors / picklable values) into slot step % 2; commit in the background."""
+        import torch
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        slot = self._slots[step % 2]
+        if slot.pending is not None:
+            fut, slot.pending = slot.pending, None
+            fut.result()          # previous write of this slot must be finished (re-raises its error)
+        buf = io.BytesIO()
+        p = _Pickler(buf)
+        try:
+            p.dump(state)
+        except Exception as e:
+            raise ValueError(f"checkpoint state is not picklable: {e}") from e
+        meta = buf.getvalue()
+        table, nbytes = _plan(p.tensors)
+        self._ensure(slot, nbytes)
+        try:                      # invalidate first: a crash from here on never looks complete
+            os.unlink(slot.base + ".hdr")
+        except FileNotFoundError:
+            pass
+        key = tuple((e["offset"], e["nbytes"]) for e in table)
+        if key != slot.layout_key:
+            slot.buf[:nbytes].zero_()  # keep padding bytes zero so the checksum is deterministic
+        with torch.no_grad():
+            for t, e in zip(p.tensors, table):
+                n = e["nbytes"]
+                if n == 0:
+                    continue
+                dst = slot.buf[e["offset"]:e["offset"] + n].view(t.dtype).view(t.shape)
+                dst.copy_(t.detach())
+        slot.layout_key = key
+        hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
+               "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
+        slot.pending = self._pool.submit(self._commit, slot, hdr, meta)
+        self._last_step = step
+
+    def _commit(self, slot: _Slot, hdr: dict, meta: bytes) -> None:
+        n = hdr["nbytes"]
+        crc = crc_of(slot.buf[:n].numpy()) if n else 0
+        hdr["checksum"] = zlib.crc32(meta, crc)
+        write_header(slot.base, hdr)
+
+    def wait(self) -> None:
+        """Block until every submitted snapshot is committed; re-raises a background failure."""
+        for slot in self._slots:
+            if slot.pending is not None:
+                fut, slot.pending = slot.pending, None
+                fut.result()
+
+    def close(self) -> None:
+        """Wait for pending commits and stop the background thread (the slots stay on disk)."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            for slot in self._slots:
+                slot.buf = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----------------------------------------------------------------------------- reader
+
+def latest(dir: str, rank: int) -> tuple[int, str] | None:
+    """(step, shard path) of the newest complete shard of `rank` in `dir`, or None (checksum not verified)."""
+    shards = list_shards(dir, rank)
+    if not shards:
+        return None
+    _, step, path = shards[-1]
+    return step, path
+
+
+def _resolve(path_or_dir: str, rank: int, step: int | None) -> str:
+    if os.path.isdir(path_or_dir):
+        shards = [(s, p) for _, s, p in list_shards(path_or_dir, rank) if step is None or s == step]
+        if not shards:
+            what = "any step" if step is None else f"step {step}"
+            raise FileNotFoundError(f"no complete shard of rank {rank} for {what} in {path_or_dir}")
+        return shards[-1][1]
+    return base_of(path_or_dir) + ".hdr"
+
+
+def load(path_or_dir: str, rank: int, step: int | None = None, map_location=None) -> tuple[int, Any]:
+    """(step, state) from a shard path or a directory (newest step, or `step`), checksum verified.
+
+    Tensors are fresh CPU tensors (each with its own storage), moved to `map_location` if given.
+    Raises CorruptShard on any mismatch, FileNotFoundError when no such shard exists.
+    """
+    import torch
+    path = _resolve(path_or_dir, rank, step)
+    hdr = read_header(path)
+    if hdr is None:
+        raise CorruptShard(f"{base_of(path)}: no complete header")
+    if hdr["rank"] != rank or (step is not None and hdr["step"] != step):
+        raise ValueError(f"{path} holds rank {hdr['rank']} step {hdr['step']}, not rank {rank} step {step}")
+    tensors, crc, pos = [], 0, 0
+    try:
+        f = open(base_of(path) + ".data", "rb")
+    except FileNotFoundError:
+        raise CorruptShard(f"{base_of(path)}: data file missing") from None
+    with f:
+        def read_into(view) -> None:
+            got = f.readinto(view)
+            if got != len(view):
+                raise CorruptShard(f"{base_of(path)}: data truncated")
+        for e in hdr["tensors"]:
+            if e["offset"] > pos:
+                gap = bytearray(e["offset"] - pos)
+                read_into(gap)
+                crc = zlib.crc32(gap, crc)
+            t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            if e["nbytes"]:
+                raw = t.reshape(-1).view(torch.uint8).numpy()
+                read_into(raw)
+                crc = crc_of(raw, crc)
+            pos = e["offset"] + e["nbytes"]
+            tensors.append(t)
+        if hdr["nbytes"] > pos:
+            gap = bytearray(hdr["nbytes"] - pos)
+            read_into(gap)
+            crc = zlib.crc32(gap, crc)
+    meta = meta_bytes(hdr)
+    crc = zlib.crc32(meta, crc)
+    if crc != hdr["checksum"]:
+        raise CorruptShard(f"{base_of(path)}: checksum {crc:08x} != header {hdr['checksum']:08x}")
+    out = []
+    for t, e in zip(tensors, hdr["tensors"]):
+        if map_location is not None:
+            t = t.to(map_location)
+        if e["param"]:
+            t = torch.nn.Parameter(t, requires_grad=e["requires_grad"])
+        elif e["requires_grad"]:
+            t.requires_grad_(True)
+        out.append(t)
+    return hdr["step"], _Unpickler(io.BytesIO(meta), out).load()

@@ -1,0 +1,217 @@
+"""MemCheckpointer: bit-exact round trip, double buffering, interrupted writes, corruption."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from stalwart.worker import memckpt
+from stalwart.worker.memckpt import CorruptShard, MemCheckpointer, latest, load
+
+
+@pytest.fixture
+def shm_dir():
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="stalwart-test-memckpt-", dir=root)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _model_and_opt(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.LayerNorm(32), torch.nn.Linear(32, 50))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train_step(model, opt, gen):
+    x = torch.randint(0, 50, (8,), generator=gen)
+    loss = torch.nn.functional.cross_entropy(model(x), x)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _state(model, opt, gen, step):
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+            "rng": {"torch": torch.get_rng_state(), "gen": gen.get_state(), "py": random.getstate(),
+                    "np": np.random.get_state()},
+            "blob": b"\x00\x01opaque", "lr": 1e-2}
+
+
+def _assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.mark.timeout(30)
+def test_round_trip_is_bit_exact_and_training_continues_identically(shm_dir):
+    model, opt = _model_and_opt()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _train_step(model, opt, gen)
+    state = _state(model, opt, gen, 3)
+    with MemCheckpointer(shm_dir, rank=5, layout={"tp": 2, "pp": 1, "dp": 4}) as ck:
+        ck.snapshot(state, 3)
+        ck.wait()
+    step, restored = load(shm_dir, 5)
+    assert step == 3
+    _assert_same(state, restored)
+    assert restored["model"]._metadata == state["model"]._metadata     # load_state_dict versioning kept
+    # continue from the restored copy: the next step is bit-identical to the original's
+    model2, opt2 = _model_and_opt(seed=99)
+    model2.load_state_dict(restored["model"])
+    opt2.load_state_dict(restored["optim"])
+    gen2 = torch.Generator()
+    gen2.set_state(restored["rng"]["gen"])
+    assert torch.equal(_train_step(model, opt, gen), _train_step(model2, opt2, gen2))
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.timeout(30)
+def test_odd_tensors_dtypes_views_and_shared_tensors(shm_dir):
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    shared = torch.randn(5)
+    state = {"bf16": torch.randn(7, 3).to(torch.bfloat16), "bool": torch.tensor([True, False, True]),
+             "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "i8": torch.arange(-5, 5, dtype=torch.int8),
+             "noncontig": base.t()[1:, ::2], "a": shared, "b": shared, "cplx": torch.randn(3, dtype=torch.cfloat),
+             "param": torch.nn.Parameter(torch.ones(2, 2)), "sparse": torch.eye(3).to_sparse()}
+    with MemCheckpointer(shm_dir, rank=0) as ck:
+        ck.snapshot(state, 0)
+    _, out = load(shm_dir, 0)
+    for k in ("bf16", "bool", "scalar", "empty", "i8", "noncontig", "a", "cplx"):
+        assert out[k].dtype == state[k].dtype and torch.equal(out[k], state[k]), k
+    assert out["a"] is out["b"]                       # one tensor referenced twice stays one tensor
+    assert isinstance(out["param"], torch.nn.Parameter) and out["param"].requires_grad
+    assert torch.equal(out["sparse"].to_dense(), torch.eye(3))
+    out["a"].add_(1)                                  # restored tensors own their memory
+    assert not torch.equal(out["a"], state["a"])
+
+
+@pytest.mark.timeout(30)
+def test_double_buffering_alternates_slots(shm_dir):
+    with MemCheckpointer(shm_dir, rank=2) as ck:
+        for step in range(3):
+            ck.snapshot({"w": torch.full((1000,), float(step))}, step)
+            ck.wait()
+            assert latest(shm_dir, 2)[0] == step
+        hdr0 = memckpt.read_header(memckpt.slot_base(shm_dir, 2, 0))
+        hdr1 = memckpt.read_header(memckpt.slot_base(shm_dir, 2, 1))
+        assert (hdr0["step"], hdr1["step"]) == (2, 1)
+        assert load(shm_dir, 2, step=1)[1]["w"][0].item() == 1.0
+        assert load(shm_dir, 2)[1]["w"][0].item() == 2.0
+        with pytest.raises(FileNotFoundError):
+            load(shm_dir, 2, step=0)                  # overwritten by step 2
+        assert latest(shm_dir, 3) is None
+
+
+@pytest.mark.timeout(30)
+def test_interrupted_write_never_appears_complete(shm_dir, monkeypatch):
+    state = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
+    with MemCheckpointer(shm_dir, rank=0) as ck:
+        ck.snapshot(state, 0)
+        ck.snapshot(state, 1)
+        ck.wait()
+        real_copy, calls = torch.Tensor.copy_, []
+
+        def crashing_copy(self, src, *a, **kw):       # the process "dies" after 3 tensors of step 2
+            calls.append(1)
+            if len(calls) > 3:
+                raise KeyboardInterrupt("simulated crash mid-copy")
+            return real_copy(self, src, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", crashing_copy)
+        with pytest.raises(KeyboardInterrupt):
+            ck.snapshot({k: v + 100 for k, v in state.items()}, 2)
+        monkeypatch.undo()
+        assert memckpt.read_header(memckpt.slot_base(shm_dir, 0, 0)) is None   # slot 0 half written
+        assert latest(shm_dir, 0)[0] == 1
+        assert torch.equal(load(shm_dir, 0)[1]["t7"], state["t7"])
+        ck.snapshot(state, 2)                          # the checkpointer recovers on the next step
+        ck.wait()
+        assert latest(shm_dir, 0)[0] == 2
+
+
+@pytest.mark.timeout(30)
+def test_flipped_byte_raises_corrupt_shard(shm_dir):
+    with MemCheckpointer(shm_dir, rank=1) as ck:
+        ck.snapshot({"w": torch.randn(4096), "n": 7}, 10)
+    step, path = latest(shm_dir, 1)
+    assert step == 10 and memckpt.verify_shard(path)["step"] == 10
+    data = memckpt.base_of(path) + ".data"
+    with open(data, "r+b") as f:
+        f.seek(1234)
+        b = f.read(1)
+        f.seek(1234)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptShard):
+        load(shm_dir, 1)
+    with pytest.raises(CorruptShard):
+        memckpt.verify_shard(path)
+    with open(data, "r+b") as f:                       # restore the byte, then corrupt the metadata instead
+        f.seek(1234)
+        f.write(b)
+    load(shm_dir, 1)
+    hdr = memckpt.read_header(path)
+    meta = bytearray(memckpt.meta_bytes(hdr))
+    meta[-3] ^= 0x01
+    hdr["meta"] = __import__("base64").b64encode(bytes(meta)).decode()
+    memckpt.write_header(memckpt.base_of(path), hdr)
+    with pytest.raises(CorruptShard):
+        load(path, 1)
+
+
+@pytest.mark.timeout(30)
+def test_truncated_data_and_bad_input(shm_dir):
+    with MemCheckpointer(shm_dir, rank=0) as ck:
+        with pytest.raises(ValueError):
+            ck.snapshot({"w": torch.zeros(3)}, -1)
+        with pytest.raises(ValueError):
+            ck.snapshot({"f": lambda: 0}, 0)
+        ck.snapshot({"w": torch.zeros(1 << 16)}, 0)
+    path = latest(shm_dir, 0)[1]
+    os.truncate(memckpt.base_of(path) + ".data", 1000)
+    with pytest.raises(CorruptShard):
+        load(path, 0)
+    with pytest.raises(ValueError):
+        MemCheckpointer(shm_dir, rank=-1)
+
+
+@pytest.mark.timeout(30)
+def test_slot_grows_and_header_is_json(shm_dir):
+    with MemCheckpointer(shm_dir, rank=0) as ck:
+        ck.snapshot({"w": torch.ones(10)}, 0)
+        ck.snapshot({"w": torch.ones(100000)}, 2)     # same slot, larger: reallocated
+        ck.wait()
+    _, path = latest(shm_dir, 0)
+    with open(path) as f:
+        hdr = json.load(f)
+    assert hdr["complete"] == 1 and hdr["step"] == 2 and hdr["nbytes"] >= 400000
+    assert torch.equal(load(path, 0)[1]["w"], torch.ones(100000))
+    hdr_view, view = memckpt.encode_shard(path)
+    assert len(view) == hdr_view["nbytes"] and memckpt.still_current(path, hdr_view)
+    view.release()
