@@ -194,12 +194,16 @@ def test_loss_decreases_over_40_steps(runs):
 @pytest.mark.timeout(240)
 def test_restore_from_checkpoint_continues_exactly(runs, tmp_path):
     full, _ = runs(1, 2, 2, 5)
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = run_ranks(tmp_path / "a", 1, 2, 2, 3, "--ckpt-every", "1", "--ckpt-dir", ckpt)
-    resumed, _ = run_ranks(tmp_path / "b", 1, 2, 2, 5, "--ckpt-every", "1", "--ckpt-dir", ckpt)
+    ckpt = tmp_path / "ckpt"
+    first, _ = run_ranks(tmp_path / "a", 1, 2, 2, 3, "--ckpt-every", "1", "--ckpt-dir", str(ckpt))
     assert [m["step"] for m in first] == [0, 1, 2]
-    assert [m["step"] for m in resumed] == [3, 4]
-    assert [m["loss"] for m in first + resumed] == [m["loss"] for m in full]
+    assert len(list(ckpt.glob("step*-rank0.pt"))) == 2  # only the newest two are kept
+    # Rank 3 "died" before saving step 2: every rank must resume from step 1 together.
+    (ckpt / "step00000002-rank3.pt").unlink()
+    resumed, _ = run_ranks(tmp_path / "b", 1, 2, 2, 5, "--ckpt-every", "1",
+                           "--ckpt-dir", str(ckpt))
+    assert [m["step"] for m in resumed] == [2, 3, 4]
+    assert [m["loss"] for m in first[:2] + resumed] == [m["loss"] for m in full]
 
 
 @pytest.mark.timeout(60)

@@ -121,15 +121,33 @@ class PlainContext:
                     groups[kind], mine[kind] = pg, ranks
         return cls(rank, world, topo.coords(rank), groups, mine, ckpt_dir=ckpt_dir)
 
-    def _path(self) -> str:
-        return os.path.join(self.ckpt_dir, f"rank{self.rank}.pt")
+    def _path(self, step: int) -> str:
+        return os.path.join(self.ckpt_dir, f"step{step:08d}-rank{self.rank}.pt")
+
+    def _saved_steps(self) -> list[int]:
+        if not self.ckpt_dir or not os.path.isdir(self.ckpt_dir):
+            return []
+        tail = f"-rank{self.rank}.pt"
+        return sorted(int(n[4:-len(tail)]) for n in os.listdir(self.ckpt_dir)
+                      if n.startswith("step") and n.endswith(tail))
 
     def restore(self) -> tuple[int, dict | None]:
-        """(0, None) on a fresh start, else (step after the checkpoint, the saved state)."""
-        if not self.ckpt_dir or not os.path.exists(self._path()):
+        """(0, None) on a fresh start, else (step after the checkpoint, the saved state).
+
+        The step is the newest one every rank holds (a world all-reduce MIN), so ranks that
+        died one checkpoint apart still resume together.
+        """
+        saved = self._saved_steps()
+        newest = torch.tensor([saved[-1] if saved else -1])
+        if self.world_size > 1:
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        step = int(newest)
+        if step < 0:
             return 0, None
-        saved = torch.load(self._path(), weights_only=False)
-        return saved["step"] + 1, saved["state"]
+        if step not in saved:
+            raise ValueError(f"rank {self.rank} has no checkpoint of step {step} in "
+                             f"{self.ckpt_dir} (has {saved})")
+        return step + 1, torch.load(self._path(step), weights_only=True)
 
     def begin_step(self, step: int) -> None:
         """Nothing to do without an agent."""
@@ -141,13 +159,16 @@ class PlainContext:
         """Nothing to report to without an agent (``train`` prints the metrics itself)."""
 
     def checkpoint(self, state: dict, step: int) -> None:
-        """Save this rank's state atomically when a checkpoint directory is set."""
+        """Save this rank's state after ``step`` atomically (keeping the newest two) when a
+        checkpoint directory is set; otherwise do nothing."""
         if not self.ckpt_dir:
             return
         os.makedirs(self.ckpt_dir, exist_ok=True)
-        tmp = self._path() + ".tmp"
-        torch.save({"step": step, "state": state}, tmp)
-        os.replace(tmp, self._path())
+        tmp = self._path(step) + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self._path(step))
+        for old in self._saved_steps()[:-2]:
+            os.remove(self._path(old))
 
     def finish(self) -> None:
         """Leave the process group."""
