@@ -1,0 +1,152 @@
+"""Fail-slow (MFU decline) localization (ByteRobust §5, papers.md §1.6).
+
+A slow machine does not stop the job, it drags it: stacks differ only now and
+then.  So stack aggregation is repeated (every 10 s in the paper); each round
+flags the parallel group holding the most outliers; after 5 rounds the group with
+the most cumulative flags is the degrader and is over-evicted.
+
+Groups are compared as fault domains: a group is the set of machines its ranks
+live on, and "outliers in a group" counts the outlier ranks located on those
+machines.  Two groups of one kind on the same machines (the tp=0 and tp=1 copies
+of a pipeline) are one domain.  Ties: fewest machines, then kind order tp, cp,
+ep, pp, dp (narrowest fault domain first), then lowest machines.
+
+Also two pure signals that start the rounds: :func:`throughput_drop` on the step
+times, and :func:`slow_ranks` from per-rank compute/wait split.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Iterable, Mapping, Sequence
+
+KIND_ORDER = ("tp", "cp", "ep", "pp", "dp")
+
+Domain = tuple[str, tuple[int, ...]]  # (kind, machines)
+
+
+def domains(topo: Any) -> list[Domain]:
+    """Every distinct (kind, machines) fault domain of a topology (groups of size > 1)."""
+    seen: dict[Domain, None] = {}
+    for kind in KIND_ORDER:
+        if topo.size(kind) == 1:
+            continue
+        for g in topo.groups(kind):
+            seen.setdefault((kind, tuple(topo.machines_of(g))), None)
+    return list(seen)
+
+
+def _order(d: Domain) -> tuple:
+    return (len(d[1]), KIND_ORDER.index(d[0]), d[1])
+
+
+def flag_round(outliers: Iterable[int], topo: Any) -> Domain | None:
+    """The domain holding the most outlier ranks (ties: fewest machines, kind order)."""
+    per_machine = Counter(topo.machine_of(r) for r in outliers)
+    if not per_machine:
+        return None
+    best, best_key = None, None
+    for d in domains(topo):
+        count = sum(per_machine[m] for m in d[1])
+        if count == 0:
+            continue
+        key = (-count,) + _order(d)
+        if best_key is None or key < best_key:
+            best, best_key = d, key
+    return best
+
+
+@dataclass
+class FailSlowRounds:
+    """Cumulative flags over aggregation rounds; a verdict after ``rounds`` rounds.
+
+    Only the last ``rounds`` rounds count (a sliding window), so a job that keeps
+    sampling gets a fresh verdict each round once the window is full.
+    """
+
+    rounds: int = 5
+    history: list[tuple[float, Domain | None]] = field(default_factory=list)
+    _topo: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+
+    def add_round(self, agg_outliers: Sequence[int], topo: Any, now: float) -> Domain | None:
+        """Record one aggregation round's outliers at time ``now``; return the flagged domain."""
+        if self._topo is not None and topo != self._topo:
+            raise ValueError("fail-slow rounds must all use the same topology")
+        if self.history and now < self.history[-1][0]:
+            raise ValueError(f"rounds must move forward in time ({now} < {self.history[-1][0]})")
+        self._topo = topo
+        flagged = flag_round(agg_outliers, topo)
+        self.history.append((now, flagged))
+        return flagged
+
+    def flags(self) -> Counter:
+        """Flag count per domain over the counted (last ``rounds``) rounds."""
+        return Counter(d for _, d in self.history[-self.rounds:] if d is not None)
+
+    @property
+    def ready(self) -> bool:
+        """True once ``rounds`` rounds have been recorded."""
+        return len(self.history) >= self.rounds
+
+    def verdict(self) -> tuple[str, list[int]] | None:
+        """``(kind, machines)`` of the most-flagged domain, or None (not ready / nothing flagged)."""
+        flags = self.flags()
+        if not self.ready or not flags:
+            return None
+        kind, machines = min(flags, key=lambda d: (-flags[d],) + _order(d))
+        return kind, list(machines)
+
+
+def throughput_drop(step_times: Sequence[float], baseline_n: int = 20, recent_n: int = 5,
+                    drop: float = 0.3) -> bool:
+    """True when the last ``recent_n`` steps run at < (1 - drop) of the baseline throughput.
+
+    Baseline: median step time of the ``baseline_n`` steps just before the recent
+    ones; recent: median of the last ``recent_n``.  Medians ignore a lone slow
+    step (a checkpoint, a GC pause).  False until enough steps exist.
+    """
+    if baseline_n < 1 or recent_n < 1:
+        raise ValueError(f"baseline_n and recent_n must be >= 1 (got {baseline_n}, {recent_n})")
+    if not 0 < drop < 1:
+        raise ValueError(f"drop must be a fraction in (0, 1), got {drop}")
+    if any(t <= 0 for t in step_times):
+        raise ValueError("step times must be positive")
+    if len(step_times) < baseline_n + recent_n:
+        return False
+    recent = median(step_times[-recent_n:])
+    base = median(step_times[-(baseline_n + recent_n):-recent_n])
+    return 1.0 / recent < (1.0 - drop) / base
+
+
+def slow_ranks(per_rank_step_time: Mapping[int, float], per_rank_wait_time: Mapping[int, float],
+               compute_ratio: float = 1.25, wait_ratio: float = 0.5,
+               min_peer_wait: float = 0.1) -> list[int]:
+    """Ranks that compute slowly while their peers wait on them.
+
+    compute = step - wait.  A rank is slow when its compute time is at least
+    ``compute_ratio`` x the median compute AND its collective-wait time is at most
+    ``wait_ratio`` x the median wait, and the peers really wait: the median wait
+    is at least ``min_peer_wait`` of the median step time.  (A rank that is slow
+    because it waits on someone else has high wait, not high compute.)
+    """
+    if set(per_rank_step_time) != set(per_rank_wait_time):
+        raise ValueError("step and wait times must cover the same ranks")
+    for r, s in per_rank_step_time.items():
+        w = per_rank_wait_time[r]
+        if s <= 0 or w < 0 or w > s:
+            raise ValueError(f"rank {r}: need 0 <= wait <= step and step > 0 (step={s}, wait={w})")
+    if len(per_rank_step_time) < 3:
+        return []
+    compute = {r: per_rank_step_time[r] - per_rank_wait_time[r] for r in per_rank_step_time}
+    med_c = median(compute.values())
+    med_w = median(per_rank_wait_time.values())
+    if med_w < min_peer_wait * median(per_rank_step_time.values()):
+        return []
+    return sorted(r for r in compute
+                  if compute[r] >= compute_ratio * med_c and per_rank_wait_time[r] <= wait_ratio * med_w)

@@ -1,0 +1,118 @@
+"""Fail-slow rounds, throughput drop and slow-rank detection."""
+
+import pytest
+
+from stalwart.analyzer.failslow import (FailSlowRounds, domains, flag_round, slow_ranks,
+                                        throughput_drop)
+from stalwart.topology import Topology
+
+TOPO = Topology(machines=16, gpus_per_machine=2, tp=2, pp=4, dp=4)
+
+
+def ranks_on(*machines):
+    return [r for m in machines for r in TOPO.ranks_of_machine(m)]
+
+
+def test_domains_merge_groups_on_the_same_machines():
+    ds = domains(TOPO)
+    assert ("pp", (3, 7, 11, 15)) in ds and ("dp", (12, 13, 14, 15)) in ds and ("tp", (15,)) in ds
+    assert len(ds) == len(set(ds)) == 16 + 4 + 4  # tp per machine, pp per replica, dp per stage
+
+
+def test_flag_round_picks_group_with_most_outliers_then_smallest():
+    assert flag_round(ranks_on(3, 7, 11, 15), TOPO) == ("pp", (3, 7, 11, 15))
+    assert flag_round(ranks_on(15), TOPO) == ("tp", (15,))      # tie 2/2/2: fewest machines
+    assert flag_round([30], TOPO) == ("tp", (15,))
+    assert flag_round(ranks_on(12, 14), TOPO) == ("dp", (12, 13, 14, 15))
+    assert flag_round([], TOPO) is None
+    # kind order breaks a tie between equally small groups: pp before dp
+    t = Topology(machines=4, gpus_per_machine=1, pp=2, dp=2)
+    assert flag_round([0], t) == ("pp", (0, 2))
+
+
+def test_five_noisy_rounds_find_the_degrader():
+    """Machine 11 is slow; rounds also catch its pipeline neighbour 7 or a noise rank."""
+    rounds = FailSlowRounds()
+    seen = [ranks_on(11), ranks_on(11, 7), ranks_on(11) + [0], ranks_on(11, 7), ranks_on(11)]
+    for i, outliers in enumerate(seen):
+        assert rounds.add_round(outliers, TOPO, now=10.0 * i) is not None
+        if i < 4:
+            assert rounds.verdict() is None
+    assert rounds.flags() == {("tp", (11,)): 3, ("pp", (3, 7, 11, 15)): 2}
+    assert rounds.verdict() == ("tp", [11])
+
+
+def test_pipeline_that_keeps_lagging_together_is_over_evicted():
+    rounds = FailSlowRounds()
+    for i, outliers in enumerate([ranks_on(11, 7), ranks_on(11), ranks_on(3, 11), ranks_on(7, 15),
+                                  ranks_on(15)]):
+        rounds.add_round(outliers, TOPO, now=10.0 * i)
+    assert rounds.verdict() == ("pp", [3, 7, 11, 15])
+
+
+def test_verdict_counts_cumulative_flags_and_slides():
+    r = FailSlowRounds(rounds=3)
+    r.add_round(ranks_on(3, 7, 11, 15), TOPO, 0)
+    r.add_round(ranks_on(5), TOPO, 10)
+    r.add_round(ranks_on(3, 7), TOPO, 20)
+    assert r.flags()[("pp", (3, 7, 11, 15))] == 2
+    assert r.verdict() == ("pp", [3, 7, 11, 15])
+    r.add_round(ranks_on(5), TOPO, 30)
+    r.add_round([], TOPO, 40)  # a clean round flags nothing
+    assert r.verdict() == ("tp", [5])  # window now: [3,7], [5], []: tie 1-1 -> smaller domain
+
+
+def test_rounds_without_outliers_give_no_verdict():
+    r = FailSlowRounds()
+    for i in range(5):
+        assert r.add_round([], TOPO, i) is None
+    assert r.ready and r.verdict() is None
+
+
+def test_rounds_refuse_bad_input():
+    with pytest.raises(ValueError, match="positive"):
+        FailSlowRounds(rounds=0)
+    r = FailSlowRounds()
+    r.add_round([1], TOPO, 10)
+    with pytest.raises(ValueError, match="forward"):
+        r.add_round([1], TOPO, 5)
+    with pytest.raises(ValueError, match="same topology"):
+        r.add_round([1], Topology(machines=4, gpus_per_machine=2, tp=2, pp=2, dp=2), 20)
+
+
+def test_throughput_drop():
+    steady = [1.0 + 0.02 * (i % 3) for i in range(25)]
+    assert not throughput_drop(steady)
+    assert throughput_drop(steady[:20] + [1.6] * 5)           # 1/1.6 = 62% of the baseline
+    assert not throughput_drop(steady[:20] + [1.3] * 5)       # 77%: within 30%
+    assert not throughput_drop(steady[:20] + [1.0, 5.0, 1.0, 1.0, 1.0])  # one slow step
+    assert not throughput_drop([1.0] * 10 + [3.0] * 5)        # not enough history
+    assert throughput_drop([1.0] * 10 + [3.0] * 5, baseline_n=10)
+    with pytest.raises(ValueError, match="fraction"):
+        throughput_drop(steady, drop=1.5)
+    with pytest.raises(ValueError, match="positive"):
+        throughput_drop([1.0, 0.0])
+
+
+def test_slow_ranks_high_compute_low_wait():
+    step = {r: 2.0 for r in range(8)}
+    wait = {r: 0.8 + 0.05 * r for r in range(8)}
+    wait[5] = 0.02  # rank 5 computes 1.98 s while the others wait ~0.9 s on it
+    assert slow_ranks(step, wait) == [5]
+
+
+def test_slow_ranks_nothing_when_healthy_or_nobody_waits():
+    step = {r: 1.0 for r in range(8)}
+    assert slow_ranks(step, {r: 0.3 for r in range(8)}) == []
+    assert slow_ranks(step, {r: 0.0 for r in range(8)}) == []   # no one waits: no straggler
+    wait = {r: 0.3 for r in range(8)}
+    wait[3] = 0.6                                               # waits more: a victim, not slow
+    assert slow_ranks(step, wait) == []
+    assert slow_ranks({0: 1.0, 1: 1.0}, {0: 0.0, 1: 0.5}) == []
+
+
+def test_slow_ranks_refuses_bad_input():
+    with pytest.raises(ValueError, match="same ranks"):
+        slow_ranks({0: 1.0}, {1: 0.5})
+    with pytest.raises(ValueError, match="wait <= step"):
+        slow_ranks({0: 1.0, 1: 1.0, 2: 1.0}, {0: 2.0, 1: 0.0, 2: 0.0})
