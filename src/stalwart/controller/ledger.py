@@ -375,8 +375,11 @@ def compute(events: list[dict], now: float, window_s: float = 3600.0) -> Ledger:
     ``events`` are ``{"t", "kind", "data"}`` dicts sorted by ``t``; the wall interval runs
     from ``job_submitted`` to ``job_finished`` (or ``now``; events after ``now`` are
     ignored).  ETTR is 0.0 for a zero-length wall.  ``window_ettr`` covers the last
-    ``window_s`` seconds ending at the end (clipped to job start).  Raises ValueError on
-    a malformed or unsorted log.
+    ``window_s`` seconds ending at the end (clipped to job start).  ``incidents`` maps an
+    incident id to {symptom, planned, detection, localization, failover, hot_update,
+    lost_progress, injected_at, detected_at, localized_at, resumed_at}; the *_at fields
+    are seconds since job start (None when unknown).  Raises ValueError on a malformed or
+    unsorted log.
     """
     win = _check_window(window_s)
     built = _build(events, now)
