@@ -236,6 +236,13 @@ def test_outliers_without_shared_group_evict_their_machines_unless_too_wide():
     assert d.kind is None and d.machines == [] and "not evicting" in d.reason
 
 
+def test_shared_group_larger_than_half_the_job_falls_back_to_outlier_machines():
+    topo = Topology(machines=4, gpus_per_machine=1, pp=1, dp=4)
+    agg = aggregate(job_stacks(topo, lambda r: RECV_BWD if r == 2 else GRAD_SYNC))
+    assert (decide_eviction(agg, topo).kind, decide_eviction(agg, topo).machines) == ("machines", [2])
+    assert decide_eviction(agg, topo, max_fraction=1.0).machines == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- ties, identical
 def test_all_identical_evicts_nothing():
     topo = fig7_topology()
@@ -306,3 +313,56 @@ def test_child_order_does_not_matter_and_empty_input_is_refused():
 
 if __name__ == "__main__":
     write_fig7_fixture()
+
+
+# ---------------------------------------------------------------- live py-spy
+LIVE_SCRIPT = '''
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+def grad_sync(): time.sleep(60)
+def recv_backward(): time.sleep(60)
+def step(stuck):
+    recv_backward() if stuck else grad_sync()
+pool = ThreadPoolExecutor(2)
+pool.submit(int).result()
+print("ready", flush=True)
+step(sys.argv[1] == "1")
+'''
+
+
+@pytest.mark.timeout(60)
+def test_live_py_spy_dumps_aggregate_to_the_stuck_process(tmp_path):
+    """Three real processes (one stuck elsewhere), dumped with py-spy --json --nonblocking."""
+    import subprocess
+    import sys
+
+    pyspy = pathlib.Path(sys.executable).parent / "py-spy"
+    if not pyspy.exists():
+        pytest.skip("py-spy is not installed next to the interpreter")
+    script = tmp_path / "train_job.py"
+    script.write_text(LIVE_SCRIPT)
+    procs = []
+    try:
+        for stuck in ("0", "1", "0"):
+            procs.append(subprocess.Popen([sys.executable, str(script), stuck],
+                                          stdout=subprocess.PIPE, text=True))
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"  # bounded by the test timeout
+        stacks = []
+        for rank, p in enumerate(procs):
+            dump = subprocess.run([str(pyspy), "dump", "--json", "--nonblocking", "--pid", str(p.pid)],
+                                  capture_output=True, text=True, timeout=20)
+            if dump.returncode != 0:
+                pytest.skip(f"py-spy cannot attach here: {dump.stderr.strip()[:200]}")
+            stacks.append(from_pyspy(dump.stdout, rank=rank, machine=rank))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            p.stdout.close()
+    assert normalize(stacks[1]) == "main: train_job:<module> > train_job:step > train_job:recv_backward"
+    agg = aggregate(stacks)
+    assert agg.outliers == [1] and agg.healthy == [0, 2]
+    d = decide_eviction(agg, Topology(machines=3, gpus_per_machine=1, dp=3))
+    assert (d.kind, d.machines) == ("machines", [1])  # the dp group is the whole job
+    assert "dp group of 3 of 3 machines" in d.reason

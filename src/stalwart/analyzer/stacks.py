@@ -204,9 +204,11 @@ def decide_eviction(agg: Aggregation, topo: Any, max_fraction: float = 0.5) -> E
     """Over-eviction from an aggregation: the smallest parallel group covering the outliers.
 
     No eviction when all ranks agree or the aggregation is ambiguous.  When no
-    single group covers the outliers, their own machines are evicted, unless that
-    is more than ``max_fraction`` of the job's machines (then nothing is evicted
-    and the reason says so: a fault that wide needs stop-time checks instead).
+    group covers the outliers, or the smallest that does holds more than
+    ``max_fraction`` of the job's machines (evicting it would stop the job, not
+    heal it), the outliers' own machines are evicted instead, unless they too are
+    more than ``max_fraction`` of the machines: then nothing is evicted and the
+    reason says so (a fault that wide needs stop-time checks instead).
     """
     out = list(agg.outliers)
     if agg.ambiguous:
@@ -217,14 +219,16 @@ def decide_eviction(agg: Aggregation, topo: Any, max_fraction: float = 0.5) -> E
         n = sum(len(r) for _, r in agg.groups)
         return EvictionDecision(None, [], [], f"all {n} ranks show the same stack")
     shared = topo.shared_group(out)
-    if shared is not None:
+    limit = max_fraction * topo.machines
+    if shared is not None and len(shared[1]) <= limit:
         kind, machines = shared
         return EvictionDecision(kind, list(machines), out,
                                 f"{len(out)} outlier ranks in {len(agg.groups) - 1} stack group(s) "
                                 f"share one {kind} group on machines {list(machines)}")
+    why = ("share no parallel group" if shared is None else
+           f"share only a {shared[0]} group of {len(shared[1])} of {topo.machines} machines")
     machines = topo.machines_of(out)
-    if len(machines) > max_fraction * topo.machines:
+    if len(machines) > limit:
         return EvictionDecision(None, [], out, f"outliers span {len(machines)} of {topo.machines} "
-                                               f"machines and share no parallel group: not evicting")
-    return EvictionDecision("machines", machines, out,
-                            f"outliers share no parallel group; evicting their machines {machines}")
+                                               f"machines and {why}: not evicting")
+    return EvictionDecision("machines", machines, out, f"outliers {why}; evicting their machines {machines}")
