@@ -251,8 +251,11 @@ def cmd_cleanup(a) -> int:
 # -- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stalwart", description="Keep large PyTorch training jobs training through failures.")
-    p.add_argument("--log-level", default="WARNING")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add = sub.add_parser
+    sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)
 
     c = sub.add_parser("controller", help="run the controller service")
     c.add_argument("--db", default=f"sqlite:///{DEFAULT_STATE}/stalwart.db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…)")
@@ -329,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the local cluster could not start: say why, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

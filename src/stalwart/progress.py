@@ -35,7 +35,7 @@ class Progress:
         if self.tty:
             self.stream.write("\r" + line.ljust(len(self.last_line)))
             self.stream.flush()
-        elif step // 20 != self.last_step_printed // 20 or step == total:
+        elif (step // 20 != self.last_step_printed // 20 or (step == total and self.last_step_printed != step)):
             self.stream.write(line + "\n")
             self.last_step_printed = step
         self.last_line = line

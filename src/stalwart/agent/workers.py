@@ -18,6 +18,15 @@ from typing import Callable
 import psutil
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if the agent dies, so no worker outlives its machine."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def tail(path: str, nbytes: int = 8192) -> str:
     """The last `nbytes` of a text file ('' if missing)."""
     try:
@@ -97,7 +106,7 @@ class WorkerSet:
                 with open(out_path, "ab") as out, open(err_path, "ab") as err:
                     proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
                                             stderr=err, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
                 w = Worker(local_rank=i, rank=rank, proc=proc, out_path=out_path, err_path=err_path,
                            run=run)
                 self.workers.append(w)

@@ -232,6 +232,13 @@ class JobRunner:
         self._open_incident(exit_.symptom, ev["t"])
         self.incident["exits"].append(exit_)
 
+    def _agent_done(self, machine: str, ev: dict) -> None:
+        """An SDK worker finished its last step (it exits right after)."""
+        if ev.get("run") == self.run_seq and self.state == "running":
+            self.done_ranks.add(ev["rank"])
+            if len(self.done_ranks) == self.world:
+                self._finish("succeeded", None)
+
     def _agent_stopped(self, machine: str, ev: dict) -> None:
         if self.incident is not None and ev.get("run") == self.run_seq:
             self.incident["awaiting"].discard(machine)

@@ -67,6 +67,7 @@ class Context:
         self._init_process_groups()
         self._step_t0 = time.time()
         self._local_grad_norm: float | None = None
+        self._last_report: float | None = None
         self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
 
     # -- set-up ------------------------------------------------------------------------------
@@ -135,8 +136,13 @@ class Context:
         return c is not None and step >= int(c.get("from_step", 0))
 
     def begin_step(self, step: int) -> None:
-        """Call at the start of every step."""
-        self._step_t0 = time.time()
+        """Call at the start of every step.
+
+        A step's duration runs from the end of the previous step (its report) so that the time
+        between steps (checkpointing, logging) counts as part of training, not as lost time.
+        """
+        if self._last_report is None:
+            self._step_t0 = time.time()
 
     def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
         """Call after backward and before the data-parallel reduction of the gradients."""
@@ -156,6 +162,7 @@ class Context:
                "local_grad_norm": self._local_grad_norm}
         msg.update(extra)
         self.link.send(msg)
+        self._last_report = self._step_t0 = now
 
     def checkpoint(self, state: Any, step: int) -> None:
         """Checkpoint the state reached after `step`; durable every `ckpt_every` steps."""
