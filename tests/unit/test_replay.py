@@ -72,3 +72,11 @@ def test_choose_k():
     k = choose_k(3, 12, 36)
     p = plan(list(range(36)), pp=3, dp=12, k=k)
     assert p.m <= p.n
+
+
+def test_jobs_list_every_replay_run_with_its_layout():
+    p = plan([f"h{i}" for i in range(8)], pp=2, dp=4, k=1)  # m = 2, n = 4
+    jobs = p.jobs()
+    assert len(jobs) == 2 * p.n
+    assert jobs[0] == {"phase": "horizontal", "group": 0, "machines": ["h0", "h1"], "pp": 2, "dp": 1}
+    assert jobs[4] == {"phase": "vertical", "group": 0, "machines": ["h0", "h4"], "pp": 2, "dp": 1}

@@ -47,6 +47,16 @@ class ReplayPlan:
         """Data-parallel size every replay group runs with (TP and PP unchanged)."""
         return self.k
 
+    def jobs(self) -> list[dict]:
+        """Every replay run to launch: phase, group index, machines and layout.
+
+        Runs of one phase are independent and can go concurrently; TP is the job's
+        own (one machine holds a TP group), PP unchanged, DP = k.
+        """
+        return [{"phase": name, "group": g, "machines": list(group), "pp": self.pp, "dp": self.k}
+                for name, phase in (("horizontal", self.horizontal), ("vertical", self.vertical))
+                for g, group in enumerate(phase)]
+
 
 def _check(machines_count: int, pp: int, dp: int, k: int) -> tuple[int, int]:
     for name, value in (("pp", pp), ("dp", dp), ("k", k)):
