@@ -1,0 +1,390 @@
+"""Peer streaming of checkpoint shards between agents over a tiny TCP protocol.
+
+Every message starts with a frame: 4-byte big-endian length + a JSON object. Operations:
+
+* ``{"op": "push", "header": H}`` then exactly ``H["nbytes"]`` raw bytes. The server writes them
+  to its backup tier while computing the CRC and answers ``{"ok": true, "path": ...}`` or
+  ``{"ok": false, "error": ...}`` (a corrupted shard is rejected and nothing is kept).
+* ``{"op": "fetch", "rank": r, "step": s | null, "tier": "backup"}`` — the server answers
+  ``{"ok": true, "header": H}`` then ``H["nbytes"]`` raw bytes (``step`` null = newest).
+* ``{"op": "list"}`` — ``{"ok": true, "steps": {tier: {rank: [steps]}}}``.
+
+Push policy (newest step wins): each (peer, rank) lane sends one shard at a time. A push that is
+in flight is always finished — a half-sent shard is worthless, and dropping it whenever a newer
+step appears would starve a slow link of any complete backup. Pushes queued behind it are
+coalesced: only the newest waits, older ones resolve as ``"superseded"``. Before sending, the
+shard is copied into a per-lane staging buffer and the slot's header re-checked, so a worker
+overwriting its slot two steps later cannot tear the copy (such a push resolves as ``"stale"``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import zlib
+from concurrent.futures import Future
+from typing import Iterator
+
+from stalwart.agent.shards import TIERS, ShardStore, receive_shard
+from stalwart.worker import memckpt
+from stalwart.worker.memckpt import CorruptShard
+
+CHUNK = 4 << 20
+MAX_FRAME = 64 << 20
+
+
+class PeerError(RuntimeError):
+    """The peer refused or failed a transfer (its message says why)."""
+
+
+# ----------------------------------------------------------------------------- framing
+
+def _send_frame(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(struct.pack(">I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> dict:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise PeerError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    obj = json.loads(_recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise PeerError("frame is not a JSON object")
+    return obj
+
+
+def _recv_chunks(sock: socket.socket, n: int, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """Yield exactly `n` bytes from `sock` as views of one reused buffer (consume each before the next)."""
+    buf = memoryview(bytearray(min(chunk, max(n, 1))))
+    left = n
+    while left:
+        want, got = min(len(buf), left), 0
+        while got < want:
+            k = sock.recv_into(buf[got:want])
+            if k == 0:
+                raise ConnectionError(f"peer closed the connection with {left - got} bytes missing")
+            got += k
+        left -= want
+        yield buf[:want]
+
+
+def _send_view(sock: socket.socket, view, chunk: int = CHUNK) -> None:
+    mv = memoryview(view).cast("B")
+    for i in range(0, len(mv), chunk):
+        sock.sendall(mv[i:i + chunk])
+
+
+def _reply_error(sock: socket.socket, err: BaseException) -> None:
+    try:
+        _send_frame(sock, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------- server
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        srv: PeerServer = self.server.peer  # type: ignore[attr-defined]
+        sock: socket.socket = self.request
+        sock.settimeout(srv.timeout_s)
+        try:
+            req = _recv_frame(sock)
+            op = req.get("op")
+            if op == "push":
+                self._push(srv, sock, req)
+            elif op == "fetch":
+                self._fetch(srv, sock, req)
+            elif op == "list":
+                steps = srv.store.available_steps(verify=False)
+                _send_frame(sock, {"ok": True, "steps": {t: {str(r): s for r, s in d.items()}
+                                                         for t, d in steps.items()}})
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except (ConnectionError, TimeoutError):
+            pass                                  # the peer went away or stalled: nothing to answer
+        except Exception as e:                    # noqa: BLE001 — reported to the peer
+            _reply_error(sock, e)
+
+    @staticmethod
+    def _push(srv: "PeerServer", sock: socket.socket, req: dict) -> None:
+        hdr = req.get("header")
+        if not isinstance(hdr, dict) or not isinstance(hdr.get("nbytes"), int):
+            raise ValueError("push without a valid header")
+        n = hdr["nbytes"]
+        if n < 0 or n > srv.max_shard_bytes:
+            raise ValueError(f"shard of {n} bytes refused (limit {srv.max_shard_bytes})")
+        try:
+            path = srv.store.put_backup(hdr, _recv_chunks(sock, n))
+        except CorruptShard as e:
+            srv.rejected += 1
+            _reply_error(sock, e)
+            return
+        srv.received += 1
+        _send_frame(sock, {"ok": True, "path": path})
+
+    @staticmethod
+    def _fetch(srv: "PeerServer", sock: socket.socket, req: dict) -> None:
+        rank, step, tier = req.get("rank"), req.get("step"), req.get("tier", "backup")
+        if not isinstance(rank, int) or (step is not None and not isinstance(step, int)) or tier not in TIERS:
+            raise ValueError(f"bad fetch request {req!r}")
+        if step is None:
+            held = srv.store.steps(tier, verify=True).get(rank)
+            if not held:
+                raise FileNotFoundError(f"no valid shard of rank {rank} in tier {tier}")
+            step = held[-1]
+        path = srv.store.fetch(rank, step, tier)
+        hdr, view = memckpt.encode_shard(path)
+        try:
+            _send_frame(sock, {"ok": True, "header": hdr})
+            _send_view(sock, view)
+        finally:
+            view.release()
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class PeerServer:
+    """Receives peers' shards into `store`'s backup tier and serves shards back on request."""
+
+    def __init__(self, host: str, port: int, store: ShardStore, timeout_s: float = 60.0,
+                 max_shard_bytes: int = 1 << 40):
+        self.store = store
+        self.timeout_s = timeout_s
+        self.max_shard_bytes = max_shard_bytes
+        self.received = 0
+        self.rejected = 0
+        self._srv = _TCPServer((host, port), _Handler)
+        self._srv.peer = self  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound (useful with port 0)."""
+        host, port = self._srv.server_address[:2]
+        return host, port
+
+    def start(self) -> "PeerServer":
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="peerxfer-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, close the socket and join the serving thread."""
+        if self._thread is not None:
+            self._srv.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._srv.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# ----------------------------------------------------------------------------- client
+
+class _Lane:
+    def __init__(self):
+        self.pending: tuple[int, str, Future] | None = None
+        self.busy = False
+        self.staging = bytearray()
+
+
+class PeerClient:
+    """Pushes own shards to backup peers (background, newest step wins) and fetches them back."""
+
+    def __init__(self, timeout_s: float = 60.0, chunk_bytes: int = CHUNK):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._lanes: dict[tuple, _Lane] = {}
+        self._cv = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def _connect(self, addr: tuple[str, int]) -> socket.socket:
+        sock = socket.create_connection(tuple(addr), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    # -- push
+    def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str) -> Future:
+        """Queue a push of the shard at `slot_path` (rank, step) to the peer at `addr`.
+
+        Returns a Future: "sent" once the peer stored and verified it, "superseded" when a newer
+        step replaced it in the queue, "stale" when the slot was overwritten before it was copied;
+        it raises PeerError (or OSError) when the peer rejected it or could not be reached.
+        """
+        fut: Future = Future()
+        key = (tuple(addr), rank)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("PeerClient is closed")
+            lane = self._lanes.setdefault(key, _Lane())
+            old = lane.pending
+            if old is not None and old[0] > step:
+                fut.set_result("superseded")
+                return fut
+            lane.pending = (step, slot_path, fut)
+            if old is not None:
+                old[2].set_result("superseded")
+            if not lane.busy:
+                lane.busy = True
+                t = threading.Thread(target=self._run_lane, args=(key, lane), daemon=True,
+                                     name=f"peerxfer-push-r{rank}")
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                t.start()
+            self._cv.notify_all()
+        return fut
+
+    def _run_lane(self, key: tuple, lane: _Lane) -> None:
+        while True:
+            with self._cv:
+                if lane.pending is None:
+                    lane.busy = False
+                    self._cv.notify_all()
+                    return
+                step, path, fut = lane.pending
+                lane.pending = None
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._send(key[0], key[1], step, path, lane))
+            except BaseException as e:            # noqa: BLE001 — handed to the caller's future
+                fut.set_exception(e)
+
+    def _send(self, addr, rank: int, step: int, path: str, lane: _Lane) -> str:
+        hdr, view = memckpt.encode_shard(path)
+        try:
+            if hdr["rank"] != rank or hdr["step"] != step:
+                return "stale"
+            n = len(view)
+            if len(lane.staging) < n:
+                lane.staging = bytearray(n)
+            lane.staging[:n] = view
+        finally:
+            view.release()
+        if not memckpt.still_current(path, hdr):
+            return "stale"
+        with self._connect(addr) as sock:
+            _send_frame(sock, {"op": "push", "header": hdr})
+            _send_view(sock, memoryview(lane.staging)[:n], self.chunk_bytes)
+            reply = _recv_frame(sock)
+        if not reply.get("ok"):
+            raise PeerError(f"peer {addr[0]}:{addr[1]} rejected rank {rank} step {step}: {reply.get('error')}")
+        return "sent"
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until no push is queued or in flight; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(l.busy for l in self._lanes.values()), timeout)
+
+    # -- fetch
+    def _open_fetch(self, addr, rank: int, step: int | None, tier: str) -> tuple[socket.socket, dict]:
+        sock = self._connect(addr)
+        try:
+            _send_frame(sock, {"op": "fetch", "rank": rank, "step": step, "tier": tier})
+            reply = _recv_frame(sock)
+            if not reply.get("ok"):
+                raise PeerError(f"peer {addr[0]}:{addr[1]} cannot serve rank {rank} step {step}: "
+                                f"{reply.get('error')}")
+            return sock, reply["header"]
+        except BaseException:
+            sock.close()
+            raise
+
+    def fetch(self, addr, rank: int, step: int | None, dest_dir: str, tier: str = "backup") -> str:
+        """Pull a shard from a peer into `dest_dir` (checksum verified); returns its header path."""
+        sock, hdr = self._open_fetch(addr, rank, step, tier)
+        with sock:
+            return receive_shard(dest_dir, hdr, _recv_chunks(sock, hdr["nbytes"], self.chunk_bytes))
+
+    def fetch_bytes(self, addr, rank: int, step: int | None = None, tier: str = "backup") -> tuple[dict, bytearray]:
+        """Pull a shard from a peer into memory: (header, data), checksum verified (CorruptShard)."""
+        sock, hdr = self._open_fetch(addr, rank, step, tier)
+        with sock:
+            data = bytearray(hdr["nbytes"])
+            pos = 0
+            for chunk in _recv_chunks(sock, hdr["nbytes"], self.chunk_bytes):
+                data[pos:pos + len(chunk)] = chunk
+                pos += len(chunk)
+        crc = zlib.crc32(memckpt.meta_bytes(hdr), memckpt.crc_of(data))
+        if crc != hdr["checksum"]:
+            raise CorruptShard(f"rank {rank} step {hdr['step']} from {addr}: checksum mismatch")
+        return hdr, data
+
+    def list(self, addr) -> dict[str, dict[int, list[int]]]:
+        """The peer's tiers: tier -> rank -> steps (complete, not re-verified)."""
+        with self._connect(addr) as sock:
+            _send_frame(sock, {"op": "list"})
+            reply = _recv_frame(sock)
+        if not reply.get("ok"):
+            raise PeerError(f"peer {addr}: {reply.get('error')}")
+        return {t: {int(r): s for r, s in d.items()} for t, d in reply["steps"].items()}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued pushes (bounded by `timeout`) and refuse new ones."""
+        with self._cv:
+            self._closed = True
+        self.flush(timeout)
+        for t in self._threads:
+            t.join(timeout=max(0.0, timeout))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a PeerServer until SIGTERM/SIGINT: ``python -m stalwart.agent.peerxfer --backup-dir D``."""
+    ap = argparse.ArgumentParser(description="Serve checkpoint shard backups to and from peers.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--shm-dir", default=None, help="own shards written by this machine's workers")
+    ap.add_argument("--backup-dir", required=True)
+    ap.add_argument("--durable-dir", default=None)
+    ap.add_argument("--keep-backup", type=int, default=2)
+    args = ap.parse_args(argv)
+    store = ShardStore(args.shm_dir or args.backup_dir + "/.own", args.backup_dir, args.durable_dir,
+                       keep_backup=args.keep_backup)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with PeerServer(args.host, args.port, store) as srv:
+        print(f"listening {srv.address[0]} {srv.address[1]}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

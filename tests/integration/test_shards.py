@@ -1,0 +1,225 @@
+"""Shard store tiers, peer streaming between two processes, and crash safety of the shm slots."""
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from stalwart.agent.peerxfer import PeerClient, PeerError
+from stalwart.agent.shards import ShardStore
+from stalwart.worker import memckpt
+from stalwart.worker.memckpt import CorruptShard, MemCheckpointer
+
+
+@pytest.fixture
+def tmp_shm():
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="stalwart-test-shards-", dir=root)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _slot_bytes(path: str) -> bytes:
+    hdr = memckpt.read_header(path)
+    with open(memckpt.base_of(path) + ".data", "rb") as f:
+        return f.read(hdr["nbytes"])
+
+
+@pytest.fixture
+def peer_server(tmp_shm):
+    """A PeerServer in its own process (python -m stalwart.agent.peerxfer) on loopback."""
+    backup = os.path.join(tmp_shm, "server-backup")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart.agent.peerxfer", "--backup-dir", backup,
+                             "--host", "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, env=env)
+    try:
+        deadline, line = time.monotonic() + 60, b""
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            r, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if r:
+                line += os.read(proc.stdout.fileno(), 256)
+            assert proc.poll() is None, "peer server exited early"
+        assert line.startswith(b"listening "), f"no address from the server: {line!r}"
+        _, host, port = line.split()
+        yield (host.decode(), int(port)), backup
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_push_three_steps_newest_held_fetch_identical_corrupt_rejected(tmp_shm, peer_server):
+    addr, server_backup = peer_server
+    own = os.path.join(tmp_shm, "own")
+    states = {}
+    with MemCheckpointer(own, rank=3, layout={"tp": 1}) as ck, PeerClient(timeout_s=30) as client:
+        w = torch.randn(5 << 20)                                   # 20 MiB shard
+        for step in range(3):
+            w.add_(1.0)
+            states[step] = w.clone()
+            ck.snapshot({"w": w, "step": step}, step)
+            ck.wait()
+            assert client.push(addr, 3, step, memckpt.latest(own, 3)[1]).result(timeout=60) == "sent"
+        assert client.list(addr)["backup"][3] == [1, 2]           # newest kept (keep_backup=2)
+        own_path = memckpt.latest(own, 3)[1]
+        hdr, data = client.fetch_bytes(addr, 3)                    # newest
+        assert hdr["step"] == 2 and bytes(data) == _slot_bytes(own_path)
+        got = client.fetch(addr, 3, 1, os.path.join(tmp_shm, "restored"))
+        step, state = memckpt.load(got, 3)
+        assert step == 1 and torch.equal(state["w"], states[1]) and state["step"] == 1
+
+        # a burst: pushes queued behind an in-flight one are coalesced, the newest is always sent
+        futs = []
+        for step in range(3, 6):
+            w.add_(1.0)
+            ck.snapshot({"w": w, "step": step}, step)
+            ck.wait()
+            futs.append(client.push(addr, 3, step, memckpt.latest(own, 3)[1]))
+        results = [f.result(timeout=60) for f in futs]
+        assert results[-1] == "sent" and set(results) <= {"sent", "superseded", "stale"}
+        assert client.list(addr)["backup"][3][-1] == 5
+
+        # a shard corrupted on the sender's side is rejected by the receiver and not kept
+        bad_dir = os.path.join(tmp_shm, "bad")
+        os.makedirs(bad_dir)
+        src = memckpt.base_of(memckpt.latest(own, 3)[1])
+        hdr = memckpt.read_header(src)
+        hdr["step"] = 6
+        bad = memckpt.step_base(bad_dir, 3, 6)
+        shutil.copyfile(src + ".data", bad + ".data")
+        memckpt.write_header(bad, hdr)
+        _flip(bad + ".data", 7 << 20)
+        with pytest.raises(PeerError, match="checksum"):
+            client.push(addr, 3, 6, bad + ".hdr").result(timeout=60)
+        assert 6 not in client.list(addr)["backup"][3]
+        assert not [n for n in os.listdir(server_backup) if ".tmp." in n]   # no temp left behind
+        with pytest.raises(PeerError):
+            client.fetch_bytes(addr, 3, 6)
+
+
+@pytest.mark.timeout(60)
+def test_store_tiers_validation_persist_and_fallback(tmp_shm):
+    own, backup = os.path.join(tmp_shm, "own"), os.path.join(tmp_shm, "backup")
+    durable = os.path.join(tmp_shm, "durable")
+    with MemCheckpointer(own, rank=0) as c0, MemCheckpointer(own, rank=1) as c1, \
+            ShardStore(own, backup, durable, keep_backup=2, keep_durable=2) as store:
+        for step in (7, 8):
+            c0.snapshot({"w": torch.full((1 << 16,), float(step))}, step)
+            c1.snapshot({"w": torch.full((1 << 10,), -float(step))}, step)
+        c0.wait()
+        c1.wait()
+        assert store.steps("own") == {0: [7, 8], 1: [7, 8]}
+        assert store.persist(0, 8).result(timeout=30).endswith("rank00000.step000000000008.hdr")
+        store.persist(0, 7).result(timeout=30)
+        # a peer's shard arrives in the backup tier
+        hdr, view = memckpt.encode_shard(memckpt.latest(own, 1)[1])
+        store.put_backup(dict(hdr, rank=9), [bytes(view)])
+        view.release()
+        with pytest.raises(CorruptShard):
+            store.put_backup(dict(hdr, rank=9, step=99), [b"\x00" * hdr["nbytes"]])
+        avail = store.available_steps()
+        assert avail == {"own": {0: [7, 8], 1: [7, 8]}, "backup": {9: [8]}, "durable": {0: [7, 8]}}
+
+        # corrupt own rank 0 step 8: it vanishes from the valid listing and restore falls back
+        _flip(memckpt.slot_base(own, 0, 0) + ".data", 100)
+        assert store.steps("own")[0] == [7]
+        assert 8 in store.steps("own", verify=False)[0]
+        tier, path = store.locate(0, 8)
+        assert tier == "durable"
+        assert torch.equal(memckpt.load(path, 0)[1]["w"], torch.full((1 << 16,), 8.0))
+        _flip(os.path.join(durable, "rank00000.step000000000007.data"), 5)
+        assert store.steps("durable") == {0: [8]}
+        with pytest.raises(FileNotFoundError):
+            store.locate(0, 6)
+        with pytest.raises(ValueError):
+            store.steps("cold")
+
+
+@pytest.mark.timeout(60)
+def test_persist_to_fsspec_url_and_keep_limit(tmp_shm):
+    import fsspec
+    url = f"memory://stalwart-test-{os.getpid()}-{time.monotonic_ns()}"
+    own, backup = os.path.join(tmp_shm, "own"), os.path.join(tmp_shm, "backup")
+    try:
+        with MemCheckpointer(own, rank=2) as ck, ShardStore(own, backup, url, keep_durable=1) as store:
+            for step in (1, 2):
+                ck.snapshot({"w": torch.arange(1000) * step, "tag": f"s{step}"}, step)
+                ck.wait()
+                store.persist(2, step).result(timeout=30)
+            assert store.steps("durable") == {2: [2]}                 # keep_durable=1 pruned step 1
+            path = store.fetch(2, 2, "durable")                        # downloaded and verified
+            step, state = memckpt.load(path, 2)
+            assert step == 2 and state["tag"] == "s2" and torch.equal(state["w"], torch.arange(1000) * 2)
+    finally:
+        fs, root = fsspec.core.url_to_fs(url)
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+_WRITER = r"""
+import sys, torch
+from stalwart.worker.memckpt import MemCheckpointer
+ck = MemCheckpointer(sys.argv[1], rank=0)
+state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(64)}     # 256 MiB
+ck.snapshot(state, 0); ck.snapshot(state, 1); ck.wait()
+print("ready", flush=True)
+sys.stdin.readline()
+while True:                                   # keep overwriting slot 0 until killed
+    ck.snapshot({k: v + 1 for k, v in state.items()}, 2)
+    ck.wait()
+    ck.snapshot(state, 3)
+    ck.snapshot(state, 4)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_killed_mid_copy_never_leaves_a_complete_looking_bad_slot(tmp_shm):
+    d = os.path.join(tmp_shm, "slots")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        hdr0 = memckpt.slot_base(d, 0, 0) + ".hdr"
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 60
+        while os.path.exists(hdr0) and time.monotonic() < deadline:
+            pass                                # slot 0 is being rewritten once its header is gone
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        for slot in (0, 1):
+            path = memckpt.slot_base(d, 0, slot) + ".hdr"
+            if memckpt.read_header(path) is not None:    # whatever claims completeness is intact
+                memckpt.verify_shard(path)
+        step, path = memckpt.latest(d, 0)
+        memckpt.load(path, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdin.close()
+        proc.stdout.close()
