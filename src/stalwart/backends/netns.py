@@ -31,6 +31,10 @@ SUBNET_BASE = "10.213"
 MAX_MACHINES = 245  # host part 10 + i must stay <= 254
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _CMD_TIMEOUT_S = 15.0
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts /etc/netns/<ns>/<file> over /etc/<file>
+# No DNS server is reachable from a machine: without this, every reverse lookup (c10d does
+# one per connection) waits for the host's resolver to time out, ~10 s per gloo init.
+RESOLV_CONF = "# stalwart namespace machine: no DNS here, fail lookups at once\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class NetnsError(RuntimeError):
@@ -167,6 +171,7 @@ def _delete_link(name: str) -> bool:
 
 
 def _delete_ns(ns: str) -> bool:
+    shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
     if ns not in _namespaces():
         return False
     _kill_ns_processes(ns)
@@ -313,6 +318,8 @@ class Network:
             address=machine_address(self.subnet_index, i), gateway=self.gateway, prefix=self.prefix,
         )
         self._record(pending_machine=i)
+        (ETC_NETNS / m.ns).mkdir(parents=True, exist_ok=True)
+        (ETC_NETNS / m.ns / "resolv.conf").write_text(RESOLV_CONF)
         _run(["ip", "netns", "add", m.ns])
         # the inside end is born in the namespace: nothing named <prefix>i<n> ever sits in the root ns
         _run(["ip", "link", "add", m.host_ifname, "type", "veth", "peer", "name", m.ifname, "netns", m.ns])
@@ -380,6 +387,11 @@ def _cleanup_prefix(prefix: str) -> list[str]:
     for ns in sorted(_namespaces()):
         if ns_re.match(ns) and _delete_ns(ns):
             removed.append(f"netns {ns}")
+    if ETC_NETNS.is_dir():
+        for d in sorted(ETC_NETNS.iterdir()):
+            if ns_re.match(d.name):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(f"dir {d}")
     removed += _delete_nft_tables(prefix)
     if _delete_link(bridge_name(prefix)):
         removed.append(f"bridge {bridge_name(prefix)}")
