@@ -71,10 +71,17 @@ def run_deadlocked_job(out_dir, bound_s=45.0):
     """Start the 2-rank job, wait (bounded) for both dumps, kill both ranks; return dumps."""
     import torch.multiprocessing as mp
 
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # inherited by the spawned ranks
     store = os.path.join(out_dir, "store")
-    ctx = mp.start_processes(_worker, args=(2, store, out_dir), nprocs=2, join=False,
-                             start_method="spawn")
+    saved = os.environ.get("TORCH_FR_BUFFER_SIZE")
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # inherited by the spawned ranks
+    try:
+        ctx = mp.start_processes(_worker, args=(2, store, out_dir), nprocs=2, join=False,
+                                 start_method="spawn")
+    finally:
+        if saved is None:
+            del os.environ["TORCH_FR_BUFFER_SIZE"]
+        else:
+            os.environ["TORCH_FR_BUFFER_SIZE"] = saved
     try:
         files = [os.path.join(out_dir, f"fr_rank{r}.json") for r in range(2)]
         deadline = time.monotonic() + bound_s
