@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -165,3 +166,16 @@ def test_bad_pid_is_a_clear_error(chaos: CgroupChaos):
         chaos.freeze([2**22 + 12345])
     with pytest.raises(ValueError):
         chaos.throttle_cpu([], fraction=0.1)
+
+
+def test_without_root_freeze_and_throttle_say_why(monkeypatch):
+    from stalwart.chaos.cgroup import ChaosUnavailable
+
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert available() == (False, "needs root (uid 1000)")
+    c = CgroupChaos("never-created")
+    with pytest.raises(ChaosUnavailable, match="needs root"):
+        c.freeze([os.getpid()])
+    with pytest.raises(ChaosUnavailable, match="needs root"):
+        c.throttle_cpu([os.getpid()])
+    c.destroy()  # nothing was created: a no-op

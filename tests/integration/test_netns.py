@@ -352,3 +352,19 @@ def test_cleanup_stale_state_dir_after_owner_crash_spares_live_networks(tmp_path
         survivor.destroy()
         cleanup_stale(dead, state_dir=tmp_path)
     assert_nothing_left(live)
+
+
+def test_without_root_everything_says_why(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert available() == (False, "needs root (uid 1000)")
+    fake = netns.Machine(name="m0", index=0, ns="x-m0", ifname="xi0", host_ifname="xh0",
+                         address="10.213.9.10", gateway="10.213.9.1", prefix="x")
+    other = netns.Machine(name="m1", index=1, ns="x-m1", ifname="xi1", host_ifname="xh1",
+                          address="10.213.9.11", gateway="10.213.9.1", prefix="x")
+    for call in (lambda: chaos_net.nic_down(fake), lambda: chaos_net.nic_up(fake),
+                 lambda: chaos_net.link_slow(fake), lambda: chaos_net.link_restore(fake),
+                 lambda: chaos_net.partition(fake, other), lambda: chaos_net.heal(fake, other)):
+        with pytest.raises(chaos_net.ChaosUnavailable, match="needs root"):
+            call()
+    with pytest.raises(netns.NetnsError, match="needs root"):
+        Network("x").create()
