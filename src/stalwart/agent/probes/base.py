@@ -122,3 +122,13 @@ class Debounce:
             return False
         self._counts[key] = self._counts.get(key, 0) + 1
         return self._counts[key] >= self.threshold
+
+    def observe_all(self, bad: set[Any]) -> set[Any]:
+        """One check's readings at once: keys in `bad` were bad, every other key was good.
+
+        Returns the keys that reached the threshold.
+        """
+        for key in list(self._counts):
+            if key not in bad:
+                del self._counts[key]
+        return {key for key in bad if self.observe(key, True)}
