@@ -368,3 +368,41 @@ def test_without_root_everything_says_why(monkeypatch):
             call()
     with pytest.raises(netns.NetnsError, match="needs root"):
         Network("x").create()
+
+
+@pytest.mark.root
+@pytest.mark.timeout(30)
+def test_networks_created_at_once_get_distinct_subnets(tmp_path: Path):
+    need_root_net()
+    import threading
+
+    nets = [Network(unique_prefix(), state_dir=tmp_path / str(k)) for k in range(3)]
+    errors: list[BaseException] = []
+
+    def build(net: Network) -> None:
+        try:
+            net.create()
+            net.add_machine(0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(n,)) for n in nets]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert not errors, errors
+        assert len({n.subnet_index for n in nets}) == 3
+        dup = Network(nets[0].prefix, state_dir=tmp_path / "dup")
+        with pytest.raises(ValueError, match="already exists"):
+            dup.create()
+        dup.destroy()  # owns nothing: must not remove the live network it collided with
+        assert reachable(nets[0].machines[0], nets[0].gateway)
+        with pytest.raises(ValueError, match="create"):
+            Network(unique_prefix(), state_dir=tmp_path).add_machine(0)
+    finally:
+        for n in nets:
+            n.destroy()
+    for n in nets:
+        assert_nothing_left(n.prefix)

@@ -113,6 +113,12 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / "stalwart-netns"
 
 
+def subnet_lock_path() -> Path:
+    """Host-wide lock serializing subnet choice between networks of every process and state dir."""
+    run_lock = Path("/run/lock")
+    return (run_lock if run_lock.is_dir() and os.access(run_lock, os.W_OK) else Path(tempfile.gettempdir())) / "stalwart-netns-subnet.lock"
+
+
 def _run(argv: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
@@ -288,7 +294,7 @@ class Network:
         if self._created:
             return
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(self.state_dir) / ".subnet.lock", "w") as lock:
+        with open(subnet_lock_path(), "w") as lock:  # one host-wide lock, whatever the state dir
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self.bridge in _links():
                 raise ValueError(
@@ -342,7 +348,13 @@ class Network:
             self._record()
 
     def destroy(self) -> None:
-        """Remove every machine, the nft table and the bridge, then the state file (idempotent)."""
+        """Remove every machine, the nft table and the bridge, then the state file (idempotent).
+
+        A network that never got past `create`'s checks (no state file) owns nothing and
+        removes nothing, so a failed duplicate cannot tear down the live network it collided with.
+        """
+        if not (self._created or self.machines or self.state_file().exists()):
+            return
         recorded: set[int] = set()
         try:
             recorded = {int(k) for k in json.loads(self.state_file().read_text()).get("machines", {})}
