@@ -134,6 +134,22 @@ def test_machines_reach_each_other_and_the_gateway(network: Network):
     assert a.env({})["GLOO_SOCKET_IFNAME"] == a.ifname
     inside = a.run(["ip", "-br", "addr"]).stdout
     assert a.ifname in inside and a.address in inside
+    import socket  # a root-namespace service (the controller) is reachable over TCP at the gateway
+
+    with socket.create_server((network.gateway, 0)) as srv:
+        srv.settimeout(10)
+        port = srv.getsockname()[1]
+        client = a.popen([sys.executable, "-c",
+                          f"import socket; socket.create_connection(('{network.gateway}', {port}), 5).sendall(b'hi')"])
+        try:
+            conn, peer = srv.accept()
+            with conn:
+                assert conn.recv(2) == b"hi" and peer[0] == a.address
+            assert client.wait(timeout=10) == 0
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait(timeout=10)
     t0 = time.monotonic()  # no DNS in a machine: reverse lookups (c10d does them) must fail at once
     a.run(["getent", "hosts", b.address], timeout=10)
     assert time.monotonic() - t0 < 2.0
