@@ -93,6 +93,15 @@ def meta_bytes(hdr: dict) -> bytes:
     return base64.b64decode(hdr["meta"])
 
 
+def parse_name(name: str) -> tuple[int, str, int] | None:
+    """(rank, "slot" | "step", slot or step number) of a header file name, or None."""
+    m = _NAME.match(name)
+    if not m:
+        return None
+    kind = m.group(2)
+    return int(m.group(1)), kind[:4], int(kind[4:])
+
+
 def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]:
     """Complete shards in `dir` as sorted (rank, step, header path); the checksum is not verified."""
     out = []
