@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from stalwart.analyzer.similarity import (Continuity, align, detect, find_suspects, normalize,
-                                          window_scores)
+from stalwart.analyzer.similarity import (Continuity, align, all_window_scores, detect,
+                                          find_suspects, normalize, window_scores)
 
 METRICS = ["cpu", "step_time", "gpu_util", "pfc_tx"]
 
@@ -124,3 +124,23 @@ def test_out_of_rhythm_machine_is_flagged():
     s["m1"][150:] = healthy(rng, phase=np.pi)[150:]
     reports = find_suspects(s, METRICS, now_index=479, continuity_s=240)
     assert [m for _, m in reports] == ["m1"] and reports[0][0] >= 390
+
+
+def test_all_window_scores_match_one_window_at_a_time():
+    x = np.random.default_rng(1).normal(size=(6, 20))
+    allw = all_window_scores(x, 8)
+    assert allw.shape == (13, 6)
+    for i in range(13):
+        assert np.allclose(allw[i], window_scores(x[:, i: i + 8]))
+
+
+def test_start_index_and_lookback_restrict_the_windows():
+    s = cluster()
+    diverge(s, "m4", 100)
+    full = detect(s, METRICS, now_index=300)
+    assert detect(s, METRICS, now_index=300, start_index=250) == [f for f in full if f[0] >= 250]
+    recent = detect(s, METRICS, now_index=300, lookback=60)  # Minder's "last N samples"
+    assert [t for t, _, _ in recent] == list(range(248, 301))
+    assert {m for _, m, _ in recent} == {"m4"}
+    with pytest.raises(ValueError, match="lookback"):
+        detect(s, METRICS, now_index=300, lookback=4)

@@ -108,32 +108,55 @@ def outlier_z(scores: np.ndarray, min_std: float) -> tuple[int, float]:
     return top, (float(scores[top]) - float(rest.mean())) / std
 
 
+def all_window_scores(x: np.ndarray, window: int) -> np.ndarray:
+    """:func:`window_scores` for every window of ``x`` (machines, T): shape (T-window+1, machines)."""
+    w = np.lib.stride_tricks.sliding_window_view(x, window, axis=1)
+    return np.stack([window_scores(w[:, i, :]) for i in range(w.shape[1])])
+
+
 def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_index: int,
            window: int = DEFAULT_WINDOW, z_threshold: float = DEFAULT_Z,
            min_std: float = 1e-3, min_gap: float = DEFAULT_MIN_GAP,
-           start_index: int = 0) -> list[tuple[int, Hashable, float]]:
+           start_index: int = 0, lookback: int | None = None) -> list[tuple[int, Hashable, float]]:
     """Per-window candidates ``(t, machine, score)`` for windows ending at t <= now_index.
 
     ``series`` maps machine -> array (T, len(metrics)), one row per sample; ``t`` is
     the index of the window's last sample and ``score`` the candidate's distance
-    score on the deciding metric.  Windows without a candidate are absent.
+    score on the deciding metric.  Windows without a candidate are absent.  Only
+    windows ending at ``t >= start_index`` are scored, and with ``lookback`` only
+    the last ``lookback`` samples up to ``now_index`` are used (normalization
+    included), like Minder's "last 15 minutes".
     """
     if window < 2:
         raise ValueError(f"window must be at least 2 samples, got {window}")
+    if lookback is not None and lookback < window:
+        raise ValueError(f"lookback ({lookback}) must cover at least one window ({window})")
     machines, data = align(series, len(metrics))
     if not 0 <= now_index < data.shape[1]:
         raise ValueError(f"now_index {now_index} outside the data (0..{data.shape[1] - 1})")
-    data = normalize(data[:, : now_index + 1, :])
-    found = []
-    for t in range(max(window - 1, start_index), now_index + 1):
-        for j in range(len(metrics)):
-            scores = window_scores(data[:, t - window + 1: t + 1, j])
-            top, z = outlier_z(scores, min_std)
-            gap = float(scores[top]) - float(np.delete(scores, top).mean())
-            if z > z_threshold and gap >= min_gap:
-                found.append((t, machines[top], float(scores[top])))
-                break
-    return found
+    first = 0 if lookback is None else max(0, now_index + 1 - lookback)
+    data = normalize(data[:, first: now_index + 1, :])
+    lo = max(window - 1, start_index - first)  # local index of the first window's end
+    if lo >= data.shape[1]:
+        return []
+    n = len(machines)
+    decided = np.full(data.shape[1] - lo, -1)
+    score_of = np.zeros(data.shape[1] - lo)
+    for j in range(len(metrics)):
+        open_ = decided < 0
+        if not open_.any():
+            break
+        scores = all_window_scores(data[:, lo - window + 1:, j], window)
+        top = scores.argmax(axis=1)
+        top_val = scores[np.arange(len(top)), top]
+        rest_mean = (scores.sum(axis=1) - top_val) / (n - 1)
+        rest_var = ((scores ** 2).sum(axis=1) - top_val ** 2) / (n - 1) - rest_mean ** 2
+        z = (top_val - rest_mean) / np.maximum(np.sqrt(np.maximum(rest_var, 0.0)), min_std)
+        hit = open_ & (z > z_threshold) & (top_val - rest_mean >= min_gap)
+        decided[hit] = top[hit]
+        score_of[hit] = top_val[hit]
+    return [(first + lo + i, machines[m], float(score_of[i]))
+            for i, m in enumerate(decided) if m >= 0]
 
 
 @dataclass
