@@ -3,11 +3,16 @@
 import json
 import multiprocessing
 import os
+import subprocess
 
 import pytest
 
 from stalwart.agent.probes.base import Debounce, HealthEvent, Probe
 from stalwart.agent.probes.gpu import FATAL_XIDS, GpuProbe, SimGpuSource, assess, make_gpu_source
+from stalwart.agent.probes.disk import DiskProbe, low_space
+from stalwart.agent.probes.host import HostProbe, read_meminfo
+from stalwart.agent.probes.kmsg import KmsgProbe, parse_line
+from stalwart.agent.probes.nic import NicProbe
 from stalwart.agent.probes.simgpu import SimGpu, fatal_line, slowdown_factor
 
 
@@ -245,3 +250,236 @@ def test_gpu_probe_validates_arguments(sim):
         GpuProbe(SimGpuSource(sim), interval_s=0)
     with pytest.raises(ValueError):
         GpuProbe(SimGpuSource(sim), min_clock_ratio=1.5)
+
+
+# -- NIC probe ----------------------------------------------------------------------------
+
+
+def make_nic(root, name, operstate="up", carrier="1", changes=2, errors=None):
+    d = root / name
+    (d / "statistics").mkdir(parents=True, exist_ok=True)
+    (d / "operstate").write_text(operstate + "\n")
+    if carrier is None:
+        (d / "carrier").unlink(missing_ok=True)
+    else:
+        (d / "carrier").write_text(carrier + "\n")
+    (d / "carrier_changes").write_text(f"{changes}\n")
+    for k, v in (errors or {"rx_errors": 0, "tx_errors": 0}).items():
+        (d / "statistics" / k).write_text(f"{v}\n")
+
+
+def test_nic_probe_healthy_and_default_interfaces(tmp_path):
+    make_nic(tmp_path, "eth0")
+    make_nic(tmp_path, "lo", operstate="unknown")
+    p = NicProbe(root=str(tmp_path))
+    assert p.interfaces() == ["eth0"] and p.interval_s == 30.0
+    assert p.check(0.0) == [] and p.check(30.0) == []
+
+
+def test_nic_probe_down_flap_errors(tmp_path):
+    make_nic(tmp_path, "eth0")
+    p = NicProbe(["eth0"], root=str(tmp_path))
+    assert p.check(0.0) == []
+    make_nic(tmp_path, "eth0", operstate="down", carrier=None, changes=3)  # carrier unreadable when down
+    evs = {e.kind: e for e in p.check(30.0)}
+    assert set(evs) == {"nic_down", "nic_flap"}
+    assert all(e.severity == "warn" and not e.machine_certain for e in evs.values())
+    assert evs["nic_down"].detail == {"interface": "eth0", "operstate": "down", "carrier": None}
+    assert evs["nic_flap"].detail["carrier_changes"] == 1
+    make_nic(tmp_path, "eth0", changes=4, errors={"rx_errors": 5, "tx_errors": 0})
+    evs = {e.kind: e for e in p.check(60.0)}
+    assert set(evs) == {"nic_flap", "nic_errors"} and evs["nic_errors"].detail["delta"] == {"rx_errors": 5}
+    assert p.check(90.0) == []  # no growth since: quiet again
+    make_nic(tmp_path, "eth0", operstate="up", carrier="0", changes=4, errors={"rx_errors": 5, "tx_errors": 0})
+    assert [e.kind for e in p.check(120.0)] == ["nic_down"]  # up but no carrier
+
+
+def test_nic_probe_missing_interface_and_threshold(tmp_path):
+    assert [e.kind for e in NicProbe(["ib0"], root=str(tmp_path)).check(0.0)] == ["nic_missing"]
+    make_nic(tmp_path, "eth0")
+    p = NicProbe(["eth0"], root=str(tmp_path), error_threshold=10)
+    p.check(0.0)
+    make_nic(tmp_path, "eth0", errors={"rx_errors": 3, "tx_errors": 0})
+    assert p.check(30.0) == []
+    with pytest.raises(ValueError):
+        NicProbe(root=str(tmp_path), error_threshold=0)
+
+
+def test_nic_probe_reads_real_sysfs():
+    if not os.path.isdir("/sys/class/net/lo"):
+        pytest.skip("no /sys/class/net on this host")
+    p = NicProbe(["lo"])
+    assert [e for e in p.check(0.0) if e.kind in ("nic_missing", "nic_down")] == []
+
+
+# -- kernel log probe ---------------------------------------------------------------------
+
+XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2871, name=python, GPU has fallen off the bus."
+
+
+def test_parse_line_formats_and_kinds():
+    for line in (f"4,1201,881234567,-;{XID79}", f"[ 8812.441276] {XID79}", XID79):
+        kind, sev, certain, detail = parse_line(line)
+        assert (kind, sev, certain, detail["xid"], detail["pci"]) == ("gpu_xid", "fatal", True, 79, "0000:3b:00")
+    k = parse_line("[ 1.0] NVRM: Xid (PCI:0000:18:00): 13, pid=1, Graphics SM Warp Exception")
+    assert k[:3] == ("gpu_xid", "info", False)
+    assert parse_line("NVRM: GPU at PCI:0000:3b:00: GPU-1234 has fallen off the bus.")[0] == "gpu_lost"
+    assert parse_line("Kernel panic - not syncing: Fatal exception")[:3] == ("kernel_panic", "fatal", True)
+    oom = parse_line("[ 8812.4] Out of memory: Killed process 48213 (python) total-vm:98812340kB, anon-rss:1kB")
+    assert oom[:3] == ("cpu_oom", "warn", False) and oom[3]["pid"] == 48213 and oom[3]["process"] == "python"
+    assert parse_line("Memory cgroup out of memory: Killed process 7 (pt_main_thread)")[0] == "cpu_oom"
+    for disk in (
+        "EXT4-fs error (device nvme0n1p1): ext4_find_entry:1455: inode #2: comm python: reading directory lblock 0",
+        "XFS (sdb1): metadata I/O error in \"xfs_imap_to_bp+0x5c/0xa0\" at daddr 0x1a0 len 32 error 5",
+        "blk_update_request: I/O error, dev sda, sector 2048 op 0x1:(WRITE) flags 0x800 phys_seg 1 prio class 0",
+        "Buffer I/O error on dev sdb1, logical block 0, lost async page write",
+    ):
+        assert parse_line(disk)[:3] == ("disk_fault", "fatal", True), disk
+    assert parse_line("EXT4-fs error (device nvme0n1p1): x")[3]["device"] == "nvme0n1p1"
+    assert parse_line("INFO: task python:4242 blocked for more than 120 seconds.")[0] == "hung_task"
+    assert parse_line("watchdog: BUG: soft lockup - CPU#3 stuck for 22s! [python:99]")[0] == "soft_lockup"
+    assert parse_line("NETDEV WATCHDOG: eth0 (mlx5_core): transmit queue 3 timed out")[3]["interface"] == "eth0"
+    assert parse_line("[    0.000000] Linux version 6.1.0") is None
+    assert parse_line("EXT4-fs (sda1): mounted filesystem with ordered data mode") is None
+
+
+def test_kmsg_probe_follows_a_file(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text(f"[ 1.0] {XID79}\n")  # old: before the probe started
+    p = KmsgProbe(str(log))
+    assert p.interval_s == 2.0 and p.check(0.0) == []
+    with open(log, "a") as f:
+        f.write("[ 2.0] Kernel panic - not syncing: x\n[ 3.0] NVRM: Xid (PCI:0000:3b:00): 4")
+    assert [e.kind for e in p.check(2.0)] == ["kernel_panic"]  # the half-written line waits
+    with open(log, "a") as f:
+        f.write("8, pid=1, DBE\n")
+    (e,) = p.check(4.0)
+    assert (e.kind, e.detail["xid"], e.severity, e.machine_certain) == ("gpu_xid", 48, "fatal", True)
+    log.write_text(f"{XID79}\n")  # truncated (rotated): read from the start
+    assert [e.kind for e in p.check(6.0)] == ["gpu_xid"]
+    assert [e.kind for e in KmsgProbe(str(log), from_start=True).check(0.0)] == ["gpu_xid"]
+
+
+def test_kmsg_probe_file_created_later(tmp_path):
+    log = tmp_path / "later.log"
+    p = KmsgProbe(str(log))
+    assert p.check(0.0) == []
+    log.write_text(f"{XID79}\n")
+    assert [e.kind for e in p.check(2.0)] == ["gpu_xid"]
+
+
+@pytest.mark.root
+@pytest.mark.timeout(10)
+def test_kmsg_probe_reads_only_new_records_from_dev_kmsg():
+    if os.geteuid() != 0:
+        pytest.skip("writing to /dev/kmsg needs root")
+    p = KmsgProbe("/dev/kmsg")
+    try:
+        marker = f"stalwart-kmsg-probe-test {os.getpid()}-{os.urandom(4).hex()}"
+        with open("/dev/kmsg", "w") as f:
+            f.write(marker + "\n")
+        lines = p.new_lines()
+        assert any(marker in line for line in lines)
+        assert all("Linux version" not in line for line in lines)  # old records were skipped
+        assert not any(marker in line for line in p.new_lines())
+    finally:
+        p.close()
+
+
+# -- disk probe ---------------------------------------------------------------------------
+
+
+def test_low_space_threshold_is_the_smaller_one():
+    assert low_space(500 << 20, 100 << 30, 1 << 30, 0.02)  # 500 MiB free of 100 GiB
+    assert not low_space(3 << 20, 100 << 20, 1 << 30, 0.02)  # small tmpfs, 3% free
+    assert low_space(1 << 20, 100 << 20, 1 << 30, 0.02)
+
+
+def test_disk_probe_healthy_and_fake_full(tmp_path):
+    fake = tmp_path / "free_bytes"
+    p = DiskProbe([str(tmp_path)], fake_free_bytes_file=str(fake))
+    assert p.check(0.0) == []
+    assert not (tmp_path / ".stalwart-disk-probe").exists()
+    fake.write_text("0\n")
+    (e,) = p.check(10.0)
+    assert (e.kind, e.severity, e.machine_certain, e.detail["free_bytes"]) == ("disk_full", "fatal", False, 0)
+    fake.write_text("lots")
+    with pytest.raises(ValueError, match="byte count"):
+        p.check(20.0)
+
+
+def test_disk_probe_write_failure_is_a_fault(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    (e,) = DiskProbe([str(not_a_dir)]).check(0.0)
+    assert (e.kind, e.severity, e.machine_certain) == ("disk_fault", "fatal", True)
+    (e,) = DiskProbe([str(tmp_path / "gone")]).check(0.0)
+    assert e.kind == "disk_fault"
+    with pytest.raises(ValueError):
+        DiskProbe([])
+
+
+@pytest.fixture
+def tiny_mount(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.root
+@pytest.mark.timeout(20)
+def test_disk_probe_on_real_full_and_read_only_filesystems(tiny_mount):
+    p = DiskProbe([str(tiny_mount)])
+    assert p.check(0.0) == []
+    with open(tiny_mount / "fill", "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    assert [e.kind for e in p.check(10.0)] == ["disk_full"]
+    os.unlink(tiny_mount / "fill")
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_mount)], check=True)
+    (e,) = p.check(20.0)
+    assert (e.kind, e.machine_certain) == ("disk_fault", True) and "Read-only" in e.detail["error"]
+
+
+# -- host probe ---------------------------------------------------------------------------
+
+
+def write_proc(root, available_kb, load, total_kb=24683656):
+    (root / "meminfo").write_text(
+        f"MemTotal:       {total_kb} kB\nMemFree:        {available_kb} kB\nMemAvailable:   {available_kb} kB\n"
+    )
+    (root / "loadavg").write_text(f"{load} 1.00 1.00 3/212 18490\n")
+
+
+def test_host_probe_memory_and_load_debounced(tmp_path):
+    write_proc(tmp_path, 20_000_000, 0.5)
+    p = HostProbe(str(tmp_path), cpus=2, warn_after=2)
+    assert p.check(0.0) == [] and p.interval_s == 5.0
+    write_proc(tmp_path, 200_000, 9.0)  # 195 MiB available; load 4.5 per CPU
+    assert p.check(5.0) == []
+    evs = {e.kind: e for e in p.check(10.0)}
+    assert set(evs) == {"host_memory_low", "host_overload"}
+    assert evs["host_memory_low"].detail["available_bytes"] == 200_000 * 1024
+    assert evs["host_overload"].detail == {"load1": 9.0, "cpus": 2}
+    assert all(e.severity == "warn" and not e.machine_certain for e in evs.values())
+    write_proc(tmp_path, 20_000_000, 0.5)
+    assert p.check(15.0) == []
+
+
+def test_host_probe_reads_real_proc():
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo")
+    mem = read_meminfo("/proc/meminfo")
+    assert mem["MemTotal"] > mem["MemAvailable"] > 0
+    HostProbe().check(0.0)  # must not raise on this host
+    with pytest.raises(ValueError):
+        HostProbe(max_load_per_cpu=0)
