@@ -252,6 +252,16 @@ def test_all_identical_evicts_nothing():
     assert d.kind is None and d.machines == [] and "all 32 ranks" in d.reason
 
 
+def test_equally_small_covering_groups_tie_break_by_kind_order():
+    # rank 0 alone: its pp group {0, 2} and dp group {0, 1} both have 2 machines -> pp first
+    topo = Topology(machines=4, gpus_per_machine=1, pp=2, dp=2)
+    d = decide_eviction(aggregate(job_stacks(topo, lambda r: SEND_BWD if r == 0 else GRAD_SYNC)), topo)
+    assert (d.kind, d.machines) == ("pp", [0, 2])
+    topo = Topology(machines=8, gpus_per_machine=1, tp=2, cp=2, dp=2)  # tp {0,1} before cp {0,2}
+    d = decide_eviction(aggregate(job_stacks(topo, lambda r: SEND_BWD if r == 0 else GRAD_SYNC)), topo)
+    assert (d.kind, d.machines) == ("tp", [0, 1])
+
+
 def test_tied_top_groups_covering_majority_are_all_healthy():
     topo = Topology(machines=8, gpus_per_machine=2, tp=2, pp=2, dp=4)
     # pp stage 0 waits in recv, stage 1 in grad sync: 8 + 8 ranks, a normal pipeline picture
