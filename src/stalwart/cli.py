@@ -63,7 +63,8 @@ def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
     _setup_logging(a.log_level)
     agent = Agent(a.controller, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
-                  address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat)
+                  address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                  kmsg=a.kmsg)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
         agent.serve_forever()
@@ -274,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--address", default="127.0.0.1")
     g.add_argument("--gpus", type=int, default=1)
     g.add_argument("--heartbeat", type=float, default=1.0)
+    g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
+    g.add_argument("--kmsg", help="kernel log to follow (default: a per-machine file the chaos tool writes;"
+                                  " /dev/kmsg on a real machine)")
     g.set_defaults(fn=cmd_agent)
 
     r = sub.add_parser("run", help="run a job on a local cluster", epilog=_chaos_help(),

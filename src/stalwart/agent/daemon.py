@@ -14,7 +14,13 @@ import socket
 import threading
 import time
 
+from stalwart.agent.monitor import Monitor
+from stalwart.agent.probes.disk import DiskProbe
+from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
+from stalwart.agent.probes.kmsg import KmsgProbe
+from stalwart.agent.probes.nic import NicProbe
 from stalwart.agent.workers import Worker, WorkerSet, kill_tree
+from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
 
@@ -25,7 +31,8 @@ FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 class Agent:
     def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
-                 gpus: int = 1, heartbeat_s: float = 1.0):
+                 gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
+                 kmsg: str | None = None, min_free_bytes: int = 64 << 20):
         self.client = Client(controller_url, timeout=10)
         self.machine_id = machine_id
         self.workdir = os.path.abspath(workdir)
@@ -43,14 +50,64 @@ class Agent:
         self._lock = threading.Lock()
         self._run: int | None = None
         self.registered = threading.Event()
+        self.network = self._load_network(network_file)
+        self.netns = None
+        if self.network:
+            from stalwart.backends.netns import Machine
+            self.netns = Machine(**self.network["self"])
+            self.address = self.netns.address
+        self.kmsg_path = os.path.join(self.workdir, "kmsg.log")
+        self.disk_override = os.path.join(self.workdir, "disk_free_override")
+        for stale in (self.disk_override,):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
+                               certain_kinds=frozenset({"disk_full"}))
+        self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
+                                  self.disk_override, self.network, self.workers, self._send_to_rank)
+
+    def _load_network(self, path: str | None) -> dict | None:
+        if not path:
+            return None
+        import json
+        with open(path) as f:
+            net = json.load(f)
+        return {"self": net["machines"][self.machine_id], "machines": net["machines"]}
+
+    def _probes(self, kmsg: str | None, min_free_bytes: int) -> list:
+        """The machine's probes: GPU (NVML or simulated), kernel log, NIC, disk."""
+        from stalwart.agent.probes.simgpu import SimGpu
+        if os.path.exists(self.simgpu_path):
+            os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
+        SimGpu(self.simgpu_path, self.gpus)
+        open(self.kmsg_path, "a").close()
+        probes = [GpuProbe(make_gpu_source(self.simgpu_path, self.gpus), interval_s=1.0),
+                  KmsgProbe(kmsg or self.kmsg_path, interval_s=0.5),
+                  DiskProbe([self.workdir], min_free_bytes=min_free_bytes, min_free_ratio=0.0,
+                            interval_s=1.0, fake_free_bytes_file=self.disk_override)]
+        if self.netns is not None:
+            # The host end of the machine's veth mirrors its NIC the way a switch port does.
+            probes.append(NicProbe([self.netns.host_ifname], interval_s=1.0))
+        return probes
+
+    def _send_to_rank(self, rank: int, msg: dict) -> None:
+        w = self.workers.by_rank(rank)
+        with self._lock:
+            conn = self._conns.get(w.proc.pid) if w else None
+        if conn is None:
+            raise RuntimeError(f"rank {rank} has no SDK link; {msg.get('kind')} needs the worker SDK")
+        conn.send(msg)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self._start_socket_server()
+        self.monitor.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
                              (self._sender_loop, "events")):
             threading.Thread(target=target, name=name, daemon=True).start()
         self._stop.wait()
+        self.monitor.stop()
+        self.chaos.cleanup()
         self.workers.stop()
 
     def shutdown(self) -> None:
@@ -178,13 +235,17 @@ class Agent:
         elif kind == "chaos":
             self._chaos(cmd)
         elif kind == "shutdown":
+            self.chaos.cleanup()
             self.workers.stop()
             self.shutdown()
         else:
             raise ValueError(f"unknown command {kind!r}")
 
+    def _prefix(self) -> list[str] | None:
+        return self.netns.exec_prefix() if self.netns is not None else None
+
     def _base_env(self, cmd: dict) -> dict[str, str]:
-        env = dict(os.environ)
+        env = self.netns.env() if self.netns is not None else dict(os.environ)
         env.update({k: str(v) for k, v in cmd.get("env", {}).items()})
         env["STALWART_AGENT_SOCK"] = self.sock_path
         env["STALWART_SIMGPU"] = self.simgpu_path
@@ -202,7 +263,8 @@ class Agent:
             env.update({k: str(v) for k, v in w["env"].items()})
             envs.append(env)
             ranks.append(w["rank"])
-        self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}")
+        self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}",
+                           prefix=self._prefix())
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids()})
 
     def _prewarm(self, cmd: dict) -> None:
@@ -213,7 +275,8 @@ class Agent:
         base["STALWART_STANDBY"] = "1"
         n = int(cmd.get("count", self.gpus))
         self.workers.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
-                           [None] * n, None, cmd.get("cwd"), f"standby{int(time.time())}")
+                           [None] * n, None, cmd.get("cwd"), f"standby{int(time.time())}",
+                           prefix=self._prefix())
         self.emit({"type": "prewarmed", "pids": self.workers.pids()})
 
     def _activate(self, cmd: dict) -> None:
@@ -248,39 +311,24 @@ class Agent:
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": True})
 
     def _stop_workers(self, run: int | None, grace_s: float) -> None:
+        self.chaos.cleanup()   # thaw first: a frozen process cannot die
         self.workers.stop(grace_s)
         self.emit({"type": "stopped", "run": run})
 
     def _chaos(self, cmd: dict) -> None:
-        kind = cmd["kind"]
-        if kind == "crash":
-            w = self._chaos_target(cmd)
-            os.kill(w.proc.pid, signal.SIGKILL)
-        elif kind == "machine-down":
+        if cmd["kind"] == "machine-down":
+            self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
+            time.sleep(0.05)  # let the sender thread carry the injection time out
             for pid in self.workers.pids():
                 kill_tree(pid)
             os._exit(137)
-        else:
-            w = self._chaos_target(cmd)
-            with self._lock:
-                conn = self._conns.get(w.proc.pid)
-            if conn is None:
-                raise RuntimeError(f"rank {w.rank} has no SDK link; {kind} needs the worker SDK")
-            conn.send({"type": "chaos", **cmd})
-        self.emit({"type": "chaos_applied", "kind": kind, "rank": cmd.get("rank"),
-                   "injected_at": time.time()})
-
-    def _chaos_target(self, cmd: dict) -> Worker:
-        rank = cmd.get("rank")
-        live = [w for w in self.workers.workers if w.proc.poll() is None]
-        w = next((w for w in live if w.rank == rank), None) if rank is not None else \
-            (live[0] if live else None)
-        if w is None:
-            raise RuntimeError(f"no live worker for rank {rank} on {self.machine_id}")
-        return w
+        t = self.chaos.apply(cmd)
+        self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
 
     # -- worker exits ----------------------------------------------------------------------------
     def _on_worker_exit(self, w: Worker) -> None:
+        if not w.expected_exit and w.exit_code != 0:
+            self.monitor.sweep()   # a dead GPU is reported before the crash it caused
         code = w.exit_code
         sig = -code if code is not None and code < 0 else None
         self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,

@@ -1,6 +1,10 @@
 """The embedded default backend: a controller and one agent per machine, all on this host.
 
-Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). Every process is
+Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). As root, each
+machine's workers live in their own network namespace with their own address on a bridge (the
+agent stays in the root namespace, like a management network), so NIC faults, slow links and
+partitions are real; without root, machines share loopback and network chaos says it is
+unavailable. Every process is
 started in its own session and recorded in `<state_dir>/pids.json`, so `stalwart cleanup` (and the
 next start) can remove what a crashed `stalwart run` left behind.
 """
@@ -23,7 +27,9 @@ def _python() -> list[str]:
 class LocalCluster:
     def __init__(self, state_dir: str, machines: int, gpus_per_machine: int,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, db_url: str | None = None,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", network: str = "auto"):
+        if network not in ("auto", "netns", "loopback"):
+            raise ValueError(f"network must be auto, netns or loopback (got {network!r})")
         self.state_dir = os.path.abspath(state_dir)
         self.n = machines
         self.gpus = gpus_per_machine
@@ -34,6 +40,9 @@ class LocalCluster:
         self.controller: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.url: str | None = None
+        self.network_mode = network
+        self.net = None                    # backends.netns.Network when machines have their own network
+        self.network_file: str | None = None
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
@@ -53,12 +62,13 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> str:
         os.makedirs(self.state_dir, exist_ok=True)
         cleanup_stale(self.state_dir)
+        store_host = self._start_network()
         port_file = os.path.join(self.state_dir, "controller.port")
         if os.path.exists(port_file):
             os.unlink(port_file)
         self.controller = self._spawn(
             _python() + ["controller", "--db", self.db_url, "--listen", "127.0.0.1:0",
-                         "--state-dir", self.state_dir, "--port-file", port_file,
+                         "--state-dir", self.state_dir, "--port-file", port_file, "--store-host", store_host,
                          "--heartbeat", str(self.heartbeat_s), "--missed-beats", str(self.missed_beats),
                          "--log-level", self.log_level], "controller.log")
         deadline = time.time() + timeout
@@ -78,9 +88,32 @@ class LocalCluster:
         self.wait_registered(timeout)
         return self.url
 
+    def _start_network(self) -> str:
+        """Create the machines' namespaces when wanted and possible; returns the store host."""
+        from stalwart.backends import netns
+        ok, why = netns.available()
+        if self.network_mode == "netns" and not ok:
+            raise RuntimeError(f"machines with their own network are unavailable: {why}")
+        if self.network_mode == "loopback" or not ok:
+            self.net_unavailable_reason = why if not ok else "loopback requested"
+            return "127.0.0.1"
+        prefix = "sw" + os.urandom(3).hex()
+        self.net = netns.Network(prefix, state_dir=os.path.join(self.state_dir, "netns"))
+        self.net.create()
+        machines = {}
+        for i in range(self.n):
+            m = self.net.add_machine(i)
+            machines[f"m{i}"] = {k: getattr(m, k) for k in ("name", "index", "ns", "ifname", "host_ifname",
+                                                             "address", "gateway", "prefix")}
+        self.network_file = os.path.join(self.state_dir, "network.json")
+        with open(self.network_file, "w") as f:
+            json.dump({"prefix": prefix, "gateway": self.net.gateway, "machines": machines}, f)
+        return self.net.gateway
+
     def start_agent(self, machine: str) -> None:
+        extra = ["--network-file", self.network_file] if self.network_file else []
         self.agents[machine] = self._spawn(
-            _python() + ["agent", "--controller", self.url, "--machine-id", machine,
+            _python() + ["agent", "--controller", self.url, "--machine-id", machine] + extra + [
                          "--workdir", os.path.join(self.state_dir, "machines", machine),
                          "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s),
                          "--log-level", self.log_level], f"agent-{machine}.log")
@@ -115,6 +148,9 @@ class LocalCluster:
         pid_file = os.path.join(self.state_dir, "pids.json")
         if os.path.exists(pid_file):
             os.unlink(pid_file)
+        if self.net is not None:
+            self.net.destroy()
+            self.net = None
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -125,10 +161,17 @@ class LocalCluster:
 
 
 def cleanup_stale(state_dir: str) -> list[int]:
-    """Kill processes a crashed `stalwart run` left behind (recorded in pids.json)."""
+    """Kill processes a crashed `stalwart run` left behind (recorded in pids.json), and remove
+    the network namespaces, links and nft tables it created."""
     import psutil
     pid_file = os.path.join(state_dir, "pids.json")
     killed = []
+    netns_dir = os.path.join(state_dir, "netns")
+    if os.path.isdir(netns_dir):
+        from pathlib import Path
+
+        from stalwart.backends import netns
+        netns.cleanup_stale(Path(netns_dir))
     if not os.path.exists(pid_file):
         return killed
     try:

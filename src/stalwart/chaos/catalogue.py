@@ -8,6 +8,20 @@ from dataclasses import dataclass, field
 KINDS: dict[str, str] = {
     "crash": "SIGKILL one worker (the given rank, else the machine's first)",
     "machine-down": "kill the machine's agent and all its workers (the machine is lost)",
+    "sigstop": "SIGSTOP one worker: a silent hang",
+    "freeze": "freeze all the machine's workers in a cgroup freezer (processes in state D)",
+    "gpu-xid": "the GPU reports Xid code=N (default 79, fallen off the bus); kernel log line too",
+    "gpu-lost": "the GPU disappears (NVML handle errors; workers fail with a CUDA error)",
+    "ecc": "an uncorrectable (double-bit) ECC error on the GPU",
+    "gpu-hot": "the GPU overheats and throttles: the machine's workers slow down",
+    "nic-down": "the machine's NIC goes down (ip link set down; needs root)",
+    "nic-flap": "the NIC goes down and up times=N times (needs root)",
+    "link-slow": "the machine's link is limited to rate=R (tc tbf, default 1mbit; needs root)",
+    "partition": "drop all traffic between this machine and peer=M (nftables; needs root)",
+    "disk-full": "the machine's local disk reports no free space",
+    "cpu-throttle": "limit the machine's workers to fraction=F of a CPU (cgroup v1 or v2)",
+    "nan": "the worker SDK fills that machine's gradients with NaN from that step on",
+    "user-error": "the worker raises an exception from the user's code",
 }
 
 

@@ -26,6 +26,15 @@ log = logging.getLogger("stalwart.controller")
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
+def _detail_text(detail) -> str:
+    """A probe's detail as one readable line (its log text when it has one)."""
+    if isinstance(detail, dict):
+        if detail.get("text"):
+            return str(detail["text"])
+        return ", ".join(f"{k}={v}" for k, v in detail.items())
+    return str(detail or "")
+
+
 class JobRunner:
     def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
         self.ctl, self.store, self.job_id, self.spec = ctl, ctl.store, job_id, spec
@@ -246,7 +255,7 @@ class JobRunner:
     def _agent_health(self, machine: str, ev: dict) -> None:
         alert = policy.Alert(machine=machine, kind=ev["kind"], severity=ev["severity"],
                              machine_certain=bool(ev.get("machine_certain")),
-                             network=bool(ev.get("network")), detail=str(ev.get("detail", "")),
+                             network=bool(ev.get("network")), detail=_detail_text(ev.get("detail")),
                              t=ev["t"])
         self.event("health", {"machine": machine, "kind": alert.kind, "severity": alert.severity},
                    t=alert.t)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from stalwart.topology import Topology
 from stalwart.worker import durable
 from stalwart.worker.link import AgentLink
+from stalwart.worker.simgpu_view import SimGpuView
 
 GROUP_KINDS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -64,10 +65,13 @@ class Context:
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         if self.cuda:
             torch.cuda.set_device(self.device)
+        self.gpu = SimGpuView(None if self.cuda else env.get("STALWART_SIMGPU"), self.local_rank)
         self._init_process_groups()
         self._step_t0 = time.time()
+        self._compute_s = 0.0
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
+        self._begin_t = time.time()
         self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
 
     # -- set-up ------------------------------------------------------------------------------
@@ -143,13 +147,24 @@ class Context:
         """
         if self._last_report is None:
             self._step_t0 = time.time()
+        err = self.gpu.fatal()
+        if err is not None:
+            raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
+        slow = self.gpu.slowdown()
+        if slow > 1.0 and self._compute_s > 0:
+            time.sleep((slow - 1.0) * self._compute_s)   # a throttled GPU: every step takes longer
+        self._begin_t = time.time()
 
     def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
         """Call after backward and before the data-parallel reduction of the gradients."""
         grads = [p.grad for p in params if p.grad is not None]
+        self._compute_s = time.time() - self._begin_t
         if self.chaos_active("nan", step):
             for g in grads:
                 g.fill_(float("nan"))
+        elif self.gpu.corrupts():
+            for g in grads:              # silent data corruption: plausible but wrong numbers
+                g.mul_(1.0 + 2.0 ** -10)
         sq = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         self._local_grad_norm = sq ** 0.5
 

@@ -1,0 +1,57 @@
+"""Bad input ends in one clear line and a non-zero exit, never a traceback."""
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def stalwart(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "stalwart.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["run", "--machines", "4", "--gpus-per-machine", "2", "--tp", "2", "--pp", "2", "--dp", "3",
+      "--", "python", "x.py"], "tp*pp*dp must equal machines*gpus-per-machine"),
+    (["run", "--machines", "2", "--steps", "0", "--", "python", "x.py"], "steps"),
+    (["run", "--machines", "2", "--chaos", "explode@step=3,machine=0", "--", "python", "x.py"],
+     "unknown chaos kind 'explode'"),
+    (["run", "--machines", "2", "--chaos", "crash@step=3,machine=7", "--", "python", "x.py"],
+     "machine 7 does not exist"),
+    (["run", "--machines", "2"], "no training command given"),
+    (["run", "--machines", "2", "--standby", "many", "--", "python", "x.py"], "--standby takes a number"),
+    (["run", "--config", "/nonexistent.yaml", "--", "python", "x.py"], "does not exist"),
+    (["inject", "explode", "--machine", "0", "--controller", "http://127.0.0.1:1"], "unknown chaos kind"),
+])
+@pytest.mark.timeout(60)
+def test_bad_input_is_one_clear_line(args, msg, tmp_path):
+    if args[0] == "run":
+        args = [args[0], "--state-dir", str(tmp_path), *args[1:]]
+    r = stalwart(*args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert msg in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_controller(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (["inject", "crash", "--machine", "0", "--controller", url],
+                 ["status", "--controller", url]):
+        r = stalwart(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"controller at {url} is not reachable" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_report_without_state(tmp_path):
+    r = stalwart("report", "--state-dir", str(tmp_path / "none"))
+    assert r.returncode == 2 and "no stalwart state in" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,80 @@
+"""The pure decision rules of the controller (policy.py), with an explicit clock."""
+from stalwart.controller import policy
+from stalwart.controller.policy import Alert, Evidence, Exit, Snapshot
+
+
+def snap(**kw):
+    d = dict(active=("m0", "m1", "m2", "m3"), standby_ready=("m4",))
+    d.update(kw)
+    return Snapshot(**d)
+
+
+def crash(machine="m1", rank=2, secondary=False, t=1.0, **kw):
+    return Exit(machine=machine, rank=rank, code=-9, signal=9, symptom="worker_crash", secondary=secondary, t=t, **kw)
+
+
+def test_crash_without_culprit_is_reattempted_on_same_machines():
+    ev = Evidence(exits=(crash("m0", 0, secondary=True, t=1.2), crash("m1", 2, t=1.0)))
+    r = policy.resolve(snap(), ev, now=5.0)
+    assert r.mechanism == "reattempt" and r.evict == [] and r.suspects == ["m1"]
+    assert "rank 2 on m1 killed by SIGKILL" in r.cause
+
+
+def test_lost_machine_is_evicted_and_replaced():
+    ev = Evidence(exits=(crash("m0", 0, secondary=True),), lost=("m2",))
+    r = policy.resolve(snap(), ev, now=5.0)
+    assert (r.mechanism, r.evict, r.symptom) == ("evict_restart", ["m2"], "machine_lost")
+    assert policy.replacement_plan(("m0", "m1", "m2", "m3"), r.evict, ("m4",)) == {"m2": "m4"}
+
+
+def test_eviction_without_enough_standbys_fails_clearly():
+    r = policy.resolve(snap(standby_ready=()), Evidence(lost=("m2", "m3")), now=5.0)
+    assert r.mechanism == "fail"
+    assert "2 machine(s) evicted (m2, m3)" in r.fail_reason and "0 standby" in r.fail_reason
+
+
+def test_machine_certain_alert_evicts_at_once_network_alert_needs_two_in_window():
+    fatal = Alert("m1", "gpu_lost", "fatal", machine_certain=True, t=10.0)
+    assert policy.should_open_incident(fatal, snap(), 10.0)
+    net = Alert("m1", "nic_down", "warn", machine_certain=False, network=True, t=10.0)
+    assert not policy.should_open_incident(net, snap(), 10.0)
+    old = Alert("m1", "nic_down", "warn", False, network=True, t=10.0 - 301)
+    assert not policy.should_open_incident(net, snap(recent_alerts=(old,)), 10.0)
+    recent = Alert("m1", "nic_down", "warn", False, network=True, t=10.0 - 60)
+    assert policy.should_open_incident(net, snap(recent_alerts=(recent,)), 10.0)
+    other = Alert("m2", "nic_down", "warn", False, network=True, t=9.0)
+    assert not policy.should_open_incident(net, snap(recent_alerts=(other,)), 10.0)
+    warn = Alert("m1", "gpu_hot", "warn", machine_certain=False, t=10.0)
+    assert not policy.should_open_incident(warn, snap(), 10.0)
+    standby = Alert("m4", "gpu_lost", "fatal", machine_certain=True, t=10.0)
+    assert not policy.should_open_incident(standby, snap(), 10.0)
+
+
+def test_fatal_alert_resolution_evicts_that_machine():
+    a = Alert("m3", "gpu_lost", "fatal", machine_certain=True, detail="GPU 1 fell off the bus", t=3.0)
+    r = policy.resolve(snap(), Evidence(exits=(crash("m3", 6),), alerts=(a,)), now=5.0)
+    assert (r.mechanism, r.evict, r.symptom) == ("evict_restart", ["m3"], "gpu_lost")
+
+
+def test_user_code_exception_fails_the_run():
+    e = Exit("m0", 1, 1, None, "user_code_exception", category="user_code", user_code=True,
+             detail="ValueError: bad batch", t=1.0)
+    r = policy.resolve(snap(), Evidence(exits=(e, crash("m1", 2, secondary=True, t=1.1))), now=2.0)
+    assert r.mechanism == "fail" and r.category == "user_code"
+    assert "ValueError: bad batch" in r.fail_reason
+
+
+def test_no_progress_across_restarts_stops_the_job():
+    r = policy.resolve(snap(restarts_without_progress=3, max_restarts_without_progress=3),
+                       Evidence(exits=(crash(),)), now=1.0)
+    assert r.mechanism == "fail" and "no progress across 3 restarts" in r.fail_reason
+    r = policy.resolve(snap(restarts_without_progress=2, max_restarts_without_progress=3),
+                       Evidence(exits=(crash(),)), now=1.0)
+    assert r.mechanism == "reattempt"
+
+
+def test_restore_step_is_newest_complete():
+    assert policy.restore_step({}, 4) == -1
+    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2}}, 4) == 9
+    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2, 3}}, 4) == 19
+    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2, 3}}, 4, before=19) == 9
