@@ -188,6 +188,10 @@ def test_loss_decreases_over_40_steps(runs):
     assert len(losses) == 40
     assert losses[0] > 4.0  # ~ln(96) at init
     assert sum(losses[-5:]) / 5 < 3.0 < sum(losses[:5]) / 5
+    norms = [m["grad_norm"] for m in steps]
+    # Healthy training must not look like the anomaly detector's ">= 5x jump".
+    assert max(b / a for a, b in zip(norms, norms[1:])) < 5.0
+    assert max(b / a for a, b in zip(losses, losses[1:])) < 5.0
     assert done["steps_per_s"] > 0
 
 

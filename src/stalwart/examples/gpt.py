@@ -59,6 +59,7 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20, help="linear LR warm-up steps")
     p.add_argument("--ckpt-every", type=int, default=1, help="0 disables checkpoints")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--log-every", type=int, default=1,
@@ -71,8 +72,8 @@ def parse_args(argv: Sequence[str] | None = None,
     for name in ("tp", "pp", "steps", "batch", "micro_batches", "layers", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.dp < 0 or args.ckpt_every < 0 or args.log_every < 0 or args.lr <= 0:
-        raise ValueError("--dp, --ckpt-every and --log-every must be >= 0 and --lr > 0")
+    if min(args.dp, args.ckpt_every, args.log_every, args.warmup) < 0 or args.lr <= 0:
+        raise ValueError("--dp, --ckpt-every, --log-every and --warmup must be >= 0, --lr > 0")
     return args
 
 
@@ -176,6 +177,14 @@ class PlainContext:
             dist.destroy_process_group()
 
 
+def lr_at(step: int, base_lr: float, warmup: int) -> float:
+    """Learning rate of ``step``: linear warm-up over ``warmup`` steps, then constant.
+
+    A pure function of the step, so a restored run uses exactly the rate of the original.
+    """
+    return base_lr * min(1.0, (step + 1) / warmup) if warmup > 0 else base_lr
+
+
 def allreduce_mean(params: list[torch.Tensor], group: Any, size: int) -> None:
     """Average the gradients of ``params`` over a group with one flat all-reduce."""
     if size == 1:
@@ -252,6 +261,8 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         ctx.on_gradients(step, params)
         allreduce_mean(params, ctx.groups.get("dp"), dp)
         loss, gnorm = global_loss_and_norm(stage, local_loss, c, dp, ctx.world_size)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.lr, args.warmup)
         opt.step()
         t1 = time.perf_counter()
         metrics = {"loss": loss, "grad_norm": gnorm, "tokens": args.batch * cfg.seq_len}
