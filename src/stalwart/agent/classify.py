@@ -75,33 +75,33 @@ _CUDA_MACHINE = (
     "GPU has fallen off the bus",
     "CUDA-capable device(s) is/are busy or unavailable",
 )
-_GPU_OOM = re.compile(r"(?:torch\.OutOfMemoryError: )?CUDA out of memory[^\n]*")
-_DISK_FULL = re.compile(r"[^\n]*(?:No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\])[^\n]*")
+_GPU_OOM = re.compile(r"CUDA out of memory")
+_DISK_FULL = re.compile(r"(?:No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\])")
 # torch.save onto a full filesystem reports only a stream failure.
-_TORCH_SAVE_FAIL = re.compile(r"[^\n]*(?:PytorchStreamWriter failed writing|basic_ios::clear: iostream error)[^\n]*")
+_TORCH_SAVE_FAIL = re.compile(r"(?:PytorchStreamWriter failed writing|basic_ios::clear: iostream error)")
 _NAN = re.compile(
-    r"[^\n]*(?:returned nan values|\bloss\b[^\n]*?(?:[=:]|\s)\s*(?:is\s+)?-?nan\b|\bnan loss\b|"
-    r"non-finite (?:loss|values)|\bNaN or Inf found\b|\bencountered NaN\b)[^\n]*",
+    r"(?:returned nan values|\bloss\b[^\n]*?(?:[=:]|\s)\s*(?:is\s+)?-?nan\b|\bnan loss\b|"
+    r"non-finite (?:loss|values)|\bNaN or Inf found\b|\bencountered NaN\b)",
     re.IGNORECASE,
 )
 _CPU_OOM = re.compile(
-    r"[^\n]*(?:Out of memory: Kill(?:ed)? process|Memory cgroup out of memory|oom-kill:|"
-    r"invoked oom-killer|oom_reaper|^MemoryError\b|Cannot allocate memory)[^\n]*",
+    r"(?:Out of memory: Kill(?:ed)? process|Memory cgroup out of memory|oom-kill:|"
+    r"invoked oom-killer|oom_reaper|^MemoryError\b|Cannot allocate memory)",
     re.MULTILINE,
 )
 _TIMEOUT = re.compile(
-    r"[^\n]*(?:Watchdog caught collective operation timeout|"
+    r"(?:Watchdog caught collective operation timeout|"
     r"Timed out waiting \d+ms for (?:recv|send) operation|"
     r"failed to pass monitoredBarrier|"
     r"DistStoreError: [^\n]*[Tt]imeout|"
-    r"Socket Timeout|wait timeout after \d+ms)[^\n]*"
+    r"Socket Timeout|wait timeout after \d+ms)"
 )
-_NCCL = re.compile(r"[^\n]*(?:NCCL error|nccl\w+Error|NCCL communicator was aborted)[^\n]*")
+_NCCL = re.compile(r"(?:NCCL error|nccl\w+Error|NCCL communicator was aborted)")
 _NCCL_SECONDARY = re.compile(r"ncclRemoteError|remote process exited|Connection closed by remote peer")
-_GLOO = re.compile(r"[^\n]*gloo/[^\n]*")
+_GLOO = re.compile(r"gloo/")
 _GLOO_PEER = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe")
-_SEGV_TEXT = re.compile(r"[^\n]*(?:Segmentation fault|SIGSEGV|Fatal Python error: Bus error)[^\n]*")
-_ABORT_TEXT = re.compile(r"[^\n]*(?:terminate called after throwing|Fatal Python error: Aborted|SIGABRT)[^\n]*")
+_SEGV_TEXT = re.compile(r"(?:Segmentation fault|SIGSEGV|Fatal Python error: Bus error)")
+_ABORT_TEXT = re.compile(r"(?:terminate called after throwing|Fatal Python error: Aborted|SIGABRT)")
 _TORCHRUN_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", os.sep + "torch" + os.sep, os.sep + "stalwart" + os.sep)
@@ -112,12 +112,13 @@ def _strip(text: str) -> list[str]:
     return [_PREFIX.sub("", line.rstrip("\r")) for line in text.splitlines()]
 
 
-def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
-    found = pattern.findall(text)
-    if not found:
-        return None
-    last = found[-1]
-    return (last if isinstance(last, str) else last[0]).strip()
+def _last_match(pattern: re.Pattern[str], lines: list[str]) -> str | None:
+    """The last line matching `pattern` (its first group when the pattern has one)."""
+    for line in reversed(lines):
+        m = pattern.search(line)
+        if m:
+            return (m.group(1) if pattern.groups else line).strip()
+    return None
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,8 @@ def _is_library(path: str, code_dir: str | None) -> bool:
     """True when `path` is not the user's code (a library, torch, stalwart, the stdlib)."""
     if path.startswith("<"):
         return True
+    if os.sep + os.path.join("stalwart", "examples") + os.sep in path:
+        return False  # the bundled example is the job's own training script, not a library
     if any(marker in path for marker in _LIBRARY_MARKERS):
         return True
     if code_dir is not None:
@@ -195,10 +198,11 @@ def classify(log_tail: str, exit_code: int | None, signal: int | None, code_dir:
         raise ValueError(f"exit_code must be an int or None, got {exit_code!r}")
     if signal is not None and (isinstance(signal, bool) or not isinstance(signal, int) or signal <= 0):
         raise ValueError(f"signal must be a positive int or None, got {signal!r}")
-    text = "\n".join(_strip(log_tail or ""))
+    lines = _strip(log_tail or "")
+    text = "\n".join(lines)
     m = _RANK.search(log_tail or "")
     rank = int(m.group(1)) if m else None
-    tbs = [tb for tb in _tracebacks(text.splitlines()) if "ChildFailedError" not in tb.exception]
+    tbs = [tb for tb in _tracebacks(lines) if "ChildFailedError" not in tb.exception]
     final = tbs[-1] if tbs else None
     location = f"{final.frames[-1][0]}:{final.frames[-1][1]}" if final and final.frames else None
 
@@ -209,36 +213,36 @@ def classify(log_tail: str, exit_code: int | None, signal: int | None, code_dir:
 
     secondary: Symptom | None = None
 
-    if line := _last_match(_DISK_FULL, text):
+    if line := _last_match(_DISK_FULL, lines):
         return sym("disk_full", "explicit", False, line)
-    if line := _last_match(_GPU_OOM, text):
+    if line := _last_match(_GPU_OOM, lines):
         return sym("gpu_oom", "explicit", False, line)
-    if line := _last_match(_CUDA_ERROR, text):
+    if line := _last_match(_CUDA_ERROR, lines):
         if "illegal memory access" in line:
             return sym("illegal_memory_access", "explicit", False, "CUDA error: " + line)
         if "device-side assert" in line:
             return sym("cuda_error", "user_code", False, "CUDA error: " + line, user_code=True)
         certain = any(s in line for s in _CUDA_MACHINE)
         return sym("cuda_error", "explicit", certain, "CUDA error: " + line)
-    if line := _last_match(_CUDA_OTHER, text):
+    if line := _last_match(_CUDA_OTHER, lines):
         return sym("cuda_error", "explicit", any(s in line for s in _CUDA_MACHINE), line)
-    if line := _last_match(_NAN, text):
+    if line := _last_match(_NAN, lines):
         return sym("nan", "implicit", False, line)
-    if line := _last_match(_CPU_OOM, text):
+    if line := _last_match(_CPU_OOM, lines):
         return sym("cpu_oom", "explicit", False, line)
-    if line := _last_match(_TIMEOUT, text):
+    if line := _last_match(_TIMEOUT, lines):
         return sym("collective_timeout", "implicit", False, line)
-    if line := _last_match(_NCCL, text):
+    if line := _last_match(_NCCL, lines):
         if _NCCL_SECONDARY.search(text):
             secondary = sym("nccl_error", "explicit", False, line, secondary=True)
         else:
             return sym("nccl_error", "explicit", False, line)
-    if secondary is None and (line := _last_match(_GLOO, text)):
+    if secondary is None and (line := _last_match(_GLOO, lines)):
         if _GLOO_PEER.search(line):
             secondary = sym("gloo_error", "explicit", False, line, secondary=True)
         else:
             return sym("gloo_error", "explicit", False, line)
-    if line := _last_match(_TORCH_SAVE_FAIL, text):
+    if line := _last_match(_TORCH_SAVE_FAIL, lines):
         return sym("disk_full", "explicit", False, "torch.save write failed (disk full?): " + line)
 
     sig = _signal_of(exit_code, signal)
@@ -255,15 +259,15 @@ def classify(log_tail: str, exit_code: int | None, signal: int | None, code_dir:
             root = classify("", int(m.group(1)), None, code_dir)
             return Symptom(**{**root.__dict__, "detail": "torchrun root cause: " + root.detail})
         return secondary
-    if sig == _signal.SIGSEGV or (line := _last_match(_SEGV_TEXT, text)):
+    if sig == _signal.SIGSEGV or (line := _last_match(_SEGV_TEXT, lines)):
         return sym("segfault", "explicit", False, line or f"killed by {_sig_name(_signal.SIGSEGV)}")
     if sig == _signal.SIGBUS:
         return sym("segfault", "explicit", False, f"killed by {_sig_name(sig)}")
-    if sig == _signal.SIGABRT or (line := _last_match(_ABORT_TEXT, text)):
+    if sig == _signal.SIGABRT or (line := _last_match(_ABORT_TEXT, lines)):
         return sym("abort", "explicit", False, line or f"killed by {_sig_name(_signal.SIGABRT)}")
     if sig == _signal.SIGKILL:
         # A bare "Killed" from a shell follows any SIGKILL: only kernel OOM text (above) means OOM.
-        return sym("killed", "explicit", False, "worker_crash: killed by SIGKILL with no error text")
+        return sym("worker_crash", "explicit", False, "killed by SIGKILL with no error text")
     if exit_code in (None, 0) and sig is None:
         m = _TORCHRUN_ROOT.search(text)
         if m:
