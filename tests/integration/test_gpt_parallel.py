@@ -219,18 +219,14 @@ def test_bad_layout_is_a_clear_error(tmp_path):
     assert "d_model 64 is not divisible by n_heads 3" in proc.stderr
 
 
-@pytest.mark.timeout(240)
-def test_runs_under_torchrun_with_the_worker_sdk(runs, tmp_path):
-    from stalwart import worker
-    if not hasattr(worker, "init"):
-        pytest.skip("the worker SDK has no init() yet")
-    env = _clean_env(tmp_path)
+def _torchrun(tmp: Path, steps: int) -> tuple[list[dict], dict]:
+    """Run the example under torchrun (4 ranks, tp=2 pp=2) through the worker SDK."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "-m", "stalwart.examples.gpt", "--tp", "2", "--pp", "2", "--steps", "30",
+           "4", "-m", "stalwart.examples.gpt", "--tp", "2", "--pp", "2", "--steps", str(steps),
            "--seed", "7"]
-    out = tmp_path / "torchrun.txt"
+    out = tmp / f"torchrun-{steps}.txt"
     with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=_clean_env(tmp), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         proc.wait(timeout=RUN_TIMEOUT_S * 2)
@@ -238,9 +234,21 @@ def test_runs_under_torchrun_with_the_worker_sdk(runs, tmp_path):
         assert proc.returncode == 0, log[-4000:]
     finally:
         _kill([proc])
-    steps, done = _parse(log)
+    return _parse(log)
+
+
+@pytest.mark.timeout(300)
+def test_runs_under_torchrun_with_the_worker_sdk(runs, tmp_path):
+    from stalwart import worker
+    if not hasattr(worker, "init"):
+        pytest.skip("the worker SDK has no init() yet")
+    steps, done = _torchrun(tmp_path, 30)
     assert [m["step"] for m in steps] == list(range(30))
     plain, _ = runs(2, 2, 1, 40)  # same seed and layout without the SDK: same training
     assert [m["loss"] for m in steps] == [m["loss"] for m in plain[:30]]
     assert done["steps_per_s"] > 0
     assert any((tmp_path / "sdk-ckpt").rglob("*")), "the SDK wrote no durable checkpoint"
+    # A second launch resumes from the SDK's newest durable checkpoint and continues exactly.
+    resumed, _ = _torchrun(tmp_path, 34)
+    assert [m["step"] for m in resumed] == [30, 31, 32, 33]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in plain[30:34]]
