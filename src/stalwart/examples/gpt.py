@@ -224,7 +224,13 @@ def global_loss_and_norm(stage: GPTStage, local_loss: torch.Tensor | None,
 
 
 def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
-    """Train with any context exposing the worker SDK's surface; returns per-step metrics."""
+    """Train with any context exposing the worker SDK's surface; returns per-step metrics.
+
+    Every rank reports the same metrics each step: the global-batch mean ``loss``, the full
+    model's ``grad_norm`` (after DP averaging) and ``tokens`` = global batch × seq_len.
+    Global rank 0 also prints them as JSON lines (``--log-every``) and a final summary line
+    ``{"event": "done", "steps_per_s": ...}`` (measured after the first step).
+    """
     torch.set_num_threads(args.threads)
     tp, pp = args.tp, args.pp
     dp = ctx.world_size // (tp * pp)
