@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stalwart.controller")
 TERMINAL = ("succeeded", "failed", "cancelled")
+# Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
+# second network alert): localize no earlier than this after detection. Probes run every second.
+EVIDENCE_SETTLE_S = 1.5
 
 
 def _detail_text(detail) -> str:
@@ -245,7 +248,7 @@ class JobRunner:
         """An SDK worker finished its last step (it exits right after)."""
         if ev.get("run") == self.run_seq and self.state == "running":
             self.done_ranks.add(ev["rank"])
-            if len(self.done_ranks) == self.world:
+            if len(self.done_ranks) == self.world and self.steps_done >= self.spec.steps:
                 self._finish("succeeded", None)
 
     def _agent_stopped(self, machine: str, ev: dict) -> None:
@@ -302,7 +305,7 @@ class JobRunner:
     def _check_stopped(self, now: float) -> None:
         inc = self.incident
         limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
-        if inc["awaiting"] and now < limit:
+        if (inc["awaiting"] and now < limit) or now < inc["detected_at"] + EVIDENCE_SETTLE_S:
             return
         for m in inc["awaiting"]:  # alive but did not stop: cannot be trusted with ranks
             inc["lost"].add(m)

@@ -197,8 +197,13 @@ class Context:
         print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
-        """Flush metrics and leave the process groups; call once at the end of training."""
-        self.link.send_now({"type": "done", "rank": self.rank})
+        """Flush metrics and leave the process groups; call once at the end of training.
+
+        Called from a `finally` while an exception propagates, it reports nothing as done: the
+        agent sees the non-zero exit instead.
+        """
+        if sys.exc_info()[1] is None:
+            self.link.send_now({"type": "done", "rank": self.rank})
         self.link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
