@@ -221,8 +221,9 @@ class Topology:
         Preference order (each machine is planned as a whole):
         1. a peer machine none of whose ranks shares a group with any rank of this machine
            (so over-evicting any group of this machine's ranks never takes the peer machine),
-           same local rank, paired symmetrically where possible (the first candidate shifts
-           every coordinate by half its size, which reproduces the paper's Fig. 9 pairs);
+           same local rank, paired symmetrically where possible (the first candidates come from
+           involutions that move every coordinate, by half its size where it is even; this
+           reproduces the paper's Fig. 9 pairs);
         2. one peer machine for the whole machine with a rotated local rank such that each
            rank's peer shares none of its groups (again symmetric where possible);
         3. per rank, the first rank on another machine that shares none of its groups;
@@ -245,17 +246,43 @@ class Topology:
         layouts)."""
         return self.machines_of(self.backup_peer(r) for r in self.ranks_of_machine(machine))
 
-    def _half_shift(self, rank: int) -> int:
+    def _paired(self, rank: int, pivot: str) -> int:
+        """Image of ``rank`` under an involution that changes every non-trivial coordinate:
+        the even-sized ``pivot`` moves by half its size; every other coordinate moves by half
+        its size (even) or by +1/-1 (odd), the sign set by which half the pivot is in."""
         c = self.coords(rank)
-        return self.rank_of(**{k: (c[k] + self._sizes[k] // 2) % self._sizes[k] for k in KINDS})
+        n_p = self._sizes[pivot]
+        half = n_p // 2
+        sign = 1 if c[pivot] < half else -1
+        out = {}
+        for k in KINDS:
+            n = self._sizes[k]
+            if k == pivot:
+                out[k] = (c[k] + half) % n
+            else:
+                out[k] = (c[k] + (n // 2 if n % 2 == 0 else sign)) % n
+        return self.rank_of(**out)
+
+    def _involution_images(self, rank: int) -> Iterator[int]:
+        """Images of ``rank`` under each pivot (outermost even-sized kind first); with no
+        even-sized kind, every coordinate moves by +1."""
+        pivots = [k for k in reversed(KINDS) if self._sizes[k] % 2 == 0]
+        for k in pivots:
+            yield self._paired(rank, k)
+        if not pivots:
+            c = self.coords(rank)
+            yield self.rank_of(**{k: (c[k] + 1) % self._sizes[k] for k in KINDS})
 
     def _machine_candidates(self, m: int) -> Iterator[int]:
-        first = self.machine_of(self._half_shift(m * self.gpus_per_machine))
-        if first != m:
-            yield first
+        g = self.gpus_per_machine
+        seen = {m}
+        for image in self._involution_images(m * g):
+            if image // g not in seen:
+                seen.add(image // g)
+                yield image // g
         for j in range(1, self.machines):
             b = (m + j) % self.machines
-            if b != first:
+            if b not in seen:
                 yield b
 
     def _strict_ok(self, m: int, b: int) -> bool:
@@ -342,9 +369,9 @@ class Topology:
         g, n = self.gpus_per_machine, self.machines
         m, l = divmod(rank, g)
         if self._weak_possible(rank):
-            half = self._half_shift(rank)
-            if half // g != m and not self.shares_group(rank, half):
-                return half
+            for image in self._involution_images(rank):
+                if image // g != m and not self.shares_group(rank, image):
+                    return image
             for j in range(1, n):
                 b = (m + j) % n
                 for t in range(g):
