@@ -1,12 +1,18 @@
-"""The job spec and its policies: validated, with one-line messages that name the field and value.
+"""The job specification (JobSpec) and its fault-handling policy (Policy).
 
-A spec comes from `stalwart run` options, a YAML file (`--config`), or JSON through the API.
+Both are plain validated dataclasses.  ``JobSpec.from_dict`` / ``from_yaml`` turn user
+input into a spec and reject anything wrong with a one-line message naming the field and
+the bad value; ``to_dict`` gives back plain data that ``from_dict`` accepts unchanged.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,35 +20,114 @@ import yaml
 
 from stalwart.topology import Topology
 
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_PLAIN_SECONDS = re.compile(rf"\s*({_NUMBER})\s*")
+_WITH_UNITS = re.compile(rf"(?:\s*{_NUMBER}\s*(?:ms|s|m|h|d))+\s*", re.IGNORECASE)
+_DURATION_PART = re.compile(rf"({_NUMBER})\s*(ms|s|m|h|d)", re.IGNORECASE)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
 
 def parse_duration(s: Any) -> float:
-    """Seconds from "24h", "90s", "5m", "1.5" (seconds) or a number."""
-    if isinstance(s, (int, float)) and not isinstance(s, bool):
-        return float(s)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", str(s))
-    if not m:
-        raise ValueError(f"cannot read duration {s!r}; use e.g. 90s, 5m, 24h")
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}[m.group(2)]
+    """Seconds in a duration: a number (seconds) or a string such as ``"90s"``, ``"5m"``,
+    ``"24h"``, ``"1d"``, ``"250ms"``, ``"1.5"`` or ``"1h30m"``.  Raises ValueError otherwise
+    (negative, NaN, infinite, empty or unparsable)."""
+    bad = ValueError(f"invalid duration {s!r} (expected e.g. 90s, 5m, 24h or seconds)")
+    if isinstance(s, bool):
+        raise bad
+    if isinstance(s, (int, float)):
+        value = float(s)
+    elif isinstance(s, str) and (plain := _PLAIN_SECONDS.fullmatch(s)):
+        value = float(plain.group(1))
+    elif isinstance(s, str) and _WITH_UNITS.fullmatch(s):
+        value = sum(float(n) * _DURATION_UNITS[u.lower()] for n, u in _DURATION_PART.findall(s))
+    else:
+        raise bad
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise ValueError(f"invalid duration {s!r} (must be a finite number of seconds >= 0)")
+    return value
+
+
+def _unknown_key_error(key: Any, known: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+    return ValueError(f"unknown field {key!r} in {where}{hint}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer (got {value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} (got {value!r})")
+    return value
+
+
+def _check_float(name: str, value: Any, low: float, high: float = math.inf, *,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number (got {value!r})")
+    value = float(value)
+    if value < low or (low_open and value == low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g} (got {value:g})")
+    if value > high or (high_open and value == high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high:g} (got {value:g})")
+    return value
+
+
+# (kind, lower bound, lower bound open?, upper bound, upper bound open?) per Policy field.
+_POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
+    "heartbeat_s": ("float", 0.0, True, math.inf, False),
+    "missed_beats": ("int", 1, False, math.inf, False),
+    "max_restarts_without_progress": ("int", 1, False, math.inf, False),
+    "network_alert_count": ("int", 1, False, math.inf, False),
+    "network_alert_window_s": ("float", 0.0, True, math.inf, False),
+    "hang_timeout_floor_s": ("float", 0.0, True, math.inf, False),
+    "hang_safety_factor": ("float", 1.0, False, math.inf, False),
+    "hang_warmup_steps": ("int", 0, False, math.inf, False),
+    "loss_jump_factor": ("float", 1.0, True, math.inf, False),
+    "failslow_rounds": ("int", 1, False, math.inf, False),
+    "failslow_period_s": ("float", 0.0, True, math.inf, False),
+    "failslow_drop": ("float", 0.0, True, 1.0, True),
+    "similarity_window_s": ("float", 0.0, True, math.inf, False),
+    "daily_failure_rate": ("float", 0.0, False, 1.0, True),
+    "hot_update_window_s": ("float", 0.0, False, math.inf, False),
+    "stop_grace_s": ("float", 0.0, False, math.inf, False),
+    "max_standby_wait_s": ("float", 0.0, False, math.inf, False),
+}
 
 
 @dataclass
 class Policy:
-    """How the controller reacts; every field has a production default.
+    """Thresholds of the fault-handling ladder (all times in seconds).
 
-    heartbeat_s: agent heartbeat interval. missed_beats: a machine is lost after this many missed
-    heartbeats. max_restarts_without_progress: stop the job (and page a human) after this many
-    consecutive restarts that made no step of progress. network_alert_count /
-    network_alert_window_s: evict for a network alert only after this many within the window
-    (ByteRobust: twice within 5 min). hang_timeout_floor_s, hang_safety_factor, hang_warmup_steps:
-    the auto-calibrated hang timeout (max recent step time x factor, never below the floor, after
-    the warm-up). loss_jump_factor: a loss or grad-norm jump of this factor over the recent median
-    is an anomaly. failslow_rounds / failslow_period_s / failslow_drop: fail-slow aggregation rounds,
-    their spacing, and the throughput drop that triggers them. similarity_window_s: how long a
-    machine must stay the outlier of its peers to be a suspect. daily_failure_rate: per machine,
-    for `standby: auto` (P99 sizing). hot_update_window_s: a lazy code update is forced after this.
-    stop_grace_s: SIGTERM grace before SIGKILL when stopping workers. max_standby_wait_s: how long a
-    job waits for its standbys to register before starting without them.
+    heartbeat_s: interval of agent heartbeats to the controller (> 0).
+    missed_beats: a machine is declared lost after this many missed heartbeats (>= 1).
+    max_restarts_without_progress: restarts allowed without a new kept step before the job
+        stops and pages a human (>= 1).
+    network_alert_count: network alerts on one machine that trigger its eviction ... (>= 1)
+    network_alert_window_s: ... when they fall within this window (> 0; default 5 min).
+    hang_timeout_floor_s: the auto-calibrated hang timeout is never below this (> 0).
+    hang_safety_factor: hang timeout = this factor x the observed step time (>= 1).
+    hang_warmup_steps: steps observed before the hang timeout is calibrated (>= 0); until
+        then only the floor applies to the first steps' compile/warm-up.
+    loss_jump_factor: a loss or grad-norm jump of at least this factor over the recent
+        baseline is an anomaly (> 1).
+    failslow_rounds: rounds of stack/metric sampling before a fail-slow verdict (>= 1).
+    failslow_period_s: time between fail-slow rounds (> 0).
+    failslow_drop: relative throughput decline that counts as fail-slow (0 < x < 1).
+    similarity_window_s: window of worker metrics compared between peers (> 0).
+    daily_failure_rate: per-machine probability of failing on a given day, sizes the warm
+        standby pool when ``standby`` is "auto" (0 <= x < 1).
+    hot_update_window_s: a pending code version is applied at the latest after this window
+        (>= 0; default 24 h; 0 applies at once).
+    stop_grace_s: time between SIGTERM and SIGKILL when stopping workers (>= 0).
+    max_standby_wait_s: how long a failover waits for a standby before restarting on the
+        remaining machines or paging (>= 0).
+
+    ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
+
     heartbeat_s: float = 1.0
     missed_beats: int = 3
     max_restarts_without_progress: int = 3
@@ -58,35 +143,72 @@ class Policy:
     similarity_window_s: float = 240.0
     daily_failure_rate: float = 0.0012
     hot_update_window_s: float = 86400.0
-    stop_grace_s: float = 0.5
+    stop_grace_s: float = 2.0
     max_standby_wait_s: float = 60.0
 
-    POSITIVE = ("heartbeat_s", "missed_beats", "network_alert_count", "network_alert_window_s",
-                "hang_timeout_floor_s", "hang_safety_factor", "loss_jump_factor", "failslow_rounds",
-                "failslow_period_s", "similarity_window_s", "hot_update_window_s")
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            want = int if f.type in ("int", int) else float
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
-                raise ValueError(f"policy.{f.name} must be a{'n integer' if want is int else ' number'} (got {v!r})")
-            if f.name in self.POSITIVE and v <= 0:
-                raise ValueError(f"policy.{f.name} must be > 0 (got {v})")
-            if v < 0:
-                raise ValueError(f"policy.{f.name} must be >= 0 (got {v})")
-        if not 0 <= self.daily_failure_rate <= 1:
-            raise ValueError(f"policy.daily_failure_rate must be within [0, 1] (got {self.daily_failure_rate})")
-        if not 0 < self.failslow_drop < 1:
-            raise ValueError(f"policy.failslow_drop must be within (0, 1) (got {self.failslow_drop})")
+        """Check every field; floats are normalised to float.  ValueError names the field."""
+        for name, (kind, low, low_open, high, high_open) in _POLICY_RULES.items():
+            value = getattr(self, name)
+            full = f"policy.{name}"
+            if kind == "int":
+                _check_int(full, value, int(low))
+            else:
+                setattr(self, name, _check_float(full, value, low, high,
+                                                 low_open=low_open, high_open=high_open))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Policy:
+        """Policy from a mapping; unknown keys and bad values raise ValueError."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"policy must be a mapping (got {type(d).__name__})")
+        known = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in known:
+                raise _unknown_key_error(key, known, "policy")
+            if key.endswith("_s") and isinstance(value, str):
+                try:
+                    value = parse_duration(value)
+                except ValueError as e:
+                    raise ValueError(f"policy.{key}: {e}") from None
+            values[key] = value
+        return cls(**values)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobSpec:
-    """One training job: a command on machines x G accelerators with a parallel layout."""
-    machines: int = 1
-    gpus_per_machine: int = 1
+    """One training job: what to run, on how many machines, in which parallel layout, with
+    which fault-handling policy.
+
+    name: job name, letters/digits/``_.-``, at most 63 characters.
+    machines, gpus_per_machine: machines in the job (>= 1) and ranks per machine (>= 1).
+    tp, pp, dp, cp, ep: parallel sizes; ``dp`` None is derived as
+        machines*gpus_per_machine/(tp*pp*cp*ep) and must be integral.
+    steps: training steps of the whole job (>= 1).
+    ckpt_every: durable checkpoint every K steps (>= 1); in-memory checkpoints are every step.
+    command: the training command (list of strings; a string is split with shlex).
+    standby: warm standby machines (>= 0), or "auto" to size the pool from
+        ``policy.daily_failure_rate``.
+    chaos: fault injections, e.g. "crash@step=60,machine=1" (parsed by stalwart.chaos).
+    code_dir: directory of the job's code; None means the current working directory. Stored
+        as an absolute path.
+    env: extra environment variables for the workers (numbers are converted to strings).
+    policy: the fault-handling thresholds.
+    """
+
     name: str = "job"
+    machines: int
+    gpus_per_machine: int = 1
     tp: int = 1
     pp: int = 1
     dp: int | None = None
@@ -94,94 +216,137 @@ class JobSpec:
     ep: int = 1
     steps: int = 100
     ckpt_every: int = 10
-    command: list = field(default_factory=list)
-    standby: Any = 0
-    chaos: list = field(default_factory=list)
+    command: list[str]
+    standby: int | str = 0
+    chaos: list[str] = field(default_factory=list)
     code_dir: str | None = None
-    env: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self) -> None:
-        if isinstance(self.policy, dict):
-            self.policy = _build(Policy, self.policy, "policy")
         self.validate()
 
+    # ------------------------------------------------------------ validation
     def validate(self) -> None:
-        for name in ("machines", "gpus_per_machine", "tp", "pp", "cp", "ep", "steps", "ckpt_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer (got {v!r})")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1 (got {v})")
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ValueError(f"name must be a non-empty string (got {self.name!r})")
-        total = self.machines * self.gpus_per_machine
-        model = self.tp * self.pp * self.cp * self.ep
+        """Check and normalise every field (derives dp, resolves code_dir, splits a string
+        command).  Raises ValueError with a one-line message naming the field and value."""
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"name must be 1-63 letters, digits or _.- starting with a letter "
+                             f"or digit (got {self.name!r})")
+        _check_int("machines", self.machines, 1)
+        _check_int("gpus_per_machine", self.gpus_per_machine, 1)
+        for k in ("tp", "pp", "cp", "ep"):
+            _check_int(k, getattr(self, k), 1)
+        world = self.machines * self.gpus_per_machine
         if self.dp is None:
-            if total % model:
-                raise ValueError(f"{self._layout_names()} must divide machines*gpus-per-machine "
-                                 f"({model} does not divide {self.machines}*{self.gpus_per_machine}={total})")
-            self.dp = total // model
-        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
-            raise ValueError(f"dp must be an integer >= 1 (got {self.dp!r})")
-        if model * self.dp != total:
-            factors = [self.tp, self.pp] + ([self.cp] if self.cp != 1 else []) + \
-                      ([self.ep] if self.ep != 1 else []) + [self.dp]
-            raise ValueError(f"{self._layout_names()}*dp must equal machines*gpus-per-machine "
-                             f"({'*'.join(map(str, factors))}={model * self.dp}, "
-                             f"{self.machines}*{self.gpus_per_machine}={total})")
-        if not isinstance(self.command, list) or not all(isinstance(c, str) for c in self.command):
-            raise ValueError(f"command must be a list of strings (got {self.command!r})")
-        if self.standby != "auto" and (isinstance(self.standby, bool) or not isinstance(self.standby, int)
-                                       or self.standby < 0):
-            raise ValueError(f"standby must be a number >= 0 or 'auto' (got {self.standby!r})")
-        if not isinstance(self.chaos, list) or not all(isinstance(c, str) for c in self.chaos):
-            raise ValueError(f"chaos must be a list of strings like 'crash@step=5,machine=0' (got {self.chaos!r})")
-        if not isinstance(self.env, dict):
-            raise ValueError(f"env must be a mapping of names to values (got {self.env!r})")
-        self.env = {str(k): str(v) for k, v in self.env.items()}
+            other = self.tp * self.pp * self.cp * self.ep
+            if world % other:
+                raise ValueError(
+                    f"dp = machines*gpus_per_machine/(tp*pp*cp*ep) = {world}/{other} is not an "
+                    f"integer; change the layout or set dp")
+            self.dp = world // other
+        _check_int("dp", self.dp, 1)
+        self.topology()  # raises the layout mismatch message
+        _check_int("steps", self.steps, 1)
+        _check_int("ckpt_every", self.ckpt_every, 1)
+        self._validate_command()
+        if self.standby != "auto":
+            if isinstance(self.standby, str):
+                raise ValueError(f"standby must be an integer >= 0 or 'auto' (got {self.standby!r})")
+            _check_int("standby", self.standby, 0)
+        if not isinstance(self.chaos, list) or not all(
+                isinstance(c, str) and c.strip() for c in self.chaos):
+            raise ValueError(f"chaos must be a list of non-empty strings (got {self.chaos!r})")
+        if self.code_dir is None:
+            self.code_dir = os.getcwd()
+        elif not isinstance(self.code_dir, str) or not self.code_dir:
+            raise ValueError(f"code_dir must be a path string (got {self.code_dir!r})")
+        self.code_dir = os.path.abspath(os.path.expanduser(self.code_dir))
+        self._validate_env()
+        if isinstance(self.policy, dict):
+            self.policy = Policy.from_dict(self.policy)
+        if not isinstance(self.policy, Policy):
+            raise ValueError(f"policy must be a mapping (got {type(self.policy).__name__})")
         self.policy.validate()
 
-    def _layout_names(self) -> str:
-        return "*".join(["tp", "pp"] + (["cp"] if self.cp != 1 else []) + (["ep"] if self.ep != 1 else []))
+    def _validate_command(self) -> None:
+        if isinstance(self.command, str):
+            try:
+                self.command = shlex.split(self.command)
+            except ValueError as e:
+                raise ValueError(f"command cannot be parsed ({e}): {self.command!r}") from None
+        if isinstance(self.command, tuple):
+            self.command = list(self.command)
+        if (not isinstance(self.command, list) or not self.command
+                or not all(isinstance(a, str) for a in self.command) or not self.command[0]):
+            raise ValueError(f"command must be a non-empty list of strings (got {self.command!r})")
 
+    def _validate_env(self) -> None:
+        if not isinstance(self.env, dict):
+            raise ValueError(f"env must be a mapping of names to strings (got {self.env!r})")
+        clean: dict[str, str] = {}
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key):
+                raise ValueError(f"env name must be a valid variable name (got {key!r})")
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(f"env.{key} must be a string (got {value!r})")
+            clean[key] = str(value)
+        self.env = clean
+
+    # ------------------------------------------------------------ conversions
     def topology(self) -> Topology:
-        return Topology(self.machines, self.gpus_per_machine, tp=self.tp, pp=self.pp, dp=self.dp,
-                        cp=self.cp, ep=self.ep)
+        """The job's parallel layout."""
+        return Topology(self.machines, self.gpus_per_machine, tp=self.tp, pp=self.pp,
+                        dp=self.dp, cp=self.cp, ep=self.ep)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, dicts, scalars) that ``from_dict`` turns back into this spec."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
+        d["command"] = list(self.command)
+        d["chaos"] = list(self.chaos)
+        d["env"] = dict(self.env)
+        d["policy"] = self.policy.to_dict()
+        return d
+
+    def to_yaml(self) -> str:
+        """The spec as YAML text accepted by ``from_yaml``."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "JobSpec":
+    def from_dict(cls, d: Any) -> JobSpec:
+        """Spec from a mapping (policy nested); unknown keys, missing required keys and bad
+        values raise ValueError."""
         if not isinstance(d, dict):
-            raise ValueError(f"a job spec must be a mapping (got {type(d).__name__})")
-        return _build(cls, d, "job spec")
+            raise ValueError(f"job spec must be a mapping (got {type(d).__name__})")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in known:
+                raise _unknown_key_error(key, known, "job spec")
+        for required in ("machines", "command"):
+            if required not in d:
+                raise ValueError(f"job spec is missing required field {required!r}")
+        values = dict(d)
+        values["policy"] = Policy.from_dict(d.get("policy"))
+        return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "JobSpec":
+    def from_yaml(cls, path: str | os.PathLike[str]) -> JobSpec:
+        """Spec from a YAML file; a relative code_dir is taken relative to the file."""
         try:
-            with open(path) as f:
-                d = yaml.safe_load(f)
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
         except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror}") from None
+            raise ValueError(f"cannot read job spec {os.fspath(path)}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if d is None:
-            d = {}
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(f"job spec {os.fspath(path)}{where} is not valid YAML: {problem}") \
+                from None
+        if isinstance(data, dict) and isinstance(data.get("code_dir"), str):
+            base = os.path.dirname(os.path.abspath(path))
+            data["code_dir"] = os.path.join(base, os.path.expanduser(data["code_dir"]))
         try:
-            return cls.from_dict(d)
+            return cls.from_dict(data)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-
-def _build(cls, d: dict, what: str):
-    if not isinstance(d, dict):
-        raise ValueError(f"{what} must be a mapping (got {d!r})")
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in d:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(f"unknown field '{key}' in {what}{hint}")
-    return cls(**d)
+            raise ValueError(f"job spec {os.fspath(path)}: {e}") from None
