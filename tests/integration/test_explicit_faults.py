@@ -11,12 +11,12 @@ ROOT = os.geteuid() == 0
 
 def small(**kw):
     """2 active machines x 1 worker (dp=2) and one warm standby: the cheapest job with a spare."""
-    d = dict(machines=2, gpus=1, steps=24, standby=1)
+    d = dict(machines=2, gpus=1, steps=60, standby=1)
     d.update(kw)
     return gpt_spec(**d)
 
 
-def check_evicted(rep, symptom, machine="m1", steps=24):
+def check_evicted(rep, symptom, machine="m1", steps=60):
     assert rep["state"] == "succeeded", rep.get("reason")
     assert rep["steps_completed"] == steps
     inc = next(i for i in rep["incidents"] if machine in i["machines_evicted"])
@@ -80,7 +80,10 @@ def test_nic_down_is_evicted(tmp_path):
 @pytest.mark.skipif(not ROOT, reason="network namespaces need root")
 @pytest.mark.timeout(240)
 def test_nic_flap_twice_within_window_is_evicted(tmp_path):
-    rep = run_job(tmp_path, small(steps=40, chaos=["nic-flap@step=4,machine=1",
-                                                     "nic-flap@step=24,machine=1"]))
-    inc = check_evicted(rep, "nic_flap", steps=40)
-    assert [i for i in rep["incidents"] if i["symptom"] == "nic_flap"] == [inc]
+    rep = run_job(tmp_path, small(steps=90, chaos=["nic-flap@step=4,machine=1",
+                                                     "nic-flap@step=40,machine=1"]))
+    inc = next(i for i in rep["incidents"] if "m1" in i["machines_evicted"])
+    # the probe sees a flap as `nic_flap` (carrier changes) and, when it looks mid-flap, `nic_down`
+    check_evicted(rep, inc["symptom"], steps=90)
+    assert inc["symptom"] in ("nic_flap", "nic_down")
+    assert "seen 2x within 300s" in inc["cause"]

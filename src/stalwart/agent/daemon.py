@@ -83,7 +83,7 @@ class Agent:
         open(self.kmsg_path, "a").close()
         probes = [GpuProbe(make_gpu_source(self.simgpu_path, self.gpus), interval_s=1.0),
                   KmsgProbe(kmsg or self.kmsg_path, interval_s=0.5),
-                  DiskProbe([self.workdir], min_free_bytes=min_free_bytes, min_free_ratio=0.0,
+                  DiskProbe([self.workdir], min_free_bytes=min_free_bytes, min_free_ratio=0.5,
                             interval_s=1.0, fake_free_bytes_file=self.disk_override)]
         if self.netns is not None:
             # The host end of the machine's veth mirrors its NIC the way a switch port does.

@@ -240,7 +240,8 @@ class JobRunner:
         exit_ = policy.Exit(machine=machine, rank=ev["rank"], code=ev.get("code"),
                             signal=ev.get("signal"), symptom=sym.name, category=sym.category,
                             secondary=sym.secondary, machine_certain=sym.machine_certain,
-                            user_code=sym.user_code, detail=sym.detail, t=ev["t"])
+                            user_code=sym.user_code, detail=sym.detail, t=ev["t"],
+                            location=sym.location)
         self._open_incident(exit_.symptom, ev["t"])
         self.incident["exits"].append(exit_)
 

@@ -31,6 +31,7 @@ class Exit:
     user_code: bool = False
     detail: str = ""
     t: float = 0.0
+    location: str | None = None      # file:line of the innermost frame, for exceptions
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
     if any(e.user_code for e in primary) and not evict:
         return Resolution(symptom="user_code_exception", category="user_code", cause=cause,
                           suspects=suspects, mechanism="fail",
-                          fail_reason=f"user code raised an exception: {primary[0].detail or cause}")
+                          fail_reason=f"user code raised an exception: {primary[0].detail or cause}"
+                                      + (f" (at {primary[0].location})" if primary[0].location else ""))
     if snap.restarts_without_progress >= snap.max_restarts_without_progress:
         return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
                           evict=evict, mechanism="fail",

@@ -261,7 +261,7 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         ctx.begin_step(step)
         if getattr(ctx, "chaos_active", None) and ctx.chaos_active("user-error", step):
             # the `user-error` chaos fault: a bug in the training script itself
-            raise ValueError(f"user-error chaos: bad value in the training script at step {step}")
+            raise IndexError(f"user-error chaos: index out of range in the training script at step {step}")
         t0 = time.perf_counter()
         x, y = batch_for(seed, step, c["dp"], dp, args.batch, cfg.seq_len)
         x, y = x.to(device), y.to(device)
