@@ -32,7 +32,6 @@ import os
 import shutil
 import stat
 import tempfile
-import uuid
 from typing import Any, Iterable, Mapping
 
 import sqlalchemy as sa
