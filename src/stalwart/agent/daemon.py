@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+from stalwart.agent.ckpt import CkptManager, RestoreFailed, ckpt_root
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
@@ -63,6 +64,8 @@ class Agent:
                 os.unlink(stale)
         self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
                                certain_kinds=frozenset({"disk_full"}))
+        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
+        self._job: str | None = None
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
 
@@ -109,6 +112,9 @@ class Agent:
         self.monitor.stop()
         self.chaos.cleanup()
         self.workers.stop()
+        self.ckpt.close()
+        import shutil
+        shutil.rmtree(self.ckpt.root, ignore_errors=True)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -116,6 +122,7 @@ class Agent:
     def _register(self) -> None:
         info = {"address": self.address, "gpus": self.gpus, "hostname": socket.gethostname(),
                 "pid": os.getpid(), "workdir": self.workdir, "running_run": self._run,
+                "peer": list(self.ckpt.peer_addr),
                 "workers": self.workers.pids()}
         reply = self.client.post(f"/api/agents/{self.machine_id}/register", info)
         self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
@@ -250,17 +257,47 @@ class Agent:
         env["STALWART_AGENT_SOCK"] = self.sock_path
         env["STALWART_SIMGPU"] = self.simgpu_path
         env["STALWART_MACHINE"] = self.machine_id
+        env["STALWART_SHM_DIR"] = self.ckpt.shm_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _start(self, cmd: dict) -> None:
+    def _prepare_run(self, cmd: dict) -> list[dict[str, str]] | None:
+        """Checkpoint set-up and restore shards for a run; the extra env of each worker, or None
+        (reported as restore_failed) when a rank has no valid copy anywhere."""
+        job = str(cmd.get("env", {}).get("STALWART_JOB"))
+        if job != self._job:
+            self.ckpt.clear_own()
+            self._job = job
+        c = cmd.get("ckpt") or {}
+        self.ckpt.configure(c.get("durable_dir"), int(c.get("every", 10)), c.get("backup"))
+        extra = []
+        for w in cmd["workers"]:
+            env = {k: str(v) for k, v in w["env"].items()}
+            if w.get("restore"):
+                try:
+                    tier, path, errors = self.ckpt.materialize(w["rank"], w["restore"])
+                except RestoreFailed as e:
+                    self.emit({"type": "restore_failed", "run": cmd["run"], "rank": w["rank"],
+                               "step": w["restore"][0]["step"], "error": str(e)})
+                    return None
+                env.update(STALWART_RESTORE_PATH=path, STALWART_RESTORE_TIER=tier)
+                self.emit({"type": "restore_source", "run": cmd["run"], "rank": w["rank"],
+                           "step": w["restore"][0]["step"], "tier": tier, "skipped": errors})
+            extra.append(env)
+        return extra
+
+    def _start(self, cmd: dict, extra: list[dict[str, str]] | None = None) -> None:
         self.workers.stop()
+        if extra is None:
+            extra = self._prepare_run(cmd)
+            if extra is None:
+                return
         self._run = cmd["run"]
         base = self._base_env(cmd)
         envs, ranks = [], []
-        for w in cmd["workers"]:
+        for w, more in zip(cmd["workers"], extra):
             env = dict(base)
-            env.update({k: str(v) for k, v in w["env"].items()})
+            env.update(more)
             envs.append(env)
             ranks.append(w["rank"])
         self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}",
@@ -281,6 +318,9 @@ class Agent:
 
     def _activate(self, cmd: dict) -> None:
         """Hand the ranks to the warm workers; fall back to a cold start if they are not ready."""
+        extra = self._prepare_run(cmd)
+        if extra is None:
+            return
         deadline = time.time() + float(cmd.get("wait_s", 30))
         n = len(cmd["workers"])
         while time.time() < deadline:
@@ -291,15 +331,15 @@ class Agent:
             time.sleep(0.02)
         else:
             log.warning("warm workers not ready; starting cold")
-            self._start(cmd)
+            self._start(cmd, extra)
             return
         self._run = cmd["run"]
         by_pid = {w.proc.pid: w for w in self.workers.workers}
         ordered = sorted(ready[:n], key=lambda p: by_pid[p].local_rank if p in by_pid else 0)
         ranks = []
-        for pid, w in zip(ordered, cmd["workers"]):
+        for pid, w, more in zip(ordered, cmd["workers"], extra):
             env = {k: str(v) for k, v in cmd.get("env", {}).items()}
-            env.update({k: str(v) for k, v in w["env"].items()})
+            env.update(more)
             with self._lock:
                 conn = self._conns[pid]
                 self._standby_ready.remove(pid)

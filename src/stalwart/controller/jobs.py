@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from stalwart.agent.classify import classify
 from stalwart.chaos import catalogue
-from stalwart.controller import policy
+from stalwart.controller import policy, restore
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -66,6 +66,9 @@ class JobRunner:
         self.awaiting_resume: list[int] = []  # incidents whose new run has not completed a step
         self.alerts: list[policy.Alert] = []
         self.chaos_applied: list[dict] = []
+        self.avail = restore.Availability()   # every rank's checkpoint copies, by tier
+        self.bad_steps: set[int] = set()      # steps some rank could not restore
+        self.restore_tiers: dict[int, str] = {}
         self.created_at = time.time()
         self.thread = threading.Thread(target=self._loop, name=f"job-{job_id}", daemon=True)
 
@@ -116,7 +119,7 @@ class JobRunner:
             self.ctl.set_machine(m, state="standby", job_id=self.job_id)
             self._prewarm(m)
         self.store.update_job(self.job_id, state="running")
-        self._start_run(restore=-1)
+        self._start_run(-1, {})
 
     def _prewarm(self, m: str) -> None:
         self.ctl.send(m, {"type": "prewarm", "command": self.spec.command, "cwd": self.spec.code_dir,
@@ -139,17 +142,27 @@ class JobRunner:
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": run})
         return env
 
-    def _start_run(self, restore: int) -> None:
+    def _start_run(self, restore_step: int, cands: dict[int, list[dict]]) -> None:
         self.run_seq += 1
         port = self.ctl.rendezvous.open(self.job_id, self.run_seq)
         env = self._common_env(self.run_seq, port)
-        env["STALWART_RESTORE_STEP"] = restore
-        start_step = restore + 1
+        env["STALWART_RESTORE_STEP"] = restore_step
+        start_step = restore_step + 1
+        self.restore_tiers = {}
         for i, m in enumerate(self.slots):
-            workers = [{"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
-                       for r in range(i * self.G, (i + 1) * self.G)]
+            workers = []
+            for r in range(i * self.G, (i + 1) * self.G):
+                w = {"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
+                if cands.get(r):
+                    w["restore"] = [dict(c, addr=self.ctl.peer_addr(c["holder"])) if c["tier"] == "backup"
+                                    else c for c in cands[r]]
+                workers.append(w)
+            backup = self.slots[self.topo.backup_machine(i)] if self.spec.machines > 1 else None
+            ckpt = {"durable_dir": self.ctl.ckpt_dir(self.job_id), "every": self.spec.ckpt_every,
+                    "backup": {"machine": backup, "addr": self.ctl.peer_addr(backup)}
+                    if backup and self.ctl.peer_addr(backup) else None}
             cmd = {"run": self.run_seq, "command": self.spec.command, "cwd": self.spec.code_dir,
-                   "env": env, "workers": workers}
+                   "env": env, "workers": workers, "ckpt": ckpt}
             if m in self.warm:
                 self.warm.discard(m)
                 self.ctl.send(m, dict(cmd, type="activate"))
@@ -158,7 +171,7 @@ class JobRunner:
         now = time.time()
         self.run_id = self.store.create_run(self.job_id, self.run_seq, start_step, now,
                                             {str(i): m for i, m in enumerate(self.slots)},
-                                            {"step": restore, "tier": "durable"} if restore >= 0 else None)
+                                            {"step": restore_step} if restore_step >= 0 else None)
         self.event("run_started", {"run": self.run_seq, "start_step": start_step,
                                    "machines": list(self.slots)}, t=now)
         self.state, self.run_started_at = "running", now
@@ -225,8 +238,31 @@ class JobRunner:
                                      "rank": ev.get("rank")}, t=ev.get("injected_at"))
 
     def _agent_ckpt(self, machine: str, ev: dict) -> None:
-        self.store.add_checkpoint(self.job_id, int(ev["step"]), int(ev["rank"]), ev["tier"],
-                                  ev["location"], ev["checksum"], ev["t"])
+        rank, step, tier = int(ev["rank"]), int(ev["step"]), ev["tier"]
+        if tier == "durable":
+            self.store.add_checkpoint(self.job_id, step, rank, tier, ev["location"],
+                                      ev.get("checksum", ""), ev["t"])
+            self.avail.add(rank, tier, step, ev["location"])
+        else:
+            self.avail.add(rank, tier, step, ev["holder"])
+
+    def _agent_restore_source(self, machine: str, ev: dict) -> None:
+        if ev.get("run") != self.run_seq:
+            return
+        self.restore_tiers[int(ev["rank"])] = ev["tier"]
+        if len(self.restore_tiers) == self.world:
+            self.store.update_run(self.run_id, restore={"step": ev["step"], "tiers": {
+                str(r): t for r, t in sorted(self.restore_tiers.items())}})
+        self.event("restore_source", {"run": self.run_seq, "rank": ev["rank"], "tier": ev["tier"],
+                                      "step": ev["step"], "skipped": ev.get("skipped", [])})
+
+    def _agent_restore_failed(self, machine: str, ev: dict) -> None:
+        if ev.get("run") != self.run_seq:
+            return
+        self.bad_steps.add(int(ev["step"]))
+        self.event("restore_failed", {"run": self.run_seq, "rank": ev["rank"], "error": ev.get("error")})
+        if self.state == "running":
+            self._open_incident("restore_failed", ev["t"])
 
     def _agent_worker_exit(self, machine: str, ev: dict) -> None:
         if ev.get("run") != self.run_seq or ev.get("expected") or ev.get("rank") is None:
@@ -351,20 +387,18 @@ class JobRunner:
             self._finish("failed", res.fail_reason)
             return
         plan = policy.replacement_plan(tuple(self.slots), res.evict, snap.standby_ready)
+        for m in set(inc["lost"]) | set(res.evict):
+            self.avail.drop_machine(m)     # its memory (own shards, peers' backups) is gone
         for old, new in plan.items():
             self.ctl.set_machine(old, state="evicted", reason=res.cause)
             self.ctl.send(old, {"type": "stop", "run": None})
             self.slots[self.slots.index(old)] = new
             self.standby.remove(new)
             self.ctl.set_machine(new, state="active")
-        restore = policy.restore_step(self._complete_checkpoints(), self.world)
-        self._start_run(restore)
-
-    def _complete_checkpoints(self) -> dict[int, set[int]]:
-        out: dict[int, set[int]] = {}
-        for c in self.store.checkpoints(self.job_id):
-            out.setdefault(c["step"], set()).add(c["rank"])
-        return out
+        next_machine = {r: self.slots[self.topo.machine_of(r)] for r in range(self.world)}
+        alive = {m for m in self.slots if self.ctl.machine_alive(m)}
+        step, cands = restore.plan(self.avail, self.world, next_machine, alive, self.bad_steps)
+        self._start_run(step, cands)
 
     # -- the end -------------------------------------------------------------------------------
     def _finish(self, state: str, reason: str | None) -> None:

@@ -114,6 +114,12 @@ class Controller:
             self._machines.setdefault(machine, {"id": machine, "alive": False}).update(values)
         self.store.upsert_machine(machine, **values)
 
+    def peer_addr(self, machine: str | None) -> list | None:
+        """Where a machine's agent serves checkpoint shards to its peers."""
+        with self._lock:
+            m = self._machines.get(machine) if machine else None
+            return (m.get("info") or {}).get("peer") if m else None
+
     def free_machines(self) -> list[str]:
         with self._lock:
             return sorted((m["id"] for m in self._machines.values()

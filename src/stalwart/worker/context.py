@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.topology import Topology
-from stalwart.worker import durable
+from stalwart.worker import durable, memckpt
 from stalwart.worker.link import AgentLink
 from stalwart.worker.simgpu_view import SimGpuView
 
@@ -61,6 +61,8 @@ class Context:
         self.ckpt_dir = env.get("STALWART_CKPT_DIR") or os.path.abspath("checkpoints")
         self.ckpt_every = _env_int("STALWART_CKPT_EVERY", 10)
         self.timeout_s = timeout_s
+        shm = env.get("STALWART_SHM_DIR")
+        self.mem = memckpt.MemCheckpointer(shm, self.rank) if shm else None
         self.cuda = torch.cuda.is_available() and env.get("STALWART_FORCE_CPU") != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         if self.cuda:
@@ -123,6 +125,12 @@ class Context:
         Under stalwart the controller names the step to restore (STALWART_RESTORE_STEP); under a
         plain launcher the newest complete durable checkpoint is used.
         """
+        path = os.environ.get("STALWART_RESTORE_PATH")
+        if path:   # the agent materialized this rank's shard (own memory, a peer's, or durable)
+            step, state = memckpt.load(path, self.rank)
+            self.link.send({"type": "restored", "rank": self.rank, "step": step,
+                            "tier": os.environ.get("STALWART_RESTORE_TIER", "?")})
+            return step + 1, state
         step = _env_int("STALWART_RESTORE_STEP", None)
         if step is None and self.run is None:
             steps = durable.complete_steps(self.ckpt_dir, self.world_size)
@@ -180,7 +188,15 @@ class Context:
         self._last_report = self._step_t0 = now
 
     def checkpoint(self, state: Any, step: int) -> None:
-        """Checkpoint the state reached after `step`; durable every `ckpt_every` steps."""
+        """Checkpoint the state reached after `step`.
+
+        Under a stalwart agent: into shared memory, every step (the step blocks only for its own
+        copy; the agent streams it to a backup peer and to the durable tier every `ckpt_every`
+        steps). Without one: a durable file every `ckpt_every` steps.
+        """
+        if self.mem is not None:
+            self.mem.snapshot(state, step)
+            return
         last = self.steps is not None and step + 1 >= self.steps
         if (step + 1) % self.ckpt_every == 0 or last:
             meta = durable.save(self.ckpt_dir, step, self.rank, state, layout=self.topology_dict())
@@ -202,6 +218,8 @@ class Context:
         Called from a `finally` while an exception propagates, it reports nothing as done: the
         agent sees the non-zero exit instead.
         """
+        if self.mem is not None:
+            self.mem.close()       # the last step's shard is committed before we say done
         if sys.exc_info()[1] is None:
             self.link.send_now({"type": "done", "rank": self.rank})
         self.link.close()

@@ -1,0 +1,152 @@
+"""The agent's checkpoint manager: every-step shards in shared memory, backups on a peer, a durable tier.
+
+Workers write their own double-buffered shards into the machine's shm dir (worker/memckpt.py).
+This manager, off the training processes:
+- notices each new complete own shard, reports it, and streams it to this machine's backup peer
+  (a machine that shares none of the rank's parallel groups; chosen by the controller from
+  `topology`) — newest step wins;
+- persists every K-th step to the durable tier (a local dir or any fsspec URL), asynchronously;
+- serves and stores peers' backups (PeerServer);
+- at restore, materializes the shard each rank must start from, trying the tiers the controller
+  named in order (own memory, a backup peer's memory, durable), verifying checksums, so a corrupt
+  or missing copy falls back to the next tier and never to a silent wrong state.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from typing import Callable
+
+from stalwart.agent.peerxfer import PeerClient, PeerServer
+from stalwart.agent.shards import ShardStore
+from stalwart.worker import memckpt
+
+log = logging.getLogger("stalwart.agent")
+
+
+class RestoreFailed(RuntimeError):
+    """No tier holds a valid copy of a rank's shard for the requested step."""
+
+
+class CkptManager:
+    def __init__(self, machine_id: str, root: str, emit: Callable[[dict], None], peer_host: str = "127.0.0.1"):
+        self.machine_id = machine_id
+        self.root = root
+        self.shm_dir = os.path.join(root, "own")
+        self.backup_dir = os.path.join(root, "backup")
+        self.restore_dir = os.path.join(root, "restore")
+        self.emit = emit
+        for d in (self.shm_dir, self.backup_dir, self.restore_dir):
+            os.makedirs(d, exist_ok=True)
+        self.store = ShardStore(self.shm_dir, self.backup_dir)
+        self.server = PeerServer("0.0.0.0", 0, self.store).start()
+        self.peer_addr = (peer_host, self.server.address[1])
+        self.client = PeerClient()
+        self._cfg_lock = threading.Lock()
+        self._backup: dict | None = None        # {"machine": id, "addr": [host, port]}
+        self._every = 10
+        self._seen: dict[int, int] = {}         # rank -> newest own step handled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ckpt-watch", daemon=True)
+        self._thread.start()
+
+    def configure(self, durable_dir: str | None, every: int, backup: dict | None) -> None:
+        """Set up for a run: where durable copies go, how often, and which peer holds backups."""
+        with self._cfg_lock:
+            if durable_dir and durable_dir != self.store.durable_dir:
+                old = self.store
+                self.store = ShardStore(self.shm_dir, self.backup_dir, durable_dir)
+                self.server.store = self.store
+                old.close()
+            self._every = max(1, int(every))
+            self._backup = backup
+            self._seen.clear()
+
+    def clear_own(self) -> None:
+        """Forget this machine's own shards (a new job, or ranks handed to another machine)."""
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        os.makedirs(self.shm_dir, exist_ok=True)
+        self._seen.clear()
+
+    # -- the watcher ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self._scan()
+            except Exception as e:   # never let a bad shard stop the watcher
+                log.warning("checkpoint watcher: %s", e)
+
+    def _scan(self) -> None:
+        newest: dict[int, tuple[int, str]] = {}
+        for rank, step, path in memckpt.list_shards(self.shm_dir):
+            if step > newest.get(rank, (-1, ""))[0]:
+                newest[rank] = (step, path)
+        with self._cfg_lock:
+            backup, every, store = self._backup, self._every, self.store
+        for rank, (step, path) in newest.items():
+            if self._seen.get(rank, -1) >= step:
+                continue
+            self._seen[rank] = step
+            self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "own",
+                       "holder": self.machine_id})
+            if backup is not None:
+                fut = self.client.push(tuple(backup["addr"]), rank, step, path)
+                fut.add_done_callback(lambda f, r=rank, s=step, b=backup: self._pushed(f, r, s, b))
+            if store.durable_dir and (step + 1) % every == 0:
+                fut = store.persist(rank, step)
+                fut.add_done_callback(lambda f, r=rank, s=step: self._persisted(f, r, s))
+
+    def _pushed(self, fut, rank: int, step: int, backup: dict) -> None:
+        try:
+            if fut.result() == "sent":
+                self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "backup",
+                           "holder": backup["machine"]})
+        except Exception as e:
+            log.warning("backup of rank %s step %s to %s failed: %s", rank, step, backup["machine"], e)
+
+    def _persisted(self, fut, rank: int, step: int) -> None:
+        try:
+            url = fut.result()
+        except Exception as e:
+            log.warning("durable copy of rank %s step %s failed: %s", rank, step, e)
+            return
+        hdr = memckpt.read_header(url) if os.path.exists(url) else None
+        self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "durable", "location": url,
+                   "checksum": f"{hdr['checksum']:08x}" if hdr else ""})
+
+    # -- restore ----------------------------------------------------------------------------
+    def materialize(self, rank: int, candidates: list[dict]) -> tuple[str, str, list[str]]:
+        """(tier, local shard path, errors of the tiers tried before) for the first valid candidate."""
+        errors: list[str] = []
+        for c in candidates:
+            tier, step = c["tier"], int(c["step"])
+            try:
+                if tier == "own":
+                    path = self.store.fetch(rank, step, "own")
+                elif tier == "backup" and c.get("holder") == self.machine_id:
+                    path = self.store.fetch(rank, step, "backup")
+                elif tier == "backup":
+                    path = self.client.fetch(tuple(c["addr"]), rank, step, self.restore_dir)
+                else:
+                    path = self.store.fetch(rank, step, "durable")
+                memckpt.verify_shard(path)
+                return tier, path, errors
+            except Exception as e:
+                errors.append(f"{tier}{'@' + c['holder'] if c.get('holder') else ''}: {e}")
+        raise RestoreFailed(f"rank {rank}: no valid copy of step {candidates[0]['step'] if candidates else '?'} "
+                            f"({'; '.join(errors) or 'no candidates'})")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close(timeout=5)
+        self.server.stop()
+        self.store.close()
+
+
+def ckpt_root(workdir: str) -> str:
+    """The shared-memory directory of the machine whose agent works in `workdir`."""
+    import hashlib
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(workdir, "shm")
+    return os.path.join(base, "stalwart-" + hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12])

@@ -1,0 +1,64 @@
+"""Which step to restore and where each rank fetches it from (pure).
+
+Every rank's checkpoint can live in three tiers: `own` (the shared memory of the machine that ran
+the rank), `backup` (the memory of its backup peer, a machine sharing none of its parallel groups)
+and `durable` (a directory or fsspec URL). After a stop, the newest step for which every rank has a
+copy on a machine still in service (or on durable storage) wins; each rank gets its candidates in
+order own -> backup -> durable, so the agent falls back tier by tier when a copy turns out corrupt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIERS = ("own", "backup", "durable")
+
+
+@dataclass
+class Availability:
+    """What the agents reported: rank -> tier -> step -> holder (machine id, or a durable URL)."""
+    keep: int = 4
+    copies: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
+
+    def add(self, rank: int, tier: str, step: int, holder: str) -> None:
+        steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
+        steps[step] = holder
+        for old in sorted(steps)[:-self.keep]:
+            del steps[old]
+
+    def drop_machine(self, machine: str) -> None:
+        """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""
+        for tiers in self.copies.values():
+            for tier in ("own", "backup"):
+                steps = tiers.get(tier, {})
+                for s in [s for s, h in steps.items() if h == machine]:
+                    del steps[s]
+
+
+def candidates(av: Availability, rank: int, step: int, next_machine: str, alive: set[str]) -> list[dict]:
+    """The valid copies of (rank, step), best first."""
+    tiers = av.copies.get(rank, {})
+    out = []
+    holder = tiers.get("own", {}).get(step)
+    if holder is not None and holder == next_machine and holder in alive:
+        out.append({"tier": "own", "step": step, "holder": holder})
+    holder = tiers.get("backup", {}).get(step)
+    if holder is not None and holder in alive:
+        out.append({"tier": "backup", "step": step, "holder": holder})
+    loc = tiers.get("durable", {}).get(step)
+    if loc is not None:
+        out.append({"tier": "durable", "step": step, "location": loc})
+    return out
+
+
+def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
+         bad_steps: set[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
+    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
+    steps = set()
+    for tiers in av.copies.values():
+        for by_step in tiers.values():
+            steps.update(by_step)
+    for step in sorted(steps - set(bad_steps), reverse=True):
+        cands = {r: candidates(av, r, step, next_machine[r], alive) for r in range(world)}
+        if all(cands.values()):
+            return step, cands
+    return -1, {}
