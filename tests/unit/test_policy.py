@@ -71,10 +71,3 @@ def test_no_progress_across_restarts_stops_the_job():
     r = policy.resolve(snap(restarts_without_progress=2, max_restarts_without_progress=3),
                        Evidence(exits=(crash(),)), now=1.0)
     assert r.mechanism == "reattempt"
-
-
-def test_restore_step_is_newest_complete():
-    assert policy.restore_step({}, 4) == -1
-    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2}}, 4) == 9
-    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2, 3}}, 4) == 19
-    assert policy.restore_step({9: {0, 1, 2, 3}, 19: {0, 1, 2, 3}}, 4, before=19) == 9

@@ -181,13 +181,3 @@ def replacement_plan(active: tuple[str, ...], evict: list[str],
         if m in evict:
             plan[m] = pool.pop(0)
     return plan
-
-
-def restore_step(complete: dict[int, set[int]], world_size: int, before: int | None = None) -> int:
-    """The newest step every rank can restore (-1 for a fresh start).
-
-    `complete` maps step -> ranks that have a valid copy of it somewhere.
-    """
-    ok = [s for s, ranks in complete.items() if len(ranks) >= world_size and set(range(world_size)) <= ranks
-          and (before is None or s < before)]
-    return max(ok) if ok else -1
