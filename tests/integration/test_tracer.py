@@ -113,6 +113,14 @@ def test_capture_four_workers_with_children_in_parallel(workers):
                      ).endswith("train:recv_backward")
     assert sum("ckpt_persist_loop" in normalize(s) for s in stacks if s.role != "worker") == 4
     assert aggregate(stacks).outliers == [2]
+    # the same records through the controller's glue, as if each rank were its own machine
+    from stalwart.controller.implicit import decide_hang
+    from stalwart.topology import Topology
+    by_machine = {}
+    for r in recs:
+        by_machine.setdefault(f"m{r['rank']}", []).append(r)
+    d = decide_hang(by_machine, Topology(machines=4, gpus_per_machine=1, dp=4), ["m0", "m1", "m2", "m3"])
+    assert d.outlier_ranks == [2] and d.machines == ["m2"] and d.kind == "machines"
 
 
 @needs_pyspy
