@@ -33,17 +33,24 @@ FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 class Agent:
     def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
-                 kmsg: str | None = None, min_free_bytes: int = 64 << 20):
+                 kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True):
         self.client = Client(controller_url, timeout=10)
         self.machine_id = machine_id
         self.workdir = os.path.abspath(workdir)
         self.address = address
         self.gpus = gpus
         self.heartbeat_s = heartbeat_s
+        self.keep_warm = keep_warm
         os.makedirs(self.workdir, exist_ok=True)
         self.sock_path = os.path.join(self.workdir, "agent.sock")
         self.simgpu_path = os.path.join(self.workdir, "simgpu.json")
         self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
+        # Warm workers: torch imported, the user's module loaded, blocked at the activation barrier.
+        # A standby machine holds them for its first run; every machine keeps spares for the next
+        # restart (keep_warm), so a restart never waits for `import torch`.
+        self.warm = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
+        self._warm_key: tuple | None = None
+        self._refill_at: tuple[float, dict] | None = None   # when to top up the spares, for which run
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
@@ -112,6 +119,7 @@ class Agent:
         self.monitor.stop()
         self.chaos.cleanup()
         self.workers.stop()
+        self.warm.stop()
         self.ckpt.close()
         import shutil
         shutil.rmtree(self.ckpt.root, ignore_errors=True)
@@ -159,8 +167,12 @@ class Agent:
         while not self._stop.is_set():
             if not self.registered.wait(0.5):
                 continue
+            wait = 5.0
+            if self._refill_at is not None:
+                wait = max(0.0, min(wait, self._refill_at[0] - time.time()))
             try:
-                reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait=5", timeout=15)
+                reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait={wait:.2f}",
+                                        timeout=15)
             except (ControllerUnreachable, ApiError):
                 self.registered.clear()
                 self._stop.wait(0.2)
@@ -170,7 +182,12 @@ class Agent:
                     self._execute(cmd)
                 except Exception as e:  # report, never die on one bad command
                     log.exception("command %s failed", cmd.get("type"))
-                    self.emit({"type": "command_failed", "command": cmd.get("type"), "error": str(e)})
+                    self.emit({"type": "command_failed", "command": cmd.get("type"),
+                               "kind": cmd.get("kind"), "error": str(e)})
+            if self._refill_at is not None and time.time() >= self._refill_at[0]:
+                _, run_cmd = self._refill_at
+                self._refill_at = None
+                self._refill(run_cmd)
 
     def _sender_loop(self) -> None:
         while not self._stop.is_set():
@@ -231,12 +248,10 @@ class Agent:
     # -- commands -----------------------------------------------------------------------------
     def _execute(self, cmd: dict) -> None:
         kind = cmd["type"]
-        if kind == "start":
-            self._start(cmd)
+        if kind in ("start", "activate"):
+            self._launch(cmd, wait_s=float(cmd.get("wait_s", 30)) if kind == "activate" else 2.0)
         elif kind == "prewarm":
             self._prewarm(cmd)
-        elif kind == "activate":
-            self._activate(cmd)
         elif kind == "stop":
             self._stop_workers(cmd.get("run"), float(cmd.get("grace_s", 0.0)))
         elif kind == "chaos":
@@ -244,6 +259,7 @@ class Agent:
         elif kind == "shutdown":
             self.chaos.cleanup()
             self.workers.stop()
+            self.warm.stop()
             self.shutdown()
         else:
             raise ValueError(f"unknown command {kind!r}")
@@ -286,13 +302,7 @@ class Agent:
             extra.append(env)
         return extra
 
-    def _start(self, cmd: dict, extra: list[dict[str, str]] | None = None) -> None:
-        self.workers.stop()
-        if extra is None:
-            extra = self._prepare_run(cmd)
-            if extra is None:
-                return
-        self._run = cmd["run"]
+    def _cold_start(self, cmd: dict, extra: list[dict[str, str]]) -> None:
         base = self._base_env(cmd)
         envs, ranks = [], []
         for w, more in zip(cmd["workers"], extra):
@@ -302,64 +312,88 @@ class Agent:
             ranks.append(w["rank"])
         self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}",
                            prefix=self._prefix())
-        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids()})
 
-    def _prewarm(self, cmd: dict) -> None:
+    def _launch(self, cmd: dict, wait_s: float) -> None:
+        """Start a run's workers: hand the ranks to warm workers when they are ready, else cold."""
         self.workers.stop()
-        with self._lock:
-            self._standby_ready.clear()
-        base = self._base_env(cmd)
-        base["STALWART_STANDBY"] = "1"
-        n = int(cmd.get("count", self.gpus))
-        self.workers.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
-                           [None] * n, None, cmd.get("cwd"), f"standby{int(time.time())}",
-                           prefix=self._prefix())
-        self.emit({"type": "prewarmed", "pids": self.workers.pids()})
-
-    def _activate(self, cmd: dict) -> None:
-        """Hand the ranks to the warm workers; fall back to a cold start if they are not ready."""
         extra = self._prepare_run(cmd)
         if extra is None:
             return
-        deadline = time.time() + float(cmd.get("wait_s", 30))
-        n = len(cmd["workers"])
-        while time.time() < deadline:
-            with self._lock:
-                ready = [p for p in self._standby_ready if p in self._conns]
-            if len(ready) >= n:
-                break
-            time.sleep(0.02)
-        else:
-            log.warning("warm workers not ready; starting cold")
-            self._start(cmd, extra)
-            return
         self._run = cmd["run"]
-        by_pid = {w.proc.pid: w for w in self.workers.workers}
-        ordered = sorted(ready[:n], key=lambda p: by_pid[p].local_rank if p in by_pid else 0)
-        ranks = []
-        for pid, w, more in zip(ordered, cmd["workers"], extra):
+        n = len(cmd["workers"])
+        key = (tuple(cmd["command"]), cmd.get("cwd"))
+        ready: list[int] = []
+        if self._warm_key == key and self.warm.workers:
+            deadline = time.time() + wait_s
+            while True:
+                warm_pids = set(self.warm.pids())
+                with self._lock:
+                    ready = [p for p in self._standby_ready if p in self._conns and p in warm_pids]
+                if len(ready) >= n or time.time() >= deadline:
+                    break
+                time.sleep(0.02)
+        if len(ready) < n:
+            self.warm.stop()
+            self._cold_start(cmd, extra)
+            warm = False
+        else:
+            self._hand_over(cmd, extra, ready[:n])
+            warm = True
+        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm})
+        if self.keep_warm:
+            # Spawned from the command thread: workers die with the thread that forked them
+            # (PR_SET_PDEATHSIG), so never from a short-lived one.
+            self._refill_at = (time.time() + 5.0, cmd)   # after the run is through its start-up
+
+    def _hand_over(self, cmd: dict, extra: list[dict[str, str]], pids: list[int]) -> None:
+        by_pid = {w.proc.pid: w for w in self.warm.workers}
+        chosen = sorted((by_pid[p] for p in pids), key=lambda w: w.local_rank)
+        self.warm.release(chosen)
+        for worker, w, more in zip(chosen, cmd["workers"], extra):
             env = {k: str(v) for k, v in cmd.get("env", {}).items()}
             env.update(more)
             with self._lock:
-                conn = self._conns[pid]
-                self._standby_ready.remove(pid)
+                conn = self._conns[worker.proc.pid]
+                self._standby_ready.remove(worker.proc.pid)
             conn.send({"type": "activate", "env": env})
-            ranks.append((by_pid[pid].local_rank, w["rank"]))
-        for local, rank in ranks:
-            self.workers.workers[local].rank = rank
-            self.workers.workers[local].run = self._run
-        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": True})
+            worker.rank, worker.run = w["rank"], self._run
+        self.workers.adopt(chosen)
+
+    def _spawn_warm(self, cmd: dict, n: int) -> None:
+        base = self._base_env(cmd)
+        for k in ("STALWART_RUN", "MASTER_PORT", "RANK", "STALWART_RESTORE_STEP"):
+            base.pop(k, None)
+        base["STALWART_STANDBY"] = "1"
+        self._warm_key = (tuple(cmd["command"]), cmd.get("cwd"))
+        self.warm.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
+                        [None] * n, None, cmd.get("cwd"), f"warm{int(time.time() * 1000) % 10**9}",
+                        prefix=self._prefix())
+
+    def _prewarm(self, cmd: dict) -> None:
+        self.workers.stop()
+        self.warm.stop()
+        self._spawn_warm(cmd, int(cmd.get("count", self.gpus)))
+        self.emit({"type": "prewarmed", "pids": self.warm.pids()})
+
+    def _refill(self, cmd: dict) -> None:
+        missing = len(cmd["workers"]) - len(self.warm.workers)
+        if missing > 0 and self._run == cmd["run"]:
+            self._spawn_warm(cmd, missing)
 
     def _stop_workers(self, run: int | None, grace_s: float) -> None:
+        self._refill_at = None
         self.chaos.cleanup()   # thaw first: a frozen process cannot die
         self.workers.stop(grace_s)
+        if run is None:        # the job is over (or this machine left it): no spares either
+            self.warm.stop()
+            self._warm_key = None
         self.emit({"type": "stopped", "run": run})
 
     def _chaos(self, cmd: dict) -> None:
         if cmd["kind"] == "machine-down":
             self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
             time.sleep(0.05)  # let the sender thread carry the injection time out
-            for pid in self.workers.pids():
+            for pid in self.workers.pids() + self.warm.pids():
                 kill_tree(pid)
             os._exit(137)
         t = self.chaos.apply(cmd)

@@ -118,6 +118,16 @@ class WorkerSet:
         w.exit_code = code
         self.on_exit(w)
 
+    def adopt(self, workers: list[Worker]) -> None:
+        """Take over workers started by another set (warm workers handed their ranks)."""
+        with self._lock:
+            self.workers.extend(workers)
+
+    def release(self, workers: list[Worker]) -> None:
+        """Forget workers without stopping them (they move to another set)."""
+        with self._lock:
+            self.workers = [w for w in self.workers if w not in workers]
+
     def assign(self, ranks: list[int], run: int) -> None:
         """Warm standbys got their ranks: record them (logs keep their standby names)."""
         with self._lock:
