@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # a kill runs the same cleanup as Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-detect-") as d:
         print(f"torchrun: {len(kinds)} jobs at once, fault after step {a.step}, bound {a.bound:.0f} s ...",
