@@ -242,6 +242,40 @@ def cmd_machines(a) -> int:
     return 0
 
 
+def cmd_stacks(a) -> int:
+    """The stacks captured for an incident, grouped the way the analyzer grouped them."""
+    from stalwart.analyzer.stacks import from_pyspy, normalize
+    from stalwart.controller.store import Store
+    url = a.db or f"sqlite:///{os.path.join(a.state_dir, 'stalwart.db')}"
+    if not a.db and not os.path.exists(os.path.join(a.state_dir, "stalwart.db")):
+        raise UserError(f"no stalwart state in {os.path.abspath(a.state_dir)} (pass --state-dir or --db)")
+    store = Store(url)
+    try:
+        job = store.latest_job() if a.job == "latest" else store.job(int(a.job))
+        incs = {i["id"]: i for i in store.incidents(job["id"])} if job else {}
+    finally:
+        store.close()
+    if a.incident not in incs:
+        raise UserError(f"no incident {a.incident} in job {job['id'] if job else '-'} "
+                        f"(incidents: {sorted(incs) or 'none'})")
+    inc = incs[a.incident]
+    stacks = inc["data"].get("stacks")
+    if not stacks:
+        raise UserError(f"incident {a.incident} ({inc['symptom']}) has no captured stacks")
+    print(f"incident {a.incident}: {inc['symptom']} — {inc['data'].get('analysis', '')}")
+    groups: dict[str, list] = {}
+    for machine, recs in sorted(stacks.items()):
+        for r in recs:
+            key = normalize(from_pyspy(r.get("threads") or [], r.get("rank"), machine, r.get("role", "worker"))) \
+                if r.get("threads") else f"<{r.get('error') or 'no stack'}>"
+            groups.setdefault(key, []).append(f"{machine}/rank{r.get('rank')}/{r.get('role')}"
+                                              f"[{r.get('status', '?')}]")
+    for key, who in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        print(f"\n== {len(who)} process(es): {', '.join(who)}")
+        print("   " + key.replace("\n", "\n   ")[-3000:])
+    return 0
+
+
 def cmd_cleanup(a) -> int:
     from stalwart.backends.local import cleanup_stale
     killed = cleanup_stale(a.state_dir)
@@ -319,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--controller")
     i.add_argument("--job", default="latest")
     i.set_defaults(fn=cmd_inject)
+
+    st = sub.add_parser("stacks", help="stacks captured for an incident (hangs, fail-slow)")
+    st.add_argument("incident", type=int)
+    st.add_argument("--state-dir", default=DEFAULT_STATE)
+    st.add_argument("--db", help="SQLAlchemy URL of the controller's store (default: the state dir's)")
+    st.add_argument("--job", default="latest")
+    st.set_defaults(fn=cmd_stacks)
 
     k = sub.add_parser("cleanup", help="stop processes a crashed `stalwart run` left behind")
     k.add_argument("--state-dir", default=DEFAULT_STATE)

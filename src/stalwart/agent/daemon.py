@@ -256,6 +256,8 @@ class Agent:
             self._stop_workers(cmd.get("run"), float(cmd.get("grace_s", 0.0)))
         elif kind == "chaos":
             self._chaos(cmd)
+        elif kind == "trace":
+            self._trace(cmd)
         elif kind == "shutdown":
             self.chaos.cleanup()
             self.workers.stop()
@@ -398,6 +400,25 @@ class Agent:
             os._exit(137)
         t = self.chaos.apply(cmd)
         self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
+
+    def _trace(self, cmd: dict) -> None:
+        """Stacks of every training process of this machine (workers and their children), with
+        each worker's process state: a stopped or frozen worker is itself evidence."""
+        import psutil
+
+        from stalwart.agent.tracer import capture
+        pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None}
+        try:
+            records = capture(pids, timeout_s=float(cmd.get("timeout_s", 5.0)), machine=self.machine_id)
+        except FileNotFoundError as e:      # py-spy missing: states alone still tell a lot
+            records = [{"rank": r, "pid": p, "role": "worker", "machine": self.machine_id,
+                        "threads": [], "error": str(e)} for r, p in pids.items()]
+        for rec in records:
+            try:
+                rec["status"] = psutil.Process(rec["pid"]).status()
+            except psutil.Error:
+                rec["status"] = "gone"
+        self.emit({"type": "stacks", "run": cmd.get("run"), "records": records})
 
     # -- worker exits ----------------------------------------------------------------------------
     def _on_worker_exit(self, w: Worker) -> None:

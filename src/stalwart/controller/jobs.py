@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from stalwart.agent.classify import classify
 from stalwart.chaos import catalogue
-from stalwart.controller import policy, restore
+from stalwart.controller import implicit, policy, restore
+from stalwart.controller.hangwatch import HangWatch, anomaly, culprit_machines
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stalwart.controller")
 TERMINAL = ("succeeded", "failed", "cancelled")
+TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
+ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 # Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
@@ -69,6 +72,9 @@ class JobRunner:
         self.avail = restore.Availability()   # every rank's checkpoint copies, by tier
         self.bad_steps: set[int] = set()      # steps some rank could not restore
         self.restore_tiers: dict[int, str] = {}
+        self.hang: HangWatch | None = None
+        self.loss_hist: list[float] = []
+        self.grad_hist: list[float] = []
         self.created_at = time.time()
         self.thread = threading.Thread(target=self._loop, name=f"job-{job_id}", daemon=True)
 
@@ -103,6 +109,13 @@ class JobRunner:
             self._try_start(now)
         elif self.state == "recovering":
             self._check_stopped(now)
+        elif self.state == "tracing" and now - self.incident["trace_sent"] > TRACE_TIMEOUT_S:
+            self._finish_trace(now)
+        elif self.state == "running" and self.hang is not None:
+            verdict = self.hang.check(now)
+            if verdict is not None:
+                self._open_incident("hang", now, trace=True)
+                self.incident["reason"] = verdict.reason
 
     def _try_start(self, now: float) -> None:
         free = self.ctl.free_machines()
@@ -175,6 +188,7 @@ class JobRunner:
         self.event("run_started", {"run": self.run_seq, "start_step": start_step,
                                    "machines": list(self.slots)}, t=now)
         self.state, self.run_started_at = "running", now
+        self.hang = HangWatch(self.spec.policy, ranks=range(self.world), started_at=now)
         self.pending_steps.clear()
         self.done_ranks.clear()
         self.steps_done = start_step
@@ -193,6 +207,9 @@ class JobRunner:
         s = int(ev["step"])
         acc = self.pending_steps.setdefault(s, {"ranks": set(), "t": 0.0, "dur": 0.0})
         acc["ranks"].add(ev["rank"])
+        acc.setdefault("local", {})[ev["rank"]] = ev.get("local_grad_norm")
+        if self.hang is not None:
+            self.hang.on_step(ev["rank"], s, ev["t"])
         acc["t"] = max(acc["t"], ev["t"])
         acc["dur"] = max(acc["dur"], ev.get("dur") or 0.0)
         if ev["rank"] == 0 or "loss" not in acc:
@@ -209,6 +226,8 @@ class JobRunner:
         self.steps_done = max(self.steps_done, s + 1)
         self.best_steps = max(self.best_steps, self.steps_done)
         self.last_loss = acc.get("loss", self.last_loss)
+        if self._training_anomaly(s, acc):
+            return
         self.step_times.append((acc["t"], s))
         self.step_times = self.step_times[-50:]
         for inc_id in self.awaiting_resume:
@@ -216,6 +235,29 @@ class JobRunner:
             self.event("incident_resumed", {"incident": inc_id}, t=acc["t"])
         self.awaiting_resume.clear()
         self._fire_chaos()
+
+    def _training_anomaly(self, s: int, acc: dict) -> bool:
+        """NaN/inf or a jump >= loss_jump_factor in loss or grad norm: suspend and open an incident.
+        The ranks whose LOCAL gradient norm (before the data-parallel reduction) is not finite
+        name the machine that corrupted the update."""
+        loss, gn = acc.get("loss"), acc.get("grad_norm")
+        if loss is None:
+            return False
+        reason = anomaly(self.loss_hist + [loss], self.grad_hist + ([gn] if gn is not None else []) or None,
+                         self.spec.policy.loss_jump_factor)
+        if reason is None:
+            self.loss_hist = (self.loss_hist + [loss])[-50:]
+            if gn is not None:
+                self.grad_hist = (self.grad_hist + [gn])[-50:]
+            return False
+        local = {r: v for r, v in acc.get("local", {}).items() if v is not None}
+        culprits = [self.slots[i] for i in culprit_machines(local, self.topo)] if local else []
+        self.bad_steps.update(range(s, s + 10_000))        # never restore the corrupted state
+        self._open_incident("nan" if "nan" in reason.lower() or "inf" in reason.lower()
+                            else "loss_spike", acc["t"])
+        self.incident.update(implicit_evict=culprits, reason=reason + (
+            f"; non-finite local gradients on {', '.join(culprits)}" if culprits else ""))
+        return True
 
     def _fire_chaos(self) -> None:
         due = [c for c in self.chaos_pending if c.step is not None and self.steps_done >= c.step]
@@ -321,23 +363,63 @@ class JobRunner:
         self._finish("cancelled", reason)
 
     # -- incidents ------------------------------------------------------------------------------
-    def _open_incident(self, symptom: str, t: float) -> None:
+    def _open_incident(self, symptom: str, t: float, trace: bool = False) -> None:
+        """Open an incident and stop the run; with `trace`, first capture every machine's stacks."""
         if self.incident is not None:
             return
         now = time.time()
+        implicit_kind = symptom in ("hang", "nan", "loss_spike")
         inc_id = self.store.create_incident(self.job_id, run_seq=self.run_seq, symptom=symptom,
-                                            category="explicit", detected_at=now, suspects=[],
-                                            evicted=[], data={})
+                                            category="implicit" if implicit_kind else "explicit",
+                                            detected_at=now, suspects=[], evicted=[], data={})
         self.incident = {"id": inc_id, "detected_at": now, "exits": [], "lost": set(),
-                         "alerts": [], "awaiting": set(self.slots), "stop_sent": now}
+                         "alerts": [], "awaiting": set(self.slots), "stop_sent": now,
+                         "symptom": symptom, "implicit": implicit_kind, "stacks": {}}
         self.event("incident_opened", {"incident": inc_id, "symptom": symptom, "injected_at": None,
                                        "planned": False}, t=now)
+        if trace:
+            self.state = "tracing"
+            self.incident.update(trace_wait=set(self.slots), trace_sent=now)
+            for m in self.slots:
+                self.ctl.send(m, {"type": "trace", "run": self.run_seq})
+            return
+        self._stop_run(now)
+
+    def _agent_stacks(self, machine: str, ev: dict) -> None:
+        if self.state != "tracing" or ev.get("run") != self.run_seq:
+            return
+        self.incident["stacks"][machine] = ev.get("records", [])
+        self.incident["trace_wait"].discard(machine)
+        if not self.incident["trace_wait"]:
+            self._finish_trace(time.time())
+
+    def _finish_trace(self, now: float) -> None:
+        """Stacks are in: single out the stuck machines (a stopped/frozen worker names its machine
+        outright; otherwise group the stacks and over-evict the outliers' parallel group)."""
+        inc = self.incident
+        stacks = inc["stacks"]
+        odd = sorted({rec["rank"] for recs in stacks.values() for rec in recs
+                      if rec.get("role") == "worker" and rec.get("status") in ABNORMAL_STATES})
+        if odd:
+            machines = [self.slots[i] for i in self.topo.machines_of(odd)]
+            reason = f"rank(s) {odd} stopped or frozen on {', '.join(machines)}"
+        elif stacks:
+            d = implicit.decide_hang(stacks, self.topo, list(self.slots))
+            machines, reason = list(d.machines), d.reason
+        else:
+            machines, reason = [], "no machine answered the stack capture"
+        inc.update(implicit_evict=machines, reason=f"{inc.get('reason', 'hang')}; {reason}")
+        self.store.update_incident(inc["id"], data={"stacks": stacks, "analysis": inc["reason"]})
+        self.event("incident_traced", {"incident": inc["id"], "machines": machines}, t=now)
+        self._stop_run(now)
+
+    def _stop_run(self, now: float) -> None:
+        self.incident["stop_sent"] = now
         self.state = "recovering"
         for m in self.slots:
             self.ctl.send(m, {"type": "stop", "run": self.run_seq,
                               "grace_s": self.spec.policy.stop_grace_s})
-        log.info("job %s: incident %s (%s); stopping run %s", self.job_id, inc_id, symptom,
-                 self.run_seq)
+        log.info("job %s: incident %s; stopping run %s", self.job_id, self.incident["id"], self.run_seq)
 
     def _check_stopped(self, now: float) -> None:
         inc = self.incident
@@ -369,7 +451,10 @@ class JobRunner:
             self.restarts_without_progress = 0
         snap = self._snapshot()
         ev = policy.Evidence(exits=tuple(inc["exits"]), lost=tuple(sorted(inc["lost"])),
-                             alerts=tuple(inc["alerts"]))
+                             alerts=tuple(inc["alerts"]),
+                             implicit_symptom=inc["symptom"] if inc["implicit"] else None,
+                             implicit_evict=tuple(inc.get("implicit_evict", ())),
+                             implicit_reason=inc.get("reason", ""))
         res = policy.resolve(snap, ev, now)
         injected = [c["injected_at"] for c in self.chaos_applied
                     if c.get("injected_at") and c["injected_at"] <= inc["detected_at"] + 0.5

@@ -64,6 +64,9 @@ class Evidence:
     exits: tuple[Exit, ...] = ()
     lost: tuple[str, ...] = ()
     alerts: tuple[Alert, ...] = ()
+    implicit_symptom: str | None = None      # hang, nan, ... (found by the analyzer, not a probe)
+    implicit_evict: tuple[str, ...] = ()     # machines the analyzer singled out (over-eviction)
+    implicit_reason: str = ""
 
 
 @dataclass
@@ -125,8 +128,14 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
                            f"within {snap.network_alert_window_s:.0f}s")
             if not ev.lost and not certain:
                 symptom = a.kind
+    if ev.implicit_symptom and not evict:
+        symptom, category = ev.implicit_symptom, "implicit"
+        for m in ev.implicit_evict:
+            if m in snap.active and m not in evict:
+                evict.append(m)
+        reasons.append(ev.implicit_reason or ev.implicit_symptom)
     primary = _primary_exits(ev.exits)
-    if not evict and primary:
+    if not evict and primary and not ev.implicit_symptom:
         first = primary[0]
         symptom, category = first.symptom, first.category
         certain_exits = [e for e in primary if e.machine_certain]

@@ -42,7 +42,8 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict:
             "localized_at": _rel(inc["localized_at"], t0), "resumed_at": _rel(inc["resumed_at"], t0),
             "detection_s": (round(inc["detected_at"] - inc["injected_at"], 3)
                             if inc["injected_at"] else None),
-            "run": inc["run_seq"], "ledger": per_inc.get(inc["id"], {}), **inc["data"],
+            "run": inc["run_seq"], "ledger": per_inc.get(inc["id"], {}),
+            **{k: v for k, v in inc["data"].items() if k != "stacks"},   # `stalwart stacks ID`
         })
     runs = [{"id": r["seq"], "start_step": r["start_step"], "end_step": r["end_step"],
              "started_at": _rel(r["started_at"], t0), "stopped_at": _rel(r["stopped_at"], t0),

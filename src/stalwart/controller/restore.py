@@ -18,11 +18,13 @@ class Availability:
     """What the agents reported: rank -> tier -> step -> holder (machine id, or a durable URL)."""
     keep: int = 4
     copies: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
+    # memory tiers physically hold only this many steps (double-buffered slots, 2 backups)
+    KEEP_IN_MEMORY = {"own": 2, "backup": 2}
 
     def add(self, rank: int, tier: str, step: int, holder: str) -> None:
         steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
         steps[step] = holder
-        for old in sorted(steps)[:-self.keep]:
+        for old in sorted(steps)[:-min(self.keep, self.KEEP_IN_MEMORY.get(tier, self.keep))]:
             del steps[old]
 
     def drop_machine(self, machine: str) -> None:
