@@ -19,7 +19,8 @@ import psutil
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the agent dies, so no worker outlives its machine."""
+    """In the child before exec: get SIGKILL when the parent dies (so no worker outlives its
+    agent). Linux ties this to the forking *thread*: spawn only from long-lived threads."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

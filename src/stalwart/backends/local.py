@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from stalwart.agent.workers import kill_tree
+from stalwart.agent.workers import _die_with_parent, kill_tree
 from stalwart.client import Client, ControllerUnreachable
 
 
@@ -49,13 +49,15 @@ class LocalCluster:
         os.makedirs(os.path.join(self.state_dir, "logs"), exist_ok=True)
         with open(os.path.join(self.state_dir, "logs", log_name), "ab") as out:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            # die with whoever started the cluster (a killed `stalwart run` or test leaves nothing)
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=env)
-        self._record_pids()
+                                 start_new_session=True, env=env, preexec_fn=_die_with_parent)
+        self._record_pids(p.pid)
         return p
 
-    def _record_pids(self) -> None:
+    def _record_pids(self, new_pid: int) -> None:
         pids = ([self.controller.pid] if self.controller else []) + [p.pid for p in self.agents.values()]
+        pids.append(new_pid)
         with open(os.path.join(self.state_dir, "pids.json"), "w") as f:
             json.dump(pids, f)
 
