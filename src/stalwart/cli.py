@@ -232,6 +232,28 @@ def cmd_inject(a) -> int:
     return 0
 
 
+def cmd_update(a) -> int:
+    from stalwart.spec import parse_duration
+    if not os.path.isdir(a.code):
+        raise UserError(f"--code {a.code} is not a directory")
+    mode = "urgent" if a.urgent else ("window" if a.window and a.only_window else "lazy")
+    window = parse_duration(a.window) if a.window else None
+    row = Client(_controller_url(a), timeout=60).post(
+        f"/api/jobs/{a.job}/versions", {"code": os.path.abspath(a.code), "mode": mode, "window_s": window})
+    when = {"urgent": "now", "lazy": "at the next failure" + (f" or within {a.window}" if a.window else ""),
+            "window": f"when its window ({a.window}) expires"}[mode]
+    print(f"code version {row['id']} ({row['hash'][:12]}) registered as {row['status']}; applied {when}")
+    return 0
+
+
+def cmd_versions(a) -> int:
+    vs = Client(_controller_url(a), timeout=10).get(f"/api/jobs/{a.job}/versions")["versions"]
+    for v in vs:
+        print(f"{v['id']:>3} {v['hash'][:12]} {v['status']:<11} {v['mode']:<6} {v['source']}"
+              + (f"  ({v['reason']})" if v.get("reason") else ""))
+    return 0
+
+
 def cmd_machines(a) -> int:
     try:
         ms = Client(_controller_url(a), timeout=5).get("/api/machines")["machines"]
@@ -353,6 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--controller")
     i.add_argument("--job", default="latest")
     i.set_defaults(fn=cmd_inject)
+
+    u = sub.add_parser("update", help="register a new code version for hot update")
+    u.add_argument("--code", required=True, help="directory with the new code (snapshotted, immutable)")
+    u.add_argument("--urgent", action="store_true", help="apply now (stop, restart in place)")
+    u.add_argument("--window", help="apply at the latest after this long (e.g. 24h); default: the "
+                                    "job's policy.hot_update_window_s")
+    u.add_argument("--only-window", action="store_true", help="do not apply at a failure, only when "
+                                                              "the window expires")
+    v = sub.add_parser("versions", help="the job's code versions")
+    for x, fn in ((u, cmd_update), (v, cmd_versions)):
+        x.add_argument("--state-dir", default=DEFAULT_STATE)
+        x.add_argument("--controller")
+        x.add_argument("--job", default="latest")
+        x.set_defaults(fn=fn)
 
     st = sub.add_parser("stacks", help="stacks captured for an incident (hangs, fail-slow)")
     st.add_argument("incident", type=int)

@@ -380,3 +380,18 @@ def test_long_log_is_fast():
     led = compute(log, now=T + t + 100)
     assert led.steps_lost == 3 * 89  # the last run's steps are never redone
     assert_invariant(led)
+
+
+def test_injection_time_learned_at_localization_counts_for_detection():
+    ev = [{"t": 0.0, "kind": "job_submitted", "data": {}},
+          {"t": 0.0, "kind": "run_started", "data": {"run": 1, "start_step": 0}},
+          {"t": 1.0, "kind": "step", "data": {"run": 1, "step": 0, "dur": 1.0}},
+          {"t": 5.0, "kind": "incident_opened", "data": {"incident": 1, "symptom": "x", "injected_at": None}},
+          {"t": 6.0, "kind": "incident_localized", "data": {"incident": 1, "injected_at": 4.0}},
+          {"t": 6.0, "kind": "run_started", "data": {"run": 2, "start_step": 1}},
+          {"t": 8.0, "kind": "step", "data": {"run": 2, "step": 1, "dur": 1.0}},
+          {"t": 8.0, "kind": "job_finished", "data": {"state": "succeeded"}}]
+    from stalwart.controller.ledger import compute
+    led = compute(ev, 8.0)
+    assert led.incidents[1]["injected_at"] == 4.0
+    assert led.incidents[1]["detection"] == 1.0      # from the injection, not from the last step

@@ -24,6 +24,8 @@ ROUTES: list[tuple[str, re.Pattern, str]] = [
     ("GET", re.compile(r"^/api/jobs/([^/]+)/report$"), "job_status"),
     ("POST", re.compile(r"^/api/jobs/([^/]+)/inject$"), "job_inject"),
     ("POST", re.compile(r"^/api/jobs/([^/]+)/cancel$"), "job_cancel"),
+    ("POST", re.compile(r"^/api/jobs/([^/]+)/versions$"), "job_update"),
+    ("GET", re.compile(r"^/api/jobs/([^/]+)/versions$"), "job_versions"),
     ("GET", re.compile(r"^/api/machines$"), "machines"),
     ("GET", re.compile(r"^/api/health$"), "health"),
     ("GET", re.compile(r"^/$"), "dashboard"),
@@ -61,6 +63,13 @@ class Api:
     def job_cancel(self, job, q, body):
         self.ctl.cancel(self.ctl.resolve_job(job), body.get("reason", "cancelled by the user"))
         return {"ok": True}
+
+    def job_update(self, job, q, body):
+        return self.ctl.register_version(self.ctl.resolve_job(job), body["code"], body.get("mode", "lazy"),
+                                         body.get("window_s"))
+
+    def job_versions(self, job, q, body):
+        return {"versions": self.ctl.versions(self.ctl.resolve_job(job))}
 
     def machines(self, q, body):
         return {"machines": self.ctl.machines()}

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 from stalwart.agent.classify import classify
 from stalwart.chaos import catalogue
-from stalwart.controller import implicit, policy, restore
-from stalwart.controller.hangwatch import HangWatch, anomaly, culprit_machines
+from stalwart.controller import policy, restore, versions
+from stalwart.controller.hangwatch import HangWatch
+from stalwart.controller.hotupdate import HotUpdateFlow, version_env, versionable
+from stalwart.controller.implicit_flow import ImplicitFlow
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stalwart.controller")
 TERMINAL = ("succeeded", "failed", "cancelled")
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
-ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 # Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
@@ -41,7 +42,7 @@ def _detail_text(detail) -> str:
     return str(detail or "")
 
 
-class JobRunner:
+class JobRunner(ImplicitFlow, HotUpdateFlow):
     def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
         self.ctl, self.store, self.job_id, self.spec = ctl, ctl.store, job_id, spec
         self.topo = spec.topology()
@@ -73,6 +74,10 @@ class JobRunner:
         self.bad_steps: set[int] = set()      # steps some rank could not restore
         self.restore_tiers: dict[int, str] = {}
         self.hang: HangWatch | None = None
+        self.versions = versions.Versions(self.store)
+        self.code_path = spec.code_dir          # where the workers' code lives (a version snapshot)
+        self.version: dict | None = None        # the code version the workers run
+        self.versioning_off: str | None = None
         self.loss_hist: list[float] = []
         self.grad_hist: list[float] = []
         self.created_at = time.time()
@@ -90,16 +95,24 @@ class JobRunner:
         self.store.add_event(self.job_id, kind, data, t=t)
 
     def _loop(self) -> None:
+        last_tick = 0.0
         while self.state not in TERMINAL:
             try:
                 kind, data = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 kind, data = "tick", {}
-            try:
-                getattr(self, f"_on_{kind}")(**data)
-            except Exception as e:  # a bug must not leave the job silently stuck
-                log.exception("job %s: handling %s failed", self.job_id, kind)
-                self._finish("failed", f"internal error while handling {kind}: {e}")
+            self._handle(kind, data)
+            if kind != "tick" and time.time() - last_tick >= 0.2 and self.state not in TERMINAL:
+                self._handle("tick", {})          # timers run even while events keep flowing
+            if kind == "tick" or time.time() - last_tick >= 0.2:
+                last_tick = time.time()
+
+    def _handle(self, kind: str, data: dict) -> None:
+        try:
+            getattr(self, f"_on_{kind}")(**data)
+        except Exception as e:  # a bug must not leave the job silently stuck
+            log.exception("job %s: handling %s failed", self.job_id, kind)
+            self._finish("failed", f"internal error while handling {kind}: {e}")
         self.ctl.job_finished(self)
 
     # -- waiting for machines ------------------------------------------------------------------
@@ -111,6 +124,8 @@ class JobRunner:
             self._check_stopped(now)
         elif self.state == "tracing" and now - self.incident["trace_sent"] > TRACE_TIMEOUT_S:
             self._finish_trace(now)
+        elif self.state == "running" and self.version is not None and self._due_version(now, False):
+            self._open_incident("hot_update", now)
         elif self.state == "running" and self.hang is not None:
             verdict = self.hang.check(now)
             if verdict is not None:
@@ -132,10 +147,16 @@ class JobRunner:
             self.ctl.set_machine(m, state="standby", job_id=self.job_id)
             self._prewarm(m)
         self.store.update_job(self.job_id, state="running")
+        self.versioning_off = versionable(self.spec.code_dir, self.ctl.state_dir)
+        if self.versioning_off is None:
+            self._use_version(self.versions.register(self.job_id, self.spec.code_dir, self.ctl.state_dir,
+                                                     "lazy", self.spec.policy.hot_update_window_s, now))
+        else:
+            log.info("job %s: hot update off: %s", self.job_id, self.versioning_off)
         self._start_run(-1, {})
 
     def _prewarm(self, m: str) -> None:
-        self.ctl.send(m, {"type": "prewarm", "command": self.spec.command, "cwd": self.spec.code_dir,
+        self.ctl.send(m, {"type": "prewarm", "command": self.spec.command, "cwd": self.code_path,
                           "count": self.G, "env": self._common_env(run=None, port=None)})
         self.warm.add(m)
 
@@ -150,6 +171,8 @@ class JobRunner:
                     "STALWART_STEPS": s.steps, "STALWART_CKPT_EVERY": s.ckpt_every,
                     "STALWART_CKPT_DIR": self.ctl.ckpt_dir(self.job_id),
                     "TORCHELASTIC_RUN_ID": f"stalwart-{self.job_id}"})
+        if self.version is not None:
+            env.update(version_env(self.code_path, self.version["id"]))
         if run is not None:
             env.update({"STALWART_RUN": run, "MASTER_ADDR": self.ctl.store_host, "MASTER_PORT": port,
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": run})
@@ -174,7 +197,7 @@ class JobRunner:
             ckpt = {"durable_dir": self.ctl.ckpt_dir(self.job_id), "every": self.spec.ckpt_every,
                     "backup": {"machine": backup, "addr": self.ctl.peer_addr(backup)}
                     if backup and self.ctl.peer_addr(backup) else None}
-            cmd = {"run": self.run_seq, "command": self.spec.command, "cwd": self.spec.code_dir,
+            cmd = {"run": self.run_seq, "command": self.spec.command, "cwd": self.code_path,
                    "env": env, "workers": workers, "ckpt": ckpt}
             if m in self.warm:
                 self.warm.discard(m)
@@ -228,6 +251,11 @@ class JobRunner:
         self.last_loss = acc.get("loss", self.last_loss)
         if self._training_anomaly(s, acc):
             return
+        if self.version is not None and self.version["status"] == "applied" \
+                and versions.is_healthy(self.version, self.steps_done):
+            promoted = self.versions.promote_if_healthy(self.job_id, self.steps_done, time.time())
+            if promoted is not None:
+                self._use_version(promoted)
         self.step_times.append((acc["t"], s))
         self.step_times = self.step_times[-50:]
         for inc_id in self.awaiting_resume:
@@ -235,29 +263,6 @@ class JobRunner:
             self.event("incident_resumed", {"incident": inc_id}, t=acc["t"])
         self.awaiting_resume.clear()
         self._fire_chaos()
-
-    def _training_anomaly(self, s: int, acc: dict) -> bool:
-        """NaN/inf or a jump >= loss_jump_factor in loss or grad norm: suspend and open an incident.
-        The ranks whose LOCAL gradient norm (before the data-parallel reduction) is not finite
-        name the machine that corrupted the update."""
-        loss, gn = acc.get("loss"), acc.get("grad_norm")
-        if loss is None:
-            return False
-        reason = anomaly(self.loss_hist + [loss], self.grad_hist + ([gn] if gn is not None else []) or None,
-                         self.spec.policy.loss_jump_factor)
-        if reason is None:
-            self.loss_hist = (self.loss_hist + [loss])[-50:]
-            if gn is not None:
-                self.grad_hist = (self.grad_hist + [gn])[-50:]
-            return False
-        local = {r: v for r, v in acc.get("local", {}).items() if v is not None}
-        culprits = [self.slots[i] for i in culprit_machines(local, self.topo)] if local else []
-        self.bad_steps.update(range(s, s + 10_000))        # never restore the corrupted state
-        self._open_incident("nan" if "nan" in reason.lower() or "inf" in reason.lower()
-                            else "loss_spike", acc["t"])
-        self.incident.update(implicit_evict=culprits, reason=reason + (
-            f"; non-finite local gradients on {', '.join(culprits)}" if culprits else ""))
-        return True
 
     def _fire_chaos(self) -> None:
         due = [c for c in self.chaos_pending if c.step is not None and self.steps_done >= c.step]
@@ -314,7 +319,7 @@ class JobRunner:
             if len(self.done_ranks) == self.world and self.state == "running":
                 self._finish("succeeded", None)
             return
-        sym = classify(ev.get("log_tail") or "", ev.get("code"), ev.get("signal"), self.spec.code_dir)
+        sym = classify(ev.get("log_tail") or "", ev.get("code"), ev.get("signal"), self.code_path)
         exit_ = policy.Exit(machine=machine, rank=ev["rank"], code=ev.get("code"),
                             signal=ev.get("signal"), symptom=sym.name, category=sym.category,
                             secondary=sym.secondary, machine_certain=sym.machine_certain,
@@ -369,48 +374,22 @@ class JobRunner:
             return
         now = time.time()
         implicit_kind = symptom in ("hang", "nan", "loss_spike")
+        planned = symptom == "hot_update"
         inc_id = self.store.create_incident(self.job_id, run_seq=self.run_seq, symptom=symptom,
-                                            category="implicit" if implicit_kind else "explicit",
+                                            category="implicit" if implicit_kind else
+                                            "manual" if planned else "explicit",
                                             detected_at=now, suspects=[], evicted=[], data={})
         self.incident = {"id": inc_id, "detected_at": now, "exits": [], "lost": set(),
                          "alerts": [], "awaiting": set(self.slots), "stop_sent": now,
-                         "symptom": symptom, "implicit": implicit_kind, "stacks": {}}
+                         "symptom": symptom, "implicit": implicit_kind, "stacks": {}, "planned": planned}
         self.event("incident_opened", {"incident": inc_id, "symptom": symptom, "injected_at": None,
-                                       "planned": False}, t=now)
+                                       "planned": planned}, t=now)
         if trace:
             self.state = "tracing"
             self.incident.update(trace_wait=set(self.slots), trace_sent=now)
             for m in self.slots:
                 self.ctl.send(m, {"type": "trace", "run": self.run_seq})
             return
-        self._stop_run(now)
-
-    def _agent_stacks(self, machine: str, ev: dict) -> None:
-        if self.state != "tracing" or ev.get("run") != self.run_seq:
-            return
-        self.incident["stacks"][machine] = ev.get("records", [])
-        self.incident["trace_wait"].discard(machine)
-        if not self.incident["trace_wait"]:
-            self._finish_trace(time.time())
-
-    def _finish_trace(self, now: float) -> None:
-        """Stacks are in: single out the stuck machines (a stopped/frozen worker names its machine
-        outright; otherwise group the stacks and over-evict the outliers' parallel group)."""
-        inc = self.incident
-        stacks = inc["stacks"]
-        odd = sorted({rec["rank"] for recs in stacks.values() for rec in recs
-                      if rec.get("role") == "worker" and rec.get("status") in ABNORMAL_STATES})
-        if odd:
-            machines = [self.slots[i] for i in self.topo.machines_of(odd)]
-            reason = f"rank(s) {odd} stopped or frozen on {', '.join(machines)}"
-        elif stacks:
-            d = implicit.decide_hang(stacks, self.topo, list(self.slots))
-            machines, reason = list(d.machines), d.reason
-        else:
-            machines, reason = [], "no machine answered the stack capture"
-        inc.update(implicit_evict=machines, reason=f"{inc.get('reason', 'hang')}; {reason}")
-        self.store.update_incident(inc["id"], data={"stacks": stacks, "analysis": inc["reason"]})
-        self.event("incident_traced", {"incident": inc["id"], "machines": machines}, t=now)
         self._stop_run(now)
 
     def _stop_run(self, now: float) -> None:
@@ -449,6 +428,8 @@ class JobRunner:
             self.restarts_without_progress += 1
         else:
             self.restarts_without_progress = 0
+        if inc["planned"]:
+            return self._apply_update(inc, now)
         snap = self._snapshot()
         ev = policy.Evidence(exits=tuple(inc["exits"]), lost=tuple(sorted(inc["lost"])),
                              alerts=tuple(inc["alerts"]),
@@ -468,6 +449,14 @@ class JobRunner:
                                           "mechanism": res.mechanism}, t=now)
         self.incident = None
         self.awaiting_resume.append(inc["id"])
+        if self.version is not None and res.mechanism in ("fail", "reattempt") and not res.evict:
+            why = versions.rollback_reason(self.versions.current(self.job_id),
+                                           self.store.incidents(self.job_id), now + 1e-6)
+            if why is not None:       # the new code is to blame: back to the last stable version
+                self._use_version(self.versions.rollback(self.job_id, why, now))
+                self.store.update_incident(inc["id"], mechanism="rollback", cause=f"{res.cause}; {why}")
+                self.event("version_rolled_back", {"incident": inc["id"], "to": self.version["id"]})
+                res.mechanism = "rollback"
         if res.mechanism == "fail":
             self._finish("failed", res.fail_reason)
             return
@@ -480,6 +469,15 @@ class JobRunner:
             self.slots[self.slots.index(old)] = new
             self.standby.remove(new)
             self.ctl.set_machine(new, state="active")
+        if self.version is not None and res.mechanism != "rollback":
+            due = self._due_version(now, at_failure=True)   # lazy updates ride on the recovery
+            if due is not None:
+                self._use_version(self.versions.apply(due["id"], now, self.steps_done, "lazy update at "
+                                                      f"the restart after incident {inc['id']}"))
+                self.event("version_applied", {"version": due["id"], "incident": inc["id"]})
+        self._restart()
+
+    def _restart(self) -> None:
         next_machine = {r: self.slots[self.topo.machine_of(r)] for r in range(self.world)}
         alive = {m for m in self.slots if self.ctl.machine_alive(m)}
         step, cands = restore.plan(self.avail, self.world, next_machine, alive, self.bad_steps)

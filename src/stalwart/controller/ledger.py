@@ -212,6 +212,9 @@ def _parse(events: list[dict], start: float, end: float):
                 raise ValueError(f"incident_localized for unknown incident {ident}")
             if incidents[ident].localized is None:
                 incidents[ident].localized = rel(t)
+            inj = data.get("injected_at")   # the injection time is often known only by now
+            if inj is not None and incidents[ident].injected is None:
+                incidents[ident].injected = rel(_num(inj, "incident_localized injected_at"))
     return run_start, run_rank, execs, list(incidents.values())
 
 

@@ -211,6 +211,18 @@ class Controller:
         runner.post("inject", spec=c.to_dict())
         return {"ok": True, "chaos": c.to_dict()}
 
+    def register_version(self, job_id: int, code: str, mode: str, window_s: float | None) -> dict:
+        runner = self.jobs.get(job_id)
+        if runner is None or runner.state in TERMINAL:
+            raise ValueError(f"job {job_id} is not running")
+        if mode not in ("lazy", "urgent", "window"):
+            raise ValueError(f"mode must be lazy, urgent or window (got {mode!r})")
+        return runner.register_version(os.path.abspath(code), mode, window_s)
+
+    def versions(self, job_id: int) -> list[dict]:
+        from stalwart.controller.versions import Versions
+        return Versions(self.store).list(job_id)
+
     def cancel(self, job_id: int, reason: str = "cancelled by the user") -> None:
         runner = self.jobs.get(job_id)
         if runner is not None:
