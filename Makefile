@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/stalwart run --state-dir .stalwart/demo --fresh --machines 4 --gpus-per-machine 2 \
 	    --tp 2 --pp 2 --dp 2 --steps 200 --standby 1 --ckpt-every 10 \
-	    --chaos "crash@step=60,machine=1" --chaos "machine-down@step=120,machine=2" \
+	    --chaos "crash@step=60,machine=1" --chaos "gpu-xid@step=120,machine=2" \
 	    -- python -m stalwart.examples.gpt
 	$(BIN)/stalwart report --state-dir .stalwart/demo
 

@@ -227,6 +227,10 @@ def cmd_report(a) -> int:
 def cmd_inject(a) -> int:
     catalogue.check_kind(a.kind)
     text = f"{a.kind}@machine={a.machine}" + (f",rank={a.rank}" if a.rank is not None else "")
+    for kv in a.param or []:
+        if "=" not in kv:
+            raise UserError(f"--param takes KEY=VALUE (got {kv!r})")
+        text += "," + kv
     out = Client(_controller_url(a), timeout=5).post(f"/api/jobs/{a.job}/inject", {"chaos": text})
     print(f"injected {out['chaos']['kind']} on m{out['chaos']['machine']}")
     return 0
@@ -371,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("kind")
     i.add_argument("--machine", type=int, required=True, help="machine index M (machine mM)")
     i.add_argument("--rank", type=int)
+    i.add_argument("--param", action="append", help="KEY=VALUE for the kind (code=79, peer=2, rate=1mbit, "
+                                                    "fraction=0.1, times=3), repeatable")
     i.add_argument("--state-dir", default=DEFAULT_STATE)
     i.add_argument("--controller")
     i.add_argument("--job", default="latest")

@@ -82,7 +82,7 @@ def test_urgent_update_then_rollback_of_a_bad_version(tmp_path):
     assert statuses(tmp_path / "state") == [(1, "stable"), (2, "stable"), (3, "rolled-back")]
     hot = [r for r, i in zip(rep["runs"][1:], rep["incidents"]) if i["mechanism"] == "hot_update"]
     for run in hot:                    # in place, from the in-memory checkpoint of each rank
-        assert set(run["restore"]["tiers"].values()) == {"own"}
+        assert set(run["restore"]["tiers"].values()) == {"own"}, run["restore"]
         assert run["machines"] == rep["runs"][0]["machines"]
     assert rep["unproductive_s"]["hot_update"] > 0
 

@@ -73,6 +73,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         self.avail = restore.Availability()   # every rank's checkpoint copies, by tier
         self.bad_steps: set[int] = set()      # steps some rank could not restore
         self.restore_tiers: dict[int, str] = {}
+        self.restore_skipped: dict[int, list[str]] = {}   # tiers tried first and why they failed
         self.hang: HangWatch | None = None
         self.versions = versions.Versions(self.store)
         self.code_path = spec.code_dir          # where the workers' code lives (a version snapshot)
@@ -184,7 +185,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         env = self._common_env(self.run_seq, port)
         env["STALWART_RESTORE_STEP"] = restore_step
         start_step = restore_step + 1
-        self.restore_tiers = {}
+        self.restore_tiers, self.restore_skipped = {}, {}
         for i, m in enumerate(self.slots):
             workers = []
             for r in range(i * self.G, (i + 1) * self.G):
@@ -297,9 +298,12 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         if ev.get("run") != self.run_seq:
             return
         self.restore_tiers[int(ev["rank"])] = ev["tier"]
+        if ev.get("skipped"):
+            self.restore_skipped[int(ev["rank"])] = ev["skipped"]
         if len(self.restore_tiers) == self.world:
-            self.store.update_run(self.run_id, restore={"step": ev["step"], "tiers": {
-                str(r): t for r, t in sorted(self.restore_tiers.items())}})
+            self.store.update_run(self.run_id, restore={
+                "step": ev["step"], "tiers": {str(r): t for r, t in sorted(self.restore_tiers.items())},
+                "skipped": {str(r): e for r, e in sorted(self.restore_skipped.items())}})
         self.event("restore_source", {"run": self.run_seq, "rank": ev["rank"], "tier": ev["tier"],
                                       "step": ev["step"], "skipped": ev.get("skipped", [])})
 
@@ -327,6 +331,13 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
                             location=sym.location)
         self._open_incident(exit_.symptom, ev["t"])
         self.incident["exits"].append(exit_)
+
+    def _agent_command_failed(self, machine: str, ev: dict) -> None:
+        """A command the agent could not carry out (e.g. a chaos kind this host cannot do)."""
+        log.warning("job %s: %s on %s failed: %s", self.job_id, ev.get("kind") or ev.get("command"),
+                    machine, ev.get("error"))
+        self.event("command_failed", {"machine": machine, "command": ev.get("command"),
+                                      "kind": ev.get("kind"), "error": ev.get("error")})
 
     def _agent_done(self, machine: str, ev: dict) -> None:
         """An SDK worker finished its last step (it exits right after)."""
