@@ -28,6 +28,8 @@ class Progress:
         line += f"  {rate:.1f} steps/s" if rate else ""
         line += f"  ETTR {st.get('ettr', 0):.3f}  run {live.get('run', '-')}  [{live.get('state', st['state'])}]"
         for inc in st.get("incidents", []):
+            if inc["mechanism"] is None:
+                continue                      # still localizing: say it once it is decided
             key = f"{inc['mechanism']}:{inc['resumed_at']}"
             if self.seen_incidents.get(inc["id"]) != key:
                 self.seen_incidents[inc["id"]] = key

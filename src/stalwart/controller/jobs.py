@@ -414,7 +414,11 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
     def _check_stopped(self, now: float) -> None:
         inc = self.incident
         limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
-        if (inc["awaiting"] and now < limit) or now < inc["detected_at"] + EVIDENCE_SETTLE_S:
+        # A worker's own failure (not a consequence of a peer's) explains the incident: its agent
+        # swept the probes before reporting it, so there is nothing more to wait for.
+        explained = any(not e.secondary for e in inc["exits"])
+        if (inc["awaiting"] and now < limit) or \
+                (not explained and now < inc["detected_at"] + EVIDENCE_SETTLE_S):
             return
         for m in inc["awaiting"]:  # alive but did not stop: cannot be trusted with ranks
             inc["lost"].add(m)

@@ -104,11 +104,14 @@ class Context:
         self.groups: dict[str, Any] = {}
         self.group_ranks: dict[str, tuple[int, ...]] = {}
         for kind in GROUP_KINDS:
-            for ranks in self.topology.groups(kind):  # every rank creates every group, same order
-                pg = dist.new_group(list(ranks), timeout=timeout)
-                if self.rank in ranks:
-                    self.groups[kind] = pg
-                    self.group_ranks[kind] = tuple(ranks)
+            for ranks in self.topology.groups(kind):
+                if self.rank not in ranks:
+                    continue
+                self.group_ranks[kind] = tuple(ranks)
+                # a group of one needs no communicator; the others synchronize among their own
+                # members only, so a restart does not wait on a world-wide barrier per group
+                self.groups[kind] = None if len(ranks) == 1 else dist.new_group(
+                    list(ranks), timeout=timeout, use_local_synchronization=True)
 
     def _on_agent_message(self, msg: dict) -> None:
         kind = msg.get("type")
