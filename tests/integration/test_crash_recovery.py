@@ -46,3 +46,15 @@ def test_machine_down_without_standby_fails_clearly(tmp_path):
                                                    chaos=["machine-down@step=5,machine=0"]))
     assert rep["state"] == "failed"
     assert "standby" in rep["reason"] and "m0" in rep["reason"]
+    # the CLI reads the same record offline, as JSON and as an HTML page
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "stalwart.cli", "report", "--state-dir",
+                          str(tmp_path / "nostandby"), "--json", str(tmp_path / "r.json"), "--html",
+                          str(tmp_path / "r.html")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "failed" in out.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["incidents"][0]["symptom"] == "machine_lost"
+    page = (tmp_path / "r.html").read_text()
+    assert "<table>" in page and "machine_lost" in page and "ETTR" in page

@@ -32,3 +32,10 @@ def test_validate_against_cluster():
         catalogue.validate_against(catalogue.parse("crash@machine=5"), 3, 2, 2)
     with pytest.raises(ChaosError, match="is a standby"):
         catalogue.validate_against(catalogue.parse("crash@machine=2,rank=4"), 3, 2, 2)
+
+
+def test_root_only_kinds_are_refused_without_root():
+    catalogue.check_runnable("nic-down", euid=0)
+    catalogue.check_runnable("crash", euid=1000)
+    with pytest.raises(ChaosError, match=r"chaos partition needs root \(network namespaces and nftables\); this runs as uid 1000"):
+        catalogue.check_runnable("partition", euid=1000)

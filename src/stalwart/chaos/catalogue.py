@@ -25,6 +25,12 @@ KINDS: dict[str, str] = {
 }
 
 
+# Kinds that need root here: network namespaces, tc, nftables, cgroups.
+ROOT_KINDS = {"nic-down": "network namespaces", "nic-flap": "network namespaces",
+              "link-slow": "network namespaces and tc", "partition": "network namespaces and nftables",
+              "freeze": "the cgroup freezer", "cpu-throttle": "cgroup CPU quotas"}
+
+
 class ChaosError(ValueError):
     """A chaos request that cannot be understood or cannot be applied."""
 
@@ -78,9 +84,18 @@ def parse(text: str) -> ChaosSpec:
                      params=fields)
 
 
+def check_runnable(kind: str, euid: int | None = None) -> None:
+    """Refuse, with the reason, a kind this host cannot inject (no root)."""
+    import os
+    euid = os.geteuid() if euid is None else euid
+    if kind in ROOT_KINDS and euid != 0:
+        raise ChaosError(f"chaos {kind} needs root ({ROOT_KINDS[kind]}); this runs as uid {euid}")
+
+
 def validate_against(spec: ChaosSpec, machines_total: int, gpus_per_machine: int,
                      active_machines: int) -> None:
-    """Check a chaos request against the cluster: machine exists, rank lives on it."""
+    """Check a chaos request against the cluster: machine exists, rank lives on it, host can do it."""
+    check_runnable(spec.kind)
     if spec.machine >= machines_total:
         raise ChaosError(f"chaos {spec.kind}: machine {spec.machine} does not exist "
                          f"(machines are m0..m{machines_total - 1})")
