@@ -49,3 +49,13 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
 
 def losses(report: dict) -> dict[int, float]:
     return {int(k): v for k, v in report["losses"].items()}
+
+
+def wait_for(cond, timeout: float = 60.0, every: float = 0.05) -> bool:
+    """Poll `cond` until it is true (True) or `timeout` passes (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return False

@@ -2,10 +2,10 @@
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from jobrun import wait_for
 from stalwart.agent.workers import kill_tree
 from stalwart.client import Client, ControllerUnreachable
 
@@ -28,15 +28,6 @@ def alive_machines(client):
         return {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
     except ControllerUnreachable:
         return set()
-
-
-def wait_for(cond, timeout=60.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.timeout(120)

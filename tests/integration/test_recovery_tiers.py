@@ -1,11 +1,8 @@
 """Issue 4: warm standbys and every-step in-memory checkpoints with over-eviction-aware backups."""
-import os
-import time
-
 import pytest
 import torch
 
-from jobrun import gpt_spec, losses, run_job
+from jobrun import gpt_spec, losses, run_job, wait_for
 from stalwart.agent.ckpt import CkptManager
 from stalwart.worker.memckpt import MemCheckpointer
 
@@ -64,15 +61,6 @@ def _model_state(seed):
     return {"w": torch.randn(256, 256, generator=g), "step_note": seed}
 
 
-def _wait(cond, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _flip(path):
     data = path[:-4] + ".data"
     with open(data, "r+b") as f:
@@ -95,7 +83,7 @@ def test_corrupt_shard_is_skipped_tier_by_tier(tmp_path):
             mem.snapshot(_model_state(step), step)
         mem.close()
         have = lambda tier: any(e["tier"] == tier and e["step"] == 2 for e in events)
-        assert _wait(lambda: have("backup") and have("durable")), events
+        assert wait_for(lambda: have("backup") and have("durable")), events
         cands = [{"tier": "own", "step": 2}, {"tier": "backup", "step": 2, "holder": "mB",
                                                 "addr": list(b.peer_addr)}, {"tier": "durable", "step": 2}]
         tier, path, errors = a.materialize(0, cands)
