@@ -40,7 +40,9 @@ class CkptManager:
         self.emit = emit
         for d in (self.shm_dir, self.backup_dir, self.restore_dir):
             os.makedirs(d, exist_ok=True)
-        self.store = ShardStore(self.shm_dir, self.backup_dir)
+        # peers' backups: keep more than the controller counts on, so a report still in flight
+        # never points at a pruned copy
+        self.store = ShardStore(self.shm_dir, self.backup_dir, keep_backup=4)
         self.server = PeerServer("0.0.0.0", 0, self.store).start()
         self.peer_addr = (peer_host, self.server.address[1])
         self.client = PeerClient()
@@ -57,7 +59,7 @@ class CkptManager:
         with self._cfg_lock:
             if durable_dir and durable_dir != self.store.durable_dir:
                 old = self.store
-                self.store = ShardStore(self.shm_dir, self.backup_dir, durable_dir)
+                self.store = ShardStore(self.shm_dir, self.backup_dir, durable_dir, keep_backup=4)
                 self.server.store = self.store
                 old.close()
             self._every = max(1, int(every))
@@ -115,6 +117,11 @@ class CkptManager:
         hdr = memckpt.read_header(url) if os.path.exists(url) else None
         self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "durable", "location": url,
                    "checksum": f"{hdr['checksum']:08x}" if hdr else ""})
+
+    def inventory(self) -> dict[str, dict[int, list[int]]]:
+        """The complete shards this machine holds in memory, by tier (checksums not re-read)."""
+        return {tier: {r: sorted(v) for r, v in self.store.steps(tier, verify=False).items()}
+                for tier in ("own", "backup")}
 
     # -- restore ----------------------------------------------------------------------------
     def materialize(self, rank: int, candidates: list[dict]) -> tuple[str, str, list[str]]:

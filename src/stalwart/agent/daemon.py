@@ -389,7 +389,7 @@ class Agent:
         if run is None:        # the job is over (or this machine left it): no spares either
             self.warm.stop()
             self._warm_key = None
-        self.emit({"type": "stopped", "run": run})
+        self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
     def _chaos(self, cmd: dict) -> None:
         if cmd["kind"] == "machine-down":

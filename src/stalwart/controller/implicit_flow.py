@@ -7,13 +7,98 @@ from __future__ import annotations
 
 import time
 
+from collections import Counter
+
+from statistics import median
+
+from stalwart.analyzer.failslow import FailSlowRounds, slow_ranks, throughput_drop
+from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
 
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
+TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
 
 
 class ImplicitFlow:
+    # -- fail-slow: throughput decline -> repeated stack aggregation -> the most-flagged machines
+    def _watch_throughput(self, dur: float, now: float, times: dict) -> None:
+        """Called per committed step; starts fail-slow rounds when throughput drops."""
+        self.rank_times = (self.rank_times + [times])[-10:]
+        if dur <= 0 or self.failslow is not None or now < self.failslow_quiet_until:
+            return
+        self.step_durs = (self.step_durs + [dur])[-200:]
+        p = self.spec.policy
+        if throughput_drop(self.step_durs, baseline_n=20, recent_n=5, drop=p.failslow_drop):
+            self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "machines": Counter(),
+                             "done": 0, "next": now, "wait": set(), "stacks": {}, "started": now}
+            self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur})
+
+    def _failslow_tick(self, now: float) -> None:
+        fs = self.failslow
+        if fs["wait"]:
+            if now - fs["sent"] > TRACE_TIMEOUT_S:
+                self._failslow_round(now)
+            return
+        if now >= fs["next"]:
+            fs.update(wait=set(self.slots), stacks={}, sent=now)
+            for m in self.slots:
+                self.ctl.send(m, {"type": "trace", "run": self.run_seq})
+
+    def _slow_by_compute(self) -> list[int]:
+        """Ranks computing slowly while their peers wait on them, over the recent steps (the SDK
+        reports each rank's step time and its compute part, before the collectives)."""
+        step, compute = {}, {}
+        for r in range(self.world):
+            pairs = [t[r] for t in self.rank_times if r in t and t[r][0] and t[r][1] is not None]
+            if pairs:
+                step[r] = median(p[0] for p in pairs)
+                compute[r] = min(step[r], median(p[1] for p in pairs))
+        if len(step) < self.world:
+            return []
+        return slow_ranks(step, {r: step[r] - compute[r] for r in step})
+
+    def _failslow_round(self, now: float) -> None:
+        fs = self.failslow
+        fs["wait"] = set()
+        stacks, _ = implicit.to_process_stacks(fs["stacks"], self.topo, list(self.slots))
+        by_stack = set(aggregate(stacks).outliers if stacks else [])
+        by_compute = self._slow_by_compute()
+        outliers = sorted(by_stack | set(by_compute))
+        self.event("failslow_round", {"run": self.run_seq, "round": fs["done"] + 1,
+                                      "stack_outliers": sorted(by_stack), "slow_ranks": by_compute})
+        fs["rounds"].add_round(outliers, self.topo, now)
+        for i in self.topo.machines_of(outliers) if outliers else []:
+            fs["machines"][self.slots[i]] += 1
+        fs["done"] += 1
+        fs["next"] = now + self.spec.policy.failslow_period_s
+        if fs["done"] < self.spec.policy.failslow_rounds:
+            return
+        self.failslow = None
+        self.failslow_quiet_until = now + 30.0     # at most one set of rounds per 30 s
+        verdict = fs["rounds"].verdict()
+        half = self.spec.machines // 2
+        if verdict and len(verdict[1]) <= max(1, half):
+            machines = [self.slots[i] for i in verdict[1]]
+            why = f"{verdict[0]} group flagged most often over {fs['done']} rounds"
+        else:   # the covering group is most of the job: evict the machines flagged in most rounds
+            top = max(fs["machines"].values(), default=0)
+            need = -(-4 * fs["done"] // 5)          # flagged in at least 80% of the rounds
+            machines = sorted(m for m, c in fs["machines"].items() if c == top and c >= need)
+            why = f"flagged in {top} of {fs['done']} rounds"
+        if not machines:
+            self.event("failslow_cleared", {"run": self.run_seq, "rounds": fs["done"]})
+            return
+        if len(machines) > len(self._snapshot().standby_ready):
+            # a slow job still trains: never trade it for a failed one
+            self.event("failslow_no_standby", {"run": self.run_seq, "machines": machines, "why": why})
+            return
+        self._open_incident("fail_slow", now)
+        self.incident.update(implicit_evict=machines, reason=f"throughput dropped; {', '.join(machines)} "
+                                                              f"{why}")
+        self.store.update_incident(self.incident["id"], data={"stacks": fs["stacks"],
+                                                              "analysis": self.incident["reason"]})
+
     def _training_anomaly(self, s: int, acc: dict) -> bool:
         """NaN/inf or a jump >= loss_jump_factor in loss or grad norm: suspend and open an incident.
         The ranks whose LOCAL gradient norm (before the data-parallel reduction) is not finite
@@ -38,7 +123,16 @@ class ImplicitFlow:
         return True
 
     def _agent_stacks(self, machine: str, ev: dict) -> None:
-        if self.state != "tracing" or ev.get("run") != self.run_seq:
+        if ev.get("run") != self.run_seq:
+            return
+        fs = self.failslow
+        if self.state == "running" and fs is not None and machine in fs["wait"]:
+            fs["stacks"][machine] = ev.get("records", [])
+            fs["wait"].discard(machine)
+            if not fs["wait"]:
+                self._failslow_round(time.time())
+            return
+        if self.state != "tracing":
             return
         self.incident["stacks"][machine] = ev.get("records", [])
         self.incident["trace_wait"].discard(machine)

@@ -18,7 +18,7 @@ from stalwart.chaos import catalogue
 from stalwart.controller import policy, restore, versions
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.hotupdate import HotUpdateFlow, version_env, versionable
-from stalwart.controller.implicit_flow import ImplicitFlow
+from stalwart.controller.implicit_flow import TRACE_TIMEOUT_S, ImplicitFlow
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stalwart.controller")
 TERMINAL = ("succeeded", "failed", "cancelled")
-TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
 # Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
@@ -80,6 +79,10 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         self.version: dict | None = None        # the code version the workers run
         self.versioning_off: str | None = None
         self.loss_hist: list[float] = []
+        self.step_durs: list[float] = []       # committed step durations of this run (fail-slow)
+        self.rank_times: list[dict] = []       # recent steps: rank -> (step s, compute s)
+        self.failslow: dict | None = None      # fail-slow rounds in progress
+        self.failslow_quiet_until = 0.0
         self.grad_hist: list[float] = []
         self.created_at = time.time()
         self.thread = threading.Thread(target=self._loop, name=f"job-{job_id}", daemon=True)
@@ -127,7 +130,9 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
             self._finish_trace(now)
         elif self.state == "running" and self.version is not None and self._due_version(now, False):
             self._open_incident("hot_update", now)
-        elif self.state == "running" and self.hang is not None:
+        elif self.state == "running" and self.failslow is not None:
+            self._failslow_tick(now)
+        if self.state == "running" and self.hang is not None:
             verdict = self.hang.check(now)
             if verdict is not None:
                 self._open_incident("hang", now, trace=True)
@@ -213,6 +218,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
                                    "machines": list(self.slots)}, t=now)
         self.state, self.run_started_at = "running", now
         self.hang = HangWatch(self.spec.policy, ranks=range(self.world), started_at=now)
+        self.step_durs, self.failslow, self.rank_times = [], None, []
         self.pending_steps.clear()
         self.done_ranks.clear()
         self.steps_done = start_step
@@ -232,6 +238,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         acc = self.pending_steps.setdefault(s, {"ranks": set(), "t": 0.0, "dur": 0.0})
         acc["ranks"].add(ev["rank"])
         acc.setdefault("local", {})[ev["rank"]] = ev.get("local_grad_norm")
+        acc.setdefault("times", {})[ev["rank"]] = (ev.get("dur"), ev.get("compute_s"))
         if self.hang is not None:
             self.hang.on_step(ev["rank"], s, ev["t"])
         acc["t"] = max(acc["t"], ev["t"])
@@ -252,6 +259,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         self.last_loss = acc.get("loss", self.last_loss)
         if self._training_anomaly(s, acc):
             return
+        self._watch_throughput(acc["dur"], acc["t"], acc.get("times", {}))
         if self.version is not None and self.version["status"] == "applied" \
                 and versions.is_healthy(self.version, self.steps_done):
             promoted = self.versions.promote_if_healthy(self.job_id, self.steps_done, time.time())
@@ -347,6 +355,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
                 self._finish("succeeded", None)
 
     def _agent_stopped(self, machine: str, ev: dict) -> None:
+        for tier, held in (ev.get("inventory") or {}).items():
+            self.avail.replace_held(machine, tier, {int(r): v for r, v in held.items()})
         if self.incident is not None and ev.get("run") == self.run_seq:
             self.incident["awaiting"].discard(machine)
 
@@ -384,7 +394,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         if self.incident is not None:
             return
         now = time.time()
-        implicit_kind = symptom in ("hang", "nan", "loss_spike")
+        implicit_kind = symptom in ("hang", "nan", "loss_spike", "fail_slow")
         planned = symptom == "hot_update"
         inc_id = self.store.create_incident(self.job_id, run_seq=self.run_seq, symptom=symptom,
                                             category="implicit" if implicit_kind else

@@ -27,6 +27,17 @@ class Availability:
         for old in sorted(steps)[:-min(self.keep, self.KEEP_IN_MEMORY.get(tier, self.keep))]:
             del steps[old]
 
+    def replace_held(self, machine: str, tier: str, steps_by_rank: dict[int, list[int]]) -> None:
+        """What `machine` really holds in a memory tier (its inventory when its workers stopped):
+        reports still in flight can make the running record stale."""
+        for rank, tiers in self.copies.items():
+            held = tiers.get(tier, {})
+            for s in [s for s, h in held.items() if h == machine]:
+                del held[s]
+        for rank, steps in steps_by_rank.items():
+            for s in steps:
+                self.add(int(rank), tier, int(s), machine)
+
     def drop_machine(self, machine: str) -> None:
         """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""
         for tiers in self.copies.values():

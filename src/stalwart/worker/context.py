@@ -185,7 +185,7 @@ class Context:
         now = time.time()
         msg = {"type": "step", "rank": self.rank, "step": step, "t": now, "dur": now - self._step_t0,
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
-               "local_grad_norm": self._local_grad_norm}
+               "local_grad_norm": self._local_grad_norm, "compute_s": self._compute_s}
         msg.update(extra)
         self.link.send(msg)
         self._last_report = self._step_t0 = now
