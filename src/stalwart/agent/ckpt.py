@@ -19,6 +19,7 @@ import shutil
 import threading
 from typing import Callable
 
+from stalwart.agent.paths import ckpt_root  # noqa: F401  (re-exported for the agent)
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt
@@ -151,9 +152,3 @@ class CkptManager:
         self.server.stop()
         self.store.close()
 
-
-def ckpt_root(workdir: str) -> str:
-    """The shared-memory directory of the machine whose agent works in `workdir`."""
-    import hashlib
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(workdir, "shm")
-    return os.path.join(base, "stalwart-" + hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12])

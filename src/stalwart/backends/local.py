@@ -153,6 +153,7 @@ class LocalCluster:
         if self.net is not None:
             self.net.destroy()
             self.net = None
+        remove_machine_memory(self.state_dir)
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -160,6 +161,17 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def remove_machine_memory(state_dir: str) -> None:
+    """Free the shared memory (checkpoint shards) of every machine of this state dir: agents that
+    were killed (machine-down, a stopped cluster) never free their own."""
+    import shutil
+
+    from stalwart.agent.paths import ckpt_root
+    machines = os.path.join(state_dir, "machines")
+    for m in os.listdir(machines) if os.path.isdir(machines) else []:
+        shutil.rmtree(ckpt_root(os.path.join(machines, m)), ignore_errors=True)
 
 
 def cleanup_stale(state_dir: str) -> list[int]:
@@ -190,4 +202,5 @@ def cleanup_stale(state_dir: str) -> list[int]:
         except psutil.Error:
             pass
     os.unlink(pid_file)
+    remove_machine_memory(state_dir)
     return killed
