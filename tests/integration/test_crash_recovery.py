@@ -22,7 +22,7 @@ def test_crash_reattempt_is_bitwise_equal_to_fault_free(tmp_path):
     assert len(rep["runs"]) == 2
     assert losses(rep) == losses(base)          # bit for bit: floats compared exactly
     assert losses(base)[39] < losses(base)[0]
-    assert rep["ettr"] < base["ettr"] <= 1.0
+    assert 0 < rep["ettr"] < 1.0 and rep["unproductive_s"]["failover"] > 0   # (load-independent)
     parts = rep["unproductive_s"]
     assert abs(sum(parts.values()) - (rep["wall_s"] - rep["productive_s"])) < 1e-2
 

@@ -18,6 +18,7 @@ from stalwart.controller.hangwatch import anomaly, culprit_machines
 
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
+SLOW_COMPUTE_RATIO = 3.0        # a rank computing this many times the median is slow
 
 
 class ImplicitFlow:
@@ -54,9 +55,14 @@ class ImplicitFlow:
             if pairs:
                 step[r] = median(p[0] for p in pairs)
                 compute[r] = min(step[r], median(p[1] for p in pairs))
-        if len(step) < self.world:
+        self.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
+        if len(step) < max(3, self.world):
             return []
-        return slow_ranks(step, {r: step[r] - compute[r] for r in step})
+        # A starved rank is slow in everything, its collectives included, so the compute/wait split
+        # of analyzer.failslow.slow_ranks can miss it; its compute time alone stands out.
+        med = median(compute.values())
+        slow = [r for r, c in compute.items() if c >= SLOW_COMPUTE_RATIO * med and c - med > 0.01]
+        return sorted(set(slow) | set(slow_ranks(step, {r: step[r] - compute[r] for r in step})))
 
     def _failslow_round(self, now: float) -> None:
         fs = self.failslow
@@ -66,7 +72,8 @@ class ImplicitFlow:
         by_compute = self._slow_by_compute()
         outliers = sorted(by_stack | set(by_compute))
         self.event("failslow_round", {"run": self.run_seq, "round": fs["done"] + 1,
-                                      "stack_outliers": sorted(by_stack), "slow_ranks": by_compute})
+                                      "stack_outliers": sorted(by_stack), "slow_ranks": by_compute,
+                                      "compute_s": getattr(self, "failslow_compute", {})})
         fs["rounds"].add_round(outliers, self.topo, now)
         for i in self.topo.machines_of(outliers) if outliers else []:
             fs["machines"][self.slots[i]] += 1
