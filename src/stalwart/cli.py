@@ -131,11 +131,13 @@ def cmd_run(a) -> int:
     spec = _spec_from_args(a)
     if a.fresh and os.path.isdir(a.state_dir):
         shutil.rmtree(a.state_dir)
-    total = spec.machines + standby_count(spec)
+    if a.spare < 0:
+        raise UserError(f"--spare must be >= 0 (got {a.spare})")
+    total = spec.machines + standby_count(spec) + a.spare
     cluster = LocalCluster(a.state_dir, total, spec.gpus_per_machine, heartbeat_s=spec.policy.heartbeat_s,
                            missed_beats=spec.policy.missed_beats, log_level=a.log_level)
     print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
-          f"{total - spec.machines} standby) in {os.path.abspath(a.state_dir)}", flush=True)
+          f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
     rep = None
     try:
         url = cluster.start()
@@ -351,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int)
     r.add_argument("--ckpt-every", type=int, help="durable checkpoint every K steps")
     r.add_argument("--standby", help="standby machines: a number or 'auto' (P99 sizing)")
+    r.add_argument("--spare", type=int, default=0,
+                   help="extra idle machines the standby pool refills from after a failover (default 0)")
     r.add_argument("--chaos", action="append", help="KIND@step=S,machine=M[,rank=R] (repeatable)")
     r.add_argument("--env", action="append", help="KEY=VALUE for the workers (repeatable)")
     r.add_argument("--state-dir", default=DEFAULT_STATE)

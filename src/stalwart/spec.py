@@ -90,10 +90,20 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "failslow_period_s": ("float", 0.0, True, math.inf, False),
     "failslow_drop": ("float", 0.0, True, 1.0, True),
     "similarity_window_s": ("float", 0.0, True, math.inf, False),
+    "similarity_continuity_s": ("float", 0.0, True, math.inf, False),
+    "similarity_evict": ("bool", 0, False, 0, False),
     "daily_failure_rate": ("float", 0.0, False, 1.0, True),
     "hot_update_window_s": ("float", 0.0, False, math.inf, False),
     "stop_grace_s": ("float", 0.0, False, math.inf, False),
     "max_standby_wait_s": ("float", 0.0, False, math.inf, False),
+    "stop_time_checks": ("bool", 0, False, 0, False),
+    "alignment_test": ("bool", 0, False, 0, False),
+    "diag_timeout_s": ("float", 0.0, True, math.inf, False),
+    "replay": ("bool", 0, False, 0, False),
+    "replay_k": ("int", 0, False, math.inf, False),
+    "replay_steps": ("int", 1, False, math.inf, False),
+    "replay_timeout_s": ("float", 0.0, True, math.inf, False),
+    "ladder_window_s": ("float", 0.0, True, math.inf, False),
 }
 
 
@@ -117,6 +127,9 @@ class Policy:
     failslow_period_s: time between fail-slow rounds (> 0).
     failslow_drop: relative throughput decline that counts as fail-slow (0 < x < 1).
     similarity_window_s: window of worker metrics compared between peers (> 0).
+    similarity_continuity_s: a machine unlike its peers for this long is a suspect (> 0;
+        Minder: 4 minutes).
+    similarity_evict: evict a suspect (when a standby is ready) rather than only report it.
     daily_failure_rate: per-machine probability of failing on a given day, sizes the warm
         standby pool when ``standby`` is "auto" (0 <= x < 1).
     hot_update_window_s: a pending code version is applied at the latest after this window
@@ -124,6 +137,16 @@ class Policy:
     stop_grace_s: time between SIGTERM and SIGKILL when stopping workers (>= 0).
     max_standby_wait_s: how long a failover waits for a standby before restarting on the
         remaining machines or paging (>= 0).
+    stop_time_checks: after a failure with no certain culprit, every machine runs a self-test,
+        an all-to-all among its workers and paired all-gathers with its neighbours (true/false).
+    alignment_test: after a NaN with no culprit, every machine runs one step of a fixed tiny
+        GPT and results are compared bit for bit (true/false; needs >= 3 machines).
+    diag_timeout_s: time bound of every wait in a machine's stop-time checks (> 0).
+    replay: allow dual-phase replay when checks and a reattempt did not resolve a failure.
+    replay_k: data-parallel size of each replay group (0: the smallest that works).
+    replay_steps: steps each replay group trains (>= 1).
+    replay_timeout_s: a replay group not done after this long counts as failing (> 0).
+    ladder_window_s: failures further apart than this start the ladder afresh (> 0).
 
     ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
@@ -141,10 +164,20 @@ class Policy:
     failslow_period_s: float = 10.0
     failslow_drop: float = 0.3
     similarity_window_s: float = 240.0
+    similarity_continuity_s: float = 240.0
+    similarity_evict: bool = True
     daily_failure_rate: float = 0.0012
     hot_update_window_s: float = 86400.0
     stop_grace_s: float = 2.0
     max_standby_wait_s: float = 60.0
+    stop_time_checks: bool = True
+    alignment_test: bool = True
+    diag_timeout_s: float = 10.0
+    replay: bool = True
+    replay_k: int = 0
+    replay_steps: int = 6
+    replay_timeout_s: float = 90.0
+    ladder_window_s: float = 3600.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -154,7 +187,10 @@ class Policy:
         for name, (kind, low, low_open, high, high_open) in _POLICY_RULES.items():
             value = getattr(self, name)
             full = f"policy.{name}"
-            if kind == "int":
+            if kind == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{full} must be true or false (got {value!r})")
+            elif kind == "int":
                 _check_int(full, value, int(low))
             else:
                 setattr(self, name, _check_float(full, value, low, high,

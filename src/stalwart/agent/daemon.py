@@ -15,6 +15,8 @@ import threading
 import time
 
 from stalwart.agent.ckpt import CkptManager, RestoreFailed, ckpt_root
+from stalwart.agent.diagnose import Diagnoser
+from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
@@ -72,7 +74,12 @@ class Agent:
         self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
                                certain_kinds=frozenset({"disk_full"}))
         self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
+        self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
+                                      self.netns.host_ifname if self.netns is not None else None,
+                                      self.emit, period_s=heartbeat_s)
         self._job: str | None = None
+        self.diagnoser = Diagnoser(machine_id, self.workdir, self.simgpu_path, self._base_env,
+                                   self._prefix, self.emit)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
 
@@ -112,11 +119,13 @@ class Agent:
     def serve_forever(self) -> None:
         self._start_socket_server()
         self.monitor.start()
+        self.metrics.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
                              (self._sender_loop, "events")):
             threading.Thread(target=target, name=name, daemon=True).start()
         self._stop.wait()
         self.monitor.stop()
+        self.metrics.stop()
         self.chaos.cleanup()
         self.workers.stop()
         self.warm.stop()
@@ -258,6 +267,10 @@ class Agent:
             self._chaos(cmd)
         elif kind == "trace":
             self._trace(cmd)
+        elif kind == "diagnose":
+            # Its own thread: the checks take seconds and a stop must still get through. The thread
+            # waits for its processes, so they never outlive their parent thread (PDEATHSIG).
+            threading.Thread(target=self.diagnoser.run, args=(cmd,), name="diagnose", daemon=True).start()
         elif kind == "shutdown":
             self.chaos.cleanup()
             self.workers.stop()

@@ -10,6 +10,9 @@ KINDS: dict[str, str] = {
     "machine-down": "kill the machine's agent and all its workers (the machine is lost)",
     "sigstop": "SIGSTOP one worker: a silent hang",
     "freeze": "freeze all the machine's workers in a cgroup freezer (processes in state D)",
+    "stage-hang": "the machine's workers block forever inside the pipeline's send/recv from that "
+                  "step on (with pp=1: in the data-parallel all-reduce): a stage hung in a "
+                  "collective; the processes stay alive and runnable",
     "gpu-xid": "the GPU reports Xid code=N (default 79, fallen off the bus); kernel log line too",
     "gpu-lost": "the GPU disappears (NVML handle errors; workers fail with a CUDA error)",
     "ecc": "an uncorrectable (double-bit) ECC error on the GPU",
@@ -22,6 +25,8 @@ KINDS: dict[str, str] = {
     "cpu-throttle": "limit the machine's workers to fraction=F of a CPU (cgroup v1 or v2)",
     "nan": "the worker SDK fills that machine's gradients with NaN from that step on",
     "user-error": "the worker raises an exception from the user's code",
+    "sdc": "the machine's GPUs silently corrupt arithmetic: no probe sees it, per-rank gradient "
+           "norms look fine, the update goes non-finite after the reduction",
 }
 
 

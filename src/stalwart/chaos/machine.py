@@ -17,7 +17,7 @@ from stalwart.agent.probes.simgpu import SimGpu
 from stalwart.chaos.net import ChaosUnavailable
 
 # Worker-side kinds: forwarded to the worker SDK over the local socket.
-SDK_KINDS = {"nan", "user-error"}
+SDK_KINDS = {"nan", "user-error", "stage-hang"}
 
 
 class MachineChaos:
@@ -122,6 +122,11 @@ class MachineChaos:
         SimGpu(self.simgpu_path, self.gpus).set(dev, temperature=int(cmd.get("temp", 96)),
                                                 throttle=["hw_thermal_slowdown"], clock_sm=600)
 
+    def do_sdc(self, cmd):
+        devices = [self._device(cmd)] if cmd.get("rank") is not None else range(self.gpus)
+        for dev in devices:
+            SimGpu(self.simgpu_path, self.gpus).set(dev, sdc=True)
+
     def do_nic_down(self, cmd):
         from stalwart.chaos import net
         net.nic_down(self._machine())
@@ -153,6 +158,9 @@ class MachineChaos:
         self._to_sdk(cmd)
 
     def do_user_error(self, cmd):
+        self._to_sdk(cmd)
+
+    def do_stage_hang(self, cmd):
         self._to_sdk(cmd)
 
     def _to_sdk(self, cmd):

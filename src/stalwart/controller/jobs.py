@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 from stalwart.agent.classify import classify
 from stalwart.chaos import catalogue
 from stalwart.controller import policy, restore, versions
+from stalwart.controller.diagnose_flow import DiagnoseFlow
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.hotupdate import HotUpdateFlow, version_env, versionable
 from stalwart.controller.implicit_flow import TRACE_TIMEOUT_S, ImplicitFlow
-from stalwart.controller.pool import standby_count
+from stalwart.controller.pool import PoolFlow, standby_count
+from stalwart.controller.replay_flow import ReplayFlow
 from stalwart.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ def _detail_text(detail) -> str:
     return str(detail or "")
 
 
-class JobRunner(ImplicitFlow, HotUpdateFlow):
+class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow):
     def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
         self.ctl, self.store, self.job_id, self.spec = ctl, ctl.store, job_id, spec
         self.topo = spec.topology()
@@ -84,6 +86,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         self.failslow: dict | None = None      # fail-slow rounds in progress
         self.failslow_quiet_until = 0.0
         self.grad_hist: list[float] = []
+        self.diag: dict | None = None          # stop-time checks in progress (diagnose_flow)
+        self.replay: dict | None = None        # dual-phase replay in progress (replay_flow)
         self.created_at = time.time()
         self.thread = threading.Thread(target=self._loop, name=f"job-{job_id}", daemon=True)
 
@@ -126,12 +130,19 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
             self._try_start(now)
         elif self.state == "recovering":
             self._check_stopped(now)
+        elif self.state == "diagnosing":
+            self._diagnose_tick(now)
+        elif self.state == "replaying":
+            self._replay_check(now)
         elif self.state == "tracing" and now - self.incident["trace_sent"] > TRACE_TIMEOUT_S:
             self._finish_trace(now)
         elif self.state == "running" and self.version is not None and self._due_version(now, False):
             self._open_incident("hot_update", now)
         elif self.state == "running" and self.failslow is not None:
             self._failslow_tick(now)
+        if self.state == "running":
+            self._similarity_tick(now)
+            self._refill_pool(now)
         if self.state == "running" and self.hang is not None:
             verdict = self.hang.check(now)
             if verdict is not None:
@@ -172,7 +183,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         env = dict(s.env)
         env.update({"WORLD_SIZE": self.world, "LOCAL_WORLD_SIZE": self.G,
                     "STALWART_JOB": self.job_id, "STALWART_TP": t.tp, "STALWART_PP": t.pp,
-                    "STALWART_DP": t.dp, "STALWART_CP": t.cp, "STALWART_EP": t.ep,
+                    "STALWART_DP": t.dp, "STALWART_CP": t.cp, "STALWART_EP": t.ep, "STALWART_REPLAY": 0,
                     "STALWART_MACHINES": s.machines, "STALWART_GPUS_PER_MACHINE": self.G,
                     "STALWART_STEPS": s.steps, "STALWART_CKPT_EVERY": s.ckpt_every,
                     "STALWART_CKPT_DIR": self.ctl.ckpt_dir(self.job_id),
@@ -219,6 +230,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         self.state, self.run_started_at = "running", now
         self.hang = HangWatch(self.spec.policy, ranks=range(self.world), started_at=now)
         self.step_durs, self.failslow, self.rank_times = [], None, []
+        self._new_peerwatch(now)
         self.pending_steps.clear()
         self.done_ranks.clear()
         self.steps_done = start_step
@@ -227,6 +239,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
     # -- agent events ----------------------------------------------------------------------------
     def _on_agent_event(self, machine: str, ev: dict) -> None:
         kind = ev.get("type")
+        if self.state == "replaying" and kind in ("step", "done", "worker_exit"):
+            return self._replay_event(machine, ev)
         handler = getattr(self, f"_agent_{kind}", None)
         if handler is not None:
             handler(machine, ev)
@@ -260,6 +274,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         if self._training_anomaly(s, acc):
             return
         self._watch_throughput(acc["dur"], acc["t"], acc.get("times", {}))
+        self._peer_times(acc["t"], acc.get("times", {}))
         if self.version is not None and self.version["status"] == "applied" \
                 and versions.is_healthy(self.version, self.steps_done):
             promoted = self.versions.promote_if_healthy(self.job_id, self.steps_done, time.time())
@@ -301,6 +316,10 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
             self.avail.add(rank, tier, step, ev["location"])
         else:
             self.avail.add(rank, tier, step, ev["holder"])
+
+    def _agent_started(self, machine: str, ev: dict) -> None:
+        if ev.get("run") == self.run_seq:
+            self.event("workers_started", {"run": ev["run"], "machine": machine, "warm": bool(ev.get("warm"))})
 
     def _agent_restore_source(self, machine: str, ev: dict) -> None:
         if ev.get("run") != self.run_seq:
@@ -394,7 +413,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         if self.incident is not None:
             return
         now = time.time()
-        implicit_kind = symptom in ("hang", "nan", "loss_spike", "fail_slow")
+        implicit_kind = symptom in ("hang", "nan", "loss_spike", "fail_slow", "peer_outlier")
         planned = symptom == "hot_update"
         inc_id = self.store.create_incident(self.job_id, run_seq=self.run_seq, symptom=symptom,
                                             category="implicit" if implicit_kind else
@@ -462,6 +481,12 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
                              implicit_evict=tuple(inc.get("implicit_evict", ())),
                              implicit_reason=inc.get("reason", ""))
         res = policy.resolve(snap, ev, now)
+        if self._maybe_diagnose(inc, res, now):
+            return
+        self._recover(inc, res, now)
+
+    def _recover(self, inc: dict, res: policy.Resolution, now: float) -> None:
+        """Record how the incident was localized and restart (or fail) accordingly."""
         injected = [c["injected_at"] for c in self.chaos_applied
                     if c.get("injected_at") and c["injected_at"] <= inc["detected_at"] + 0.5
                     and inc["detected_at"] - c["injected_at"] < 120]
@@ -485,7 +510,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow):
         if res.mechanism == "fail":
             self._finish("failed", res.fail_reason)
             return
-        plan = policy.replacement_plan(tuple(self.slots), res.evict, snap.standby_ready)
+        plan = policy.replacement_plan(tuple(self.slots), res.evict, self._snapshot().standby_ready)
         for m in set(inc["lost"]) | set(res.evict):
             self.avail.drop_machine(m)     # its memory (own shards, peers' backups) is gone
         for old, new in plan.items():

@@ -17,6 +17,7 @@ class Rendezvous:
         self.host = host
         self.keep_runs = keep_runs
         self._stores: dict[tuple[int, int], dist.TCPStore] = {}
+        self._scratch: dict[tuple[int, str], dist.TCPStore] = {}   # diagnostics, replays
         self._lock = threading.Lock()
 
     def open(self, job_id: int, run: int) -> int:
@@ -30,11 +31,27 @@ class Rendezvous:
                 del self._stores[k]
         return store.port
 
+    def open_scratch(self, job_id: int, name: str) -> int:
+        """A store for stop-time diagnostics or a replay of the job (its users pick their own key
+        prefixes); it never displaces the stores of the job's runs. Returns its port."""
+        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        with self._lock:
+            self._scratch[(job_id, name)] = store
+        return store.port
+
+    def close_scratch(self, job_id: int, name: str) -> None:
+        with self._lock:
+            self._scratch.pop((job_id, name), None)
+
     def close_job(self, job_id: int) -> None:
         with self._lock:
             for k in [k for k in self._stores if k[0] == job_id]:
                 del self._stores[k]
+            for k in [k for k in self._scratch if k[0] == job_id]:
+                del self._scratch[k]
 
     def close(self) -> None:
         with self._lock:
             self._stores.clear()
+            self._scratch.clear()

@@ -61,7 +61,10 @@ class Context:
         self.ckpt_dir = env.get("STALWART_CKPT_DIR") or os.path.abspath("checkpoints")
         self.ckpt_every = _env_int("STALWART_CKPT_EVERY", 10)
         self.timeout_s = timeout_s
-        shm = env.get("STALWART_SHM_DIR")
+        # A dual-phase replay (stop-time diagnostics) trains a throw-away copy of the job: it must
+        # never write the job's checkpoints nor restore from them.
+        self.replay = env.get("STALWART_REPLAY") == "1"
+        shm = None if self.replay else env.get("STALWART_SHM_DIR")
         self.mem = memckpt.MemCheckpointer(shm, self.rank) if shm else None
         self.cuda = torch.cuda.is_available() and env.get("STALWART_FORCE_CPU") != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
@@ -150,6 +153,25 @@ class Context:
         c = self._chaos.get(kind)
         return c is not None and step >= int(c.get("from_step", 0))
 
+    def maybe_hang(self, step: int, where: str = "pp") -> None:
+        """Block forever here when the `stage-hang` chaos is armed and applies from `step` on.
+
+        Call it in the training loop's communication path, just before a rank hands a tensor to
+        a neighbour: `where="pp"` before each pipeline send (activations forward, gradients
+        backward), `where="dp"` before the data-parallel all-reduce. A job with a pipeline hangs
+        at its first `pp` call (its neighbour then blocks in recv, the other replicas in the
+        all-reduce); a job with pp == 1 has no pipeline and hangs at the `dp` call instead. The
+        process stays alive and runnable (a sleep loop, not SIGSTOP): only its stack tells it
+        apart, which is the case the hang analyzer's stack grouping is for.
+        """
+        if not self.chaos_active("stage-hang", step):
+            return
+        if where != "pp" and not (where == "dp" and self.topology.pp == 1):
+            return
+        self.log(f"stage-hang chaos: blocking in the {where} communication of step {step}")
+        while True:
+            time.sleep(0.5)
+
     def begin_step(self, step: int) -> None:
         """Call at the start of every step.
 
@@ -173,11 +195,13 @@ class Context:
         if self.chaos_active("nan", step):
             for g in grads:
                 g.fill_(float("nan"))
-        elif self.gpu.corrupts():
-            for g in grads:              # silent data corruption: plausible but wrong numbers
-                g.mul_(1.0 + 2.0 ** -10)
         sq = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         self._local_grad_norm = sq ** 0.5
+        if self.gpu.corrupts() and grads:
+            # Silent data corruption (a mercurial core): the buffers handed to the reduction are
+            # wrong although the norm this rank computed looked fine, so the per-rank norms do not
+            # name the machine; the non-finite update shows only after the reduction.
+            grads[0].view(-1)[0] = float("inf")
 
     def report(self, step: int, loss: float | None = None, grad_norm: float | None = None,
                tokens: int | None = None, **extra: float) -> None:
@@ -199,6 +223,8 @@ class Context:
         """
         if self.mem is not None:
             self.mem.snapshot(state, step)
+            return
+        if self.replay:
             return
         last = self.steps is not None and step + 1 >= self.steps
         if (step + 1) % self.ckpt_every == 0 or last:

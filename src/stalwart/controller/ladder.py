@@ -1,0 +1,129 @@
+"""The stop-time ladder (pure): which checks to run after a failure without a certain culprit, what
+their results mean, and which rung comes next (papers.md §1.5.2-1.5.3).
+
+    crash, no culprit  -> stop-time checks -> evict the machines that fail them -> restart
+                                          \\-> all pass: reattempt
+    fails again        -> roll back to the last stable code version (versions.rollback_reason)
+    still fails        -> dual-phase replay -> evict the machine both phases point at
+    NaN, no culprit    -> bitwise alignment test (when enabled), then the same ladder
+
+Everything here works on plain data (incident dicts as the store returns them, check results as the
+agents report them); `diagnose_flow` does the talking.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Mapping, Sequence
+
+from stalwart.diag.pairs import judge_digests, judge_pairs, judge_speed
+
+UNEXPLAINED = ("reattempt", "rollback", "replay")     # rungs that did not evict a machine
+NUMERIC = ("nan", "loss_spike")
+# Thresholds are loose on purpose: a busy host measures healthy machines several times apart, while
+# the faults they must catch (a throttled link at kbit/s, a GPU at a quarter speed) are far off.
+LINK_MIN_MBPS = 5.0           # an inter-machine pair slower than this is bad
+LINK_MIN_RATIO = 0.1          # ... or slower than this fraction of the median pair
+SPEED_MIN_RATIO = 0.25        # a self-test slower than this fraction of the median machine is bad
+
+
+def checks_for(symptom: str, category: str, machines: int, stop_time_checks: bool,
+               alignment_test: bool) -> list[str]:
+    """The stop-time checks for a failure that `policy.resolve` could not pin on a machine."""
+    if category == "user_code" or not stop_time_checks:
+        return []
+    if symptom in NUMERIC:
+        # A wrong number is not a broken machine in the usual sense: only a bit-for-bit comparison
+        # of the same computation on every machine sees a silently corrupting one.
+        return ["align"] if alignment_test and machines >= 3 else []
+    checks = ["selftest", "intra"]
+    if machines >= 2:
+        checks.append("inter")
+    return checks
+
+
+def streak(incidents: Sequence[Mapping], window_s: float) -> list[str]:
+    """Mechanisms of the failures just before the current one that no eviction explained, newest
+    first; the run of them ends at an eviction, a planned stop, or a gap longer than `window_s`."""
+    out: list[str] = []
+    past = [i for i in incidents if i.get("mechanism")]
+    past.sort(key=lambda i: i["detected_at"])
+    later = None
+    for inc in reversed(past):
+        if inc["mechanism"] not in UNEXPLAINED or inc.get("evicted"):
+            break
+        if later is not None and later - inc["detected_at"] > window_s:
+            break
+        out.append(inc["mechanism"])
+        later = inc["detected_at"]
+    return out
+
+
+def next_rung(previous: Sequence[str], replay_possible: bool) -> str:
+    """After checks found nothing: reattempt first; replay once reattempts (and any rollback the
+    version history allows) have not helped; never two replays in one run of failures."""
+    if not previous or "replay" in previous:
+        return "reattempt"
+    return "replay" if replay_possible else "reattempt"
+
+
+def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mapping[tuple, tuple],
+            missing: Iterable[str] = ()) -> dict:
+    """What the agents' check results say.
+
+    `results` are the rows of every machine's `diag_result` (check, ok, machine, measure, and for
+    `inter` the pair key). `pair_index` maps a pair key (round, machine_a, machine_b) to slot indices.
+    Machines in `missing` never reported (they timed out): that alone fails them.
+    Returns {"bad": {machine: reason}, "links": [...], "summary": {...}}.
+    """
+    bad: dict[str, str] = {m: "did not finish its checks in time" for m in missing}
+    by_check: dict[str, list[Mapping]] = defaultdict(list)
+    for r in results:
+        by_check[r["check"]].append(r)
+    for r in by_check.get("selftest", []) + by_check.get("intra", []):
+        if not r.get("ok"):
+            bad.setdefault(r["machine"], f"{r['check']} failed: {r.get('detail', '')}".strip())
+    speed: dict[str, float] = {}
+    for r in by_check.get("selftest", []):
+        g = (r.get("measure") or {}).get("gflops")
+        if r.get("ok") and g:
+            speed[r["machine"]] = min(speed.get(r["machine"], g), g)
+    for m in judge_speed(speed, min_ratio=SPEED_MIN_RATIO):
+        bad.setdefault(m, f"selftest too slow: {speed[m]:.1f} GFLOP/s")
+    links: list[list[str]] = []
+    pairs_summary: dict = {}
+    if pair_index:
+        pair_res: dict[tuple[int, int], dict] = {}
+        for key, (i, j) in pair_index.items():
+            rows = [r for r in by_check.get("inter", []) if tuple(r.get("pair", ())) == key]
+            ok = bool(rows) and all(r.get("ok") for r in rows)
+            mbps = [(r.get("measure") or {}).get("mbps") for r in rows if r.get("ok")]
+            pair_res[(i, j)] = {"ok": ok, "mbps": min(mbps) if ok and mbps and None not in mbps else None,
+                                "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
+                                or ("no result" if not rows else "")}
+        judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS)
+        pairs_summary = judged["pairs"]
+        for i in judged["bad_machines"]:
+            bad.setdefault(slots[i], "inter-machine test failed with every partner")
+        for i, j in judged["bad_links"]:
+            links.append([slots[i], slots[j]])
+    digests = {f"{r['machine']}/{r.get('local_rank', 0)}": (r.get("measure") or {}).get("digest", "")
+               for r in by_check.get("align", []) if r.get("ok")}
+    for key in judge_digests(digests):
+        m = key.split("/")[0]
+        bad.setdefault(m, "bitwise alignment: its result differs from the other machines'")
+    return {"bad": bad, "links": links, "pairs": pairs_summary,
+            "checks": sorted(by_check)}
+
+
+def evictions(v: Mapping, standby_ready: int) -> tuple[list[str], str]:
+    """Machines to evict for a verdict, and why. A bad link whose ends both passed with other
+    partners is cut by evicting both ends when standbys allow, else its first end."""
+    evict = sorted(v["bad"])
+    reasons = [f"{m}: {v['bad'][m]}" for m in evict]
+    for a, b in v["links"]:
+        if a in evict or b in evict:
+            continue
+        ends = [a, b] if standby_ready - len(evict) >= 2 else [a]
+        evict.extend(ends)
+        reasons.append(f"link {a}<->{b} failed the inter-machine test; evicting {', '.join(ends)}")
+    return evict, "; ".join(reasons)

@@ -1,0 +1,99 @@
+"""The stop-time ladder (pure): which checks, what their results mean, which rung comes next."""
+from stalwart.controller import ladder
+
+SLOTS = ["m0", "m1", "m2", "m3"]
+# ring pairs of 4 machines: round 0 (0,1),(2,3); round 1 (1,2),(3,0)
+PAIRS = {(0, "m0", "m1"): (0, 1), (0, "m2", "m3"): (2, 3), (1, "m1", "m2"): (1, 2), (1, "m3", "m0"): (3, 0)}
+
+
+def inter(key, ok=True, mbps=2000.0):
+    r, a, b = key
+    return [{"check": "inter", "machine": m, "pair": list(key), "ok": ok,
+             "measure": {"mbps": mbps} if ok else {}, "detail": "" if ok else "timed out"} for m in (a, b)]
+
+
+def base(results=()):
+    rows = []
+    for m in SLOTS:
+        for lr in (0, 1):
+            rows.append({"check": "selftest", "machine": m, "local_rank": lr, "ok": True,
+                         "measure": {"gflops": 20.0}})
+            rows.append({"check": "intra", "machine": m, "local_rank": lr, "ok": True, "measure": {}})
+    return rows + list(results)
+
+
+def test_checks_for_each_kind_of_failure():
+    assert ladder.checks_for("worker_crash", "explicit", 4, True, True) == ["selftest", "intra", "inter"]
+    assert ladder.checks_for("worker_crash", "explicit", 1, True, True) == ["selftest", "intra"]
+    assert ladder.checks_for("nan", "implicit", 4, True, True) == ["align"]
+    assert ladder.checks_for("nan", "implicit", 4, True, False) == []
+    assert ladder.checks_for("nan", "implicit", 2, True, True) == []        # no majority with 2
+    assert ladder.checks_for("worker_crash", "explicit", 4, False, True) == []
+    assert ladder.checks_for("user_code_exception", "user_code", 4, True, True) == []
+
+
+def test_all_pass_means_nothing_to_evict():
+    rows = base([x for k in PAIRS for x in inter(k)])
+    v = ladder.verdict(rows, SLOTS, PAIRS)
+    assert v["bad"] == {} and v["links"] == []
+    assert ladder.evictions(v, 1) == ([], "")
+
+
+def test_slow_machine_fails_with_both_partners():
+    rows = base([x for k in PAIRS for x in inter(k, mbps=0.06 if "m1" in k else 2000.0)])
+    v = ladder.verdict(rows, SLOTS, PAIRS)
+    assert v["bad"] == {"m1": "inter-machine test failed with every partner"}
+    assert ladder.evictions(v, 1)[0] == ["m1"]
+
+
+def test_partitioned_link_evicts_both_ends_only_with_two_standbys():
+    rows = base([x for k in PAIRS for x in inter(k, ok=k != (1, "m1", "m2"))])
+    v = ladder.verdict(rows, SLOTS, PAIRS)
+    assert v["bad"] == {} and v["links"] == [["m1", "m2"]]
+    assert ladder.evictions(v, 2)[0] == ["m1", "m2"]
+    evict, why = ladder.evictions(v, 1)
+    assert evict == ["m1"] and "link m1<->m2" in why
+
+
+def test_selftest_failure_and_missing_machine_are_bad():
+    rows = base()
+    rows[0] = dict(rows[0], ok=False, detail="max relative error 3e-3")
+    v = ladder.verdict([r for r in rows if r["machine"] != "m3"], SLOTS, {}, missing=["m3"])
+    assert set(v["bad"]) == {"m0", "m3"} and "selftest failed" in v["bad"]["m0"]
+
+
+def test_slow_selftest_is_bad_against_the_median():
+    rows = base()
+    for r in rows:
+        if r["machine"] == "m2" and r["check"] == "selftest":
+            r["measure"] = {"gflops": 2.0}
+    assert set(ladder.verdict(rows, SLOTS, {})["bad"]) == {"m2"}
+
+
+def test_alignment_names_the_odd_machine_and_a_tie_names_none():
+    rows = [{"check": "align", "machine": m, "local_rank": lr, "ok": True,
+             "measure": {"digest": "bad" if m == "m2" else "good"}} for m in SLOTS for lr in (0, 1)]
+    assert set(ladder.verdict(rows, SLOTS, {})["bad"]) == {"m2"}
+    tie = [dict(r, measure={"digest": "x" if r["machine"] in ("m0", "m1") else "y"}) for r in rows]
+    assert ladder.verdict(tie, SLOTS, {})["bad"] == {}
+
+
+def inc(i, mech, t, evicted=()):
+    return {"id": i, "mechanism": mech, "detected_at": t, "evicted": list(evicted)}
+
+
+def test_streak_stops_at_evictions_gaps_and_planned_stops():
+    hist = [inc(1, "reattempt", 10), inc(2, "evict_restart", 20, ["m1"]), inc(3, "reattempt", 30),
+            inc(4, "rollback", 40)]
+    assert ladder.streak(hist, 3600) == ["rollback", "reattempt"]
+    assert ladder.streak(hist, 5) == ["rollback"]
+    assert ladder.streak(hist + [inc(5, "hot_update", 50)], 3600) == []
+    assert ladder.streak([], 3600) == []
+
+
+def test_next_rung_reattempt_then_replay_once():
+    assert ladder.next_rung([], True) == "reattempt"
+    assert ladder.next_rung(["reattempt"], True) == "replay"
+    assert ladder.next_rung(["reattempt"], False) == "reattempt"
+    assert ladder.next_rung(["rollback", "reattempt"], True) == "replay"
+    assert ladder.next_rung(["reattempt", "replay", "reattempt"], True) == "reattempt"
