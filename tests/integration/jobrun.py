@@ -20,13 +20,15 @@ def gpt_spec(machines: int = 2, gpus: int = 2, steps: int = 40, **kw) -> dict:
     return d
 
 
-def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: str | None = None) -> dict:
-    """Start a cluster sized for `spec`, run the job to the end, stop everything, return the report.
+def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: str | None = None,
+            spare: int = 0) -> dict:
+    """Start a cluster sized for `spec` (plus `spare` idle machines), run the job to the end, stop
+    everything, return the report.
 
     `during(client, job_id, status)` is called on every poll (to inject faults mid-run).
     """
     js = JobSpec.from_dict(spec)
-    total = js.machines + standby_count(js)
+    total = js.machines + standby_count(js) + spare
     cluster = LocalCluster(str(state_dir), total, js.gpus_per_machine,
                            heartbeat_s=js.policy.heartbeat_s, missed_beats=js.policy.missed_beats,
                            db_url=db_url)

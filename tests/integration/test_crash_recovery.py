@@ -58,3 +58,28 @@ def test_machine_down_without_standby_fails_clearly(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["incidents"][0]["symptom"] == "machine_lost"
     page = (tmp_path / "r.html").read_text()
     assert "<table>" in page and "machine_lost" in page and "ETTR" in page
+
+
+def events(state_dir, kind):
+    from stalwart.controller.store import Store
+    store = Store(f"sqlite:///{state_dir}/stalwart.db")
+    try:
+        return [e["data"] for e in store.events(1) if e["kind"] == kind]
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(300)
+def test_pool_refills_from_a_spare_and_absorbs_a_second_loss(tmp_path):
+    # m2 is the standby, m3 an idle spare; m1 dies, m2 takes over and m3 refills the pool (warm);
+    # then m2 dies too and m3 takes over with its pre-started workers
+    rep = run_job(tmp_path, gpt_spec(machines=2, gpus=1, steps=60, standby=1,
+                                     chaos=["machine-down@step=10,machine=1",
+                                            "machine-down@step=35,machine=2"]), spare=1)
+    assert rep["state"] == "succeeded", rep.get("reason")
+    assert [(i["machines_evicted"], i["mechanism"]) for i in rep["incidents"]] == \
+        [(["m1"], "evict_restart"), (["m2"], "evict_restart")]
+    assert rep["runs"][-1]["machines"] == {"0": "m0", "1": "m3"}
+    assert [e["machine"] for e in events(tmp_path, "standby_added")] == ["m3"]
+    last = max(e["run"] for e in events(tmp_path, "workers_started"))
+    assert {e["machine"]: e["warm"] for e in events(tmp_path, "workers_started") if e["run"] == last}["m3"]

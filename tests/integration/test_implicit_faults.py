@@ -58,4 +58,20 @@ def test_nan_gradients_single_out_the_machine(tmp_path):
     assert "non-finite local gradients on m3" in inc["cause"]
     finite = [v for v in rep["losses"].values() if v is not None]
     assert all(v == v for v in finite)                         # no NaN survives in the kept steps
-    assert rep["runs"][-1]["start_step"] <= 20
+    # the restart resumes from before the first corrupted step (the finite losses above prove it);
+    # the chaos is sent once step 19 is committed and reaches the SDK a step or two later
+    assert rep["runs"][-1]["start_step"] <= 23
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not cgroup_available()[0], reason=f"cgroups unavailable: {cgroup_available()[1]}")
+@pytest.mark.timeout(300)
+def test_cpu_throttled_machine_is_found_by_fail_slow_rounds(tmp_path):
+    s = spec("cpu-throttle@step=20,machine=2,fraction=0.1")
+    s["steps"] = 120
+    s["policy"].update(failslow_period_s=2.0, hang_timeout_floor_s=30.0)
+    rep = run_job(tmp_path, s, timeout=280)
+    assert rep["state"] == "succeeded", rep.get("reason")
+    [inc] = rep["incidents"]
+    assert (inc["symptom"], inc["category"], inc["machines_evicted"]) == ("fail_slow", "implicit", ["m2"]), inc
+    assert inc["detection_s"] is not None and inc["localized_at"] - inc["injected_at"] < 60, inc

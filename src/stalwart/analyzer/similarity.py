@@ -83,10 +83,16 @@ def align(series: Mapping[Hashable, np.ndarray], n_metrics: int) -> tuple[list, 
     return machines, out
 
 
-def normalize(data: np.ndarray) -> np.ndarray:
-    """Min-max normalize each metric (last axis) across all machines and samples."""
+def normalize(data: np.ndarray, rel_floor: float = 0.0) -> np.ndarray:
+    """Min-max normalize each metric (last axis) across all machines and samples.
+
+    With ``rel_floor`` the span is at least that fraction of the metric's largest magnitude, so
+    sampling noise on a flat metric (45.0 to 45.9 degrees) is not stretched to the full scale.
+    """
     lo = data.min(axis=(0, 1), keepdims=True)
     span = data.max(axis=(0, 1), keepdims=True) - lo
+    if rel_floor > 0:
+        span = np.maximum(span, rel_floor * np.abs(data).max(axis=(0, 1), keepdims=True))
     span[span == 0] = 1.0
     return (data - lo) / span
 
@@ -117,7 +123,8 @@ def all_window_scores(x: np.ndarray, window: int) -> np.ndarray:
 def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_index: int,
            window: int = DEFAULT_WINDOW, z_threshold: float = DEFAULT_Z,
            min_std: float = 1e-3, min_gap: float = DEFAULT_MIN_GAP,
-           start_index: int = 0, lookback: int | None = None) -> list[tuple[int, Hashable, float]]:
+           start_index: int = 0, lookback: int | None = None,
+           rel_floor: float = 0.0) -> list[tuple[int, Hashable, float]]:
     """Per-window candidates ``(t, machine, score)`` for windows ending at t <= now_index.
 
     ``series`` maps machine -> array (T, len(metrics)), one row per sample; ``t`` is
@@ -135,7 +142,7 @@ def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_in
     if not 0 <= now_index < data.shape[1]:
         raise ValueError(f"now_index {now_index} outside the data (0..{data.shape[1] - 1})")
     first = 0 if lookback is None else max(0, now_index + 1 - lookback)
-    data = normalize(data[:, first: now_index + 1, :])
+    data = normalize(data[:, first: now_index + 1, :], rel_floor)
     lo = max(window - 1, start_index - first)  # local index of the first window's end
     if lo >= data.shape[1]:
         return []

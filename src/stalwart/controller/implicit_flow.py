@@ -15,6 +15,7 @@ from stalwart.analyzer.failslow import FailSlowRounds, slow_ranks, throughput_dr
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
+from stalwart.controller.peerwatch import PeerWatch
 
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
@@ -22,6 +23,47 @@ SLOW_COMPUTE_RATIO = 3.0        # a rank computing this many times the median is
 
 
 class ImplicitFlow:
+    # -- peer similarity: a machine that stays unlike its peers ----------------------------------
+    def _new_peerwatch(self, now: float) -> None:
+        p = self.spec.policy
+        stages: dict[int, list[str]] = {}
+        for i, m in enumerate(self.slots):
+            stages.setdefault(self.topo.coords(i * self.G)["pp"], []).append(m)
+        self.peerwatch = PeerWatch(list(stages.values()), p.heartbeat_s, p.similarity_window_s,
+                                   p.similarity_continuity_s)
+        self.peer_next_check = now + p.heartbeat_s
+
+    def _agent_metrics(self, machine: str, ev: dict) -> None:
+        if self.state == "running" and getattr(self, "peerwatch", None) is not None:
+            self.peerwatch.add(machine, float(ev["t"]), ev.get("values") or {})
+
+    def _peer_times(self, t: float, times: dict) -> None:
+        """Per-machine mean step and compute time of a committed step (from the SDK reports)."""
+        by_m: dict[str, list] = {}
+        for r, (dur, comp) in times.items():
+            if dur is not None and comp is not None:
+                by_m.setdefault(self.slots[self.topo.machine_of(int(r))], []).append((dur, comp))
+        for m, v in by_m.items():
+            self.peerwatch.add(m, t, {"step_s": sum(x[0] for x in v) / len(v),
+                                      "compute_s": sum(x[1] for x in v) / len(v)})
+
+    def _similarity_tick(self, now: float) -> None:
+        if now < self.peer_next_check:
+            return
+        self.peer_next_check = now + self.spec.policy.heartbeat_s
+        suspect, seen = self.peerwatch.check(now)
+        if suspect is None:
+            return
+        reason = (f"{suspect} stayed unlike its peers {seen['group']} for "
+                  f"{self.spec.policy.similarity_continuity_s:.0f}s (metrics {', '.join(seen.get('metrics', []))})")
+        if not self.spec.policy.similarity_evict or not self._snapshot().standby_ready:
+            self.event("peer_suspect", {"run": self.run_seq, "machine": suspect, "reason": reason})
+            self._new_peerwatch(now)           # report once per continuity period, not every tick
+            return
+        self._open_incident("peer_outlier", now)
+        self.incident.update(implicit_evict=[suspect], reason=reason)
+        self.store.update_incident(self.incident["id"], data={"analysis": reason, "similarity": seen})
+
     # -- fail-slow: throughput decline -> repeated stack aggregation -> the most-flagged machines
     def _watch_throughput(self, dur: float, now: float, times: dict) -> None:
         """Called per committed step; starts fail-slow rounds when throughput drops."""

@@ -1,0 +1,90 @@
+"""Per-machine metric samples for the controller's peer-similarity detector (Minder-style).
+
+Every `period_s` the agent reports one row: CPU seconds per second and resident memory of all its
+training processes (workers and their children), bytes per second through its NIC, and its GPUs'
+mean temperature and SM clock (NVML, or the simulated GPU). Per-rank step and compute times come
+from the SDK's step reports at the controller, so they are not sampled here.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import psutil
+
+
+def nic_bytes(ifname: str | None) -> int | None:
+    """rx + tx bytes of an interface, or None when there is none to read."""
+    if not ifname:
+        return None
+    total = 0
+    for d in ("rx_bytes", "tx_bytes"):
+        try:
+            with open(f"/sys/class/net/{ifname}/statistics/{d}") as f:
+                total += int(f.read())
+        except (OSError, ValueError):
+            return None
+    return total
+
+
+def gpu_means(devices: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean temperature and SM clock over the present GPUs (pure)."""
+    present = [d for d in devices if d.get("present", True)]
+    out: dict[str, float] = {}
+    for key, name in (("temperature", "gpu_temp"), ("clock_sm", "gpu_clock")):
+        vals = [float(d[key]) for d in present if isinstance(d.get(key), (int, float))]
+        if vals:
+            out[name] = sum(vals) / len(vals)
+    return out
+
+
+class MetricsSampler:
+    def __init__(self, pids: Callable[[], list[int]], gpu_read: Callable[[], list[dict]],
+                 ifname: str | None, emit: Callable[[dict], None], period_s: float = 1.0):
+        self.pids, self.gpu_read, self.ifname, self.emit = pids, gpu_read, ifname, emit
+        self.period_s = period_s
+        self._cpu: dict[int, float] = {}
+        self._last: tuple[float, int | None] | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name="metrics", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                row = self.sample(time.time())
+            except Exception:     # a metric that cannot be read must not stop the others
+                continue
+            if row is not None:
+                self.emit({"type": "metrics", "t": row.pop("t"), "values": row})
+
+    def sample(self, now: float) -> dict | None:
+        """One row, or None before the first interval (rates need two readings)."""
+        cpu_now: dict[int, float] = {}
+        rss = 0
+        for pid in self.pids():
+            try:
+                p = psutil.Process(pid)
+                t = p.cpu_times()
+                cpu_now[pid] = t.user + t.system
+                rss += p.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+                continue
+        net = nic_bytes(self.ifname)
+        last, self._last = self._last, (now, net)
+        prev_cpu, self._cpu = self._cpu, cpu_now
+        if last is None or now <= last[0]:
+            return None
+        dt = now - last[0]
+        used = sum(c - prev_cpu.get(pid, c) for pid, c in cpu_now.items())
+        row: dict[str, Any] = {"t": now, "cpu": max(0.0, used) / dt, "rss_mb": rss / 2 ** 20}
+        if net is not None and last[1] is not None:
+            row["net_mbps"] = max(0, net - last[1]) * 8 / dt / 1e6
+        row.update(gpu_means(self.gpu_read()))
+        return row

@@ -1,0 +1,63 @@
+"""Peer-similarity watch over per-machine metric rows, with an explicit clock."""
+import random
+
+from stalwart.agent.metrics import MetricsSampler, gpu_means
+from stalwart.controller.peerwatch import PeerWatch
+
+
+def feed(w, t, odd=None, n=4, temp_odd=95.0):
+    rng = random.Random(int(t * 10))
+    for i in range(n):
+        m = f"m{i}"
+        w.add(m, t, {"gpu_temp": temp_odd if m == odd else 45 + rng.random(),
+                     "cpu": 0.9 + 0.05 * rng.random(), "step_s": 0.1 + 0.01 * rng.random()})
+
+
+def run(w, odd_from=None, odd=None, until=60.0):
+    first = None
+    t = 0.0
+    while t < until:
+        feed(w, t, odd if odd_from is not None and t >= odd_from else None)
+        t += 1.0
+        suspect, _ = w.check(t + 0.01)
+        if suspect is not None and first is None:
+            first = (t, suspect)
+    return first
+
+
+def test_a_hot_machine_is_a_suspect_after_the_continuity():
+    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
+    t, m = run(w, odd_from=20, odd="m2")
+    assert m == "m2" and 30 <= t <= 35
+
+
+def test_healthy_noisy_peers_raise_nothing():
+    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
+    assert run(w, until=120) is None
+
+
+def test_stages_are_compared_separately_and_small_stages_not_at_all():
+    # the last stage of a pipeline is "different" by design; two machines per stage cannot vote
+    w = PeerWatch([["m0", "m1"], ["m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=5)
+    assert w.groups == []
+    assert run(w, odd_from=0, odd="m3") is None
+
+
+def test_a_machine_missing_a_metric_is_not_an_outlier_for_it():
+    w = PeerWatch([["m0", "m1", "m2"]], period_s=1.0, lookback_s=20, continuity_s=5)
+    for t in range(30):
+        for m in ("m0", "m1", "m2"):
+            w.add(m, t, {"cpu": 1.0} if m == "m1" else {"cpu": 1.0, "net_mbps": 100.0})
+    assert w.check(30.01)[0] is None
+
+
+def test_gpu_means_and_sampler_rates():
+    assert gpu_means([{"temperature": 40, "clock_sm": 1000}, {"temperature": 60, "clock_sm": 2000},
+                      {"present": False, "temperature": 99}]) == {"gpu_temp": 50.0, "gpu_clock": 1500.0}
+    import os
+    rows = []
+    s = MetricsSampler(lambda: [os.getpid()], lambda: [{"temperature": 41}], None, rows.append)
+    assert s.sample(100.0) is None                       # rates need two readings
+    sum(i * i for i in range(200000))
+    row = s.sample(101.0)
+    assert row["cpu"] >= 0 and row["rss_mb"] > 1 and row["gpu_temp"] == 41 and "net_mbps" not in row
