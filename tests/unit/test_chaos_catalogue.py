@@ -39,3 +39,57 @@ def test_root_only_kinds_are_refused_without_root():
     catalogue.check_runnable("crash", euid=1000)
     with pytest.raises(ChaosError, match=r"chaos partition needs root \(network namespaces and nftables\); this runs as uid 1000"):
         catalogue.check_runnable("partition", euid=1000)
+
+
+def test_stage_hang_is_a_kind_forwarded_to_the_worker_sdk():
+    from stalwart.chaos.machine import SDK_KINDS, MachineChaos
+    c = catalogue.parse("stage-hang@step=20,machine=1")
+    assert (c.kind, c.step, c.machine) == ("stage-hang", 20, 1)
+    assert "stage-hang" in SDK_KINDS and "pipeline" in catalogue.KINDS["stage-hang"]
+    sent = []
+
+    class W:
+        def __init__(self, rank):
+            self.rank = rank
+
+    class Workers:
+        workers = [W(2), W(3), W(None)]          # a warm spare holds no rank yet
+
+    mc = MachineChaos("m1", "/nonexistent", "/nonexistent", 2, "/nonexistent", "/nonexistent",
+                      None, Workers(), lambda rank, msg: sent.append((rank, msg)))
+    mc.apply({"kind": "stage-hang", "from_step": 20})
+    assert [(r, m["type"], m["kind"], m["from_step"]) for r, m in sent] == \
+        [(2, "chaos", "stage-hang", 20), (3, "chaos", "stage-hang", 20)]
+
+
+class _Blocked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("pp,blocks_at", [(2, "pp"), (1, "dp")])
+def test_maybe_hang_blocks_in_the_pipeline_or_without_one_in_the_all_reduce(monkeypatch, pp, blocks_at):
+    from stalwart.topology import Topology
+    from stalwart.worker import context
+    ctx = object.__new__(context.Context)       # the hook needs no process groups
+    ctx._chaos, ctx.rank = {}, 0
+    ctx.topology = Topology(2, 1, pp=pp, dp=2 // pp)
+    naps = []
+
+    def sleep(s):
+        naps.append(s)
+        if len(naps) >= 3:                      # it keeps sleeping: stop the test's "forever"
+            raise _Blocked
+
+    monkeypatch.setattr(context.time, "sleep", sleep)
+    for where in ("pp", "dp"):
+        ctx.maybe_hang(5, where)                # no chaos armed: never blocks
+    ctx._on_agent_message({"type": "chaos", "kind": "stage-hang", "from_step": 7})
+    ctx.maybe_hang(6, "pp")
+    ctx.maybe_hang(6, "dp")                     # armed, not yet in effect
+    assert naps == []
+    if pp > 1:
+        ctx.maybe_hang(7, "dp")                 # with a pipeline, the sends block, not the all-reduce
+        assert naps == []
+    with pytest.raises(_Blocked):
+        ctx.maybe_hang(7, blocks_at)
+    assert naps == [0.5, 0.5, 0.5]

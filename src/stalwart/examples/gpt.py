@@ -13,6 +13,7 @@ metrics printed as JSON lines by global rank 0 and optional checkpoints in ``--c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -266,8 +267,14 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         x, y = batch_for(seed, step, c["dp"], dp, args.batch, cfg.seq_len)
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=False)
-        local_loss = gpipe_step(stage, x, y, args.micro_batches, links)
+        # the `stage-hang` chaos fault: the SDK blocks before a pipeline send (with pp == 1,
+        # which has none, before the data-parallel all-reduce)
+        hang = getattr(ctx, "maybe_hang", None)
+        local_loss = gpipe_step(stage, x, y, args.micro_batches, links,
+                                functools.partial(hang, step, "pp") if hang else None)
         ctx.on_gradients(step, params)
+        if hang:
+            hang(step, "dp")
         allreduce_mean(params, ctx.groups.get("dp"), dp)
         loss, gnorm = global_loss_and_norm(stage, local_loss, c, dp, ctx.world_size)
         for group in opt.param_groups:

@@ -3,11 +3,16 @@
 Stages exchange activations forward and activation gradients backward with blocking
 ``dist.send`` / ``dist.recv`` in the PP group (peers named by global rank). Every stage runs
 the micro-batches in the same order, so the chain of sends never forms a cycle.
+
+Every send goes through :func:`stage_send`, which first calls the optional ``before_send``
+hook: the worker SDK's ``stage-hang`` chaos blocks there, so a hung stage's stack shows it
+inside the pipeline's communication while its neighbour waits in ``dist.recv``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,13 +50,23 @@ def split_micro(t: torch.Tensor, micro_batches: int) -> list[torch.Tensor]:
     return list(t.chunk(micro_batches, dim=0))
 
 
+def stage_send(t: torch.Tensor, dst: int, links: StageLinks,
+               before_send: Callable[[], None] | None = None) -> None:
+    """Send ``t`` to the neighbour stage ``dst`` (blocking), after the ``before_send`` hook."""
+    if before_send is not None:
+        before_send()
+    dist.send(t, dst=dst, group=links.group)
+
+
 def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
-               micro_batches: int, links: StageLinks) -> torch.Tensor | None:
+               micro_batches: int, links: StageLinks,
+               before_send: Callable[[], None] | None = None) -> torch.Tensor | None:
     """Run forward and backward of one local batch through the pipeline; grads accumulate.
 
     Returns the mean cross-entropy over the local batch (a detached scalar) on the last
     stage and None elsewhere. Each micro-batch loss is scaled by ``1/micro_batches`` before
     backward, so the accumulated gradient is that of the local-batch mean.
+    ``before_send`` is called before every send to a neighbour stage (see :func:`stage_send`).
     """
     xs = split_micro(inputs, micro_batches)
     ys = split_micro(targets, micro_batches)
@@ -76,7 +91,7 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
             total += loss.detach()
             outputs.append(loss)
         else:
-            dist.send(out.detach().contiguous(), dst=links.next_rank, group=links.group)
+            stage_send(out.detach().contiguous(), links.next_rank, links, before_send)
             outputs.append(out)
         stage_inputs.append(None if first else x)
     for m in range(micro_batches):
@@ -88,5 +103,5 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
             outputs[m].backward(grad)
         if not first:
             x = stage_inputs[m]
-            dist.send(x.grad.contiguous(), dst=links.prev_rank, group=links.group)
+            stage_send(x.grad.contiguous(), links.prev_rank, links, before_send)
     return total if last else None
