@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/stalwart report --state-dir .stalwart/demo
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

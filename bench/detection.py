@@ -49,13 +49,18 @@ from jobrun import gpt_spec, run_job  # noqa: E402
 
 from stalwart.agent.workers import kill_tree  # noqa: E402
 
-KINDS = ("gpu-lost", "nic-down", "machine-down")
-TARGETS = {"gpu-lost": 5.0, "nic-down": 10.0, "machine-down": 5.0}
+KINDS = ("gpu-lost", "nic-down", "machine-down", "sigstop", "cpu-throttle")
+# seconds from the fault; for sigstop, from the moment the calibrated hang timeout starts counting
+# (the last step before the hang) to the culprit being localized; cpu-throttle: fault to eviction
+TARGETS = {"gpu-lost": 5.0, "nic-down": 10.0, "machine-down": 5.0, "sigstop": 20.0, "cpu-throttle": 60.0}
 HOW = {
     "gpu-lost": "worker of m1 SIGSTOPped (stuck in a CUDA call), its agent alive",
     "nic-down": "m1's NIC set down, every process running",
     "machine-down": "m1's agent+worker SIGSTOPped and NIC down (power loss: no FIN, no RST)",
+    "sigstop": "worker of m1 SIGSTOPped (a silent hang), its agent alive",
+    "cpu-throttle": "m1's worker limited to 10% of a CPU (cgroup); torchrun has no slow-machine detector",
 }
+IMPLICIT = {"sigstop", "cpu-throttle"}      # 4 machines (the analyzer needs peers), cgroups for one
 GLOO_DEFAULT_TIMEOUT_S = 1800
 # a line that says something went wrong, from a torchrun agent or a gloo/torch worker
 ERROR_RE = re.compile(r"Traceback|Error|ERROR|error|[Ff]ailed|FAILED|[Tt]imed out|[Tt]imeout|"
@@ -118,16 +123,28 @@ def render_table(rows: list[dict], bound_s: float) -> str:
 # ----- stalwart -----------------------------------------------------------------------------
 def stalwart_detection(kind: str, step: int, workdir: str) -> dict:
     """Run the small job with `KIND@step=S,machine=1` and return the fault's incident times."""
-    spec = gpt_spec(machines=2, gpus=1, steps=step + 20, standby=1,
-                    chaos=[f"{kind}@step={step},machine=1"])
-    rep = run_job(os.path.join(workdir, f"stalwart-{kind}"), spec, timeout=180)
+    if kind in IMPLICIT:
+        spec = gpt_spec(machines=4, gpus=1, steps=step + 60, standby=1,
+                        chaos=[f"{kind}@step={step},machine=1"])
+        spec["policy"].update(hang_timeout_floor_s=2.0, failslow_period_s=3.0)
+    else:
+        spec = gpt_spec(machines=2, gpus=1, steps=step + 20, standby=1,
+                        chaos=[f"{kind}@step={step},machine=1"])
+    rep = run_job(os.path.join(workdir, f"stalwart-{kind}"), spec, timeout=240)
     incs = [i for i in rep["incidents"] if i.get("injected_at") is not None]
     if not incs:
         return {"stalwart_s": None, "state": rep["state"], "symptom": None,
                 "why": f"no incident with an injection time ({len(rep['incidents'])} incidents)"}
     inc = incs[0]
-    return {"stalwart_s": inc["detection_s"], "symptom": inc["symptom"], "state": rep["state"],
-            "evicted": inc["machines_evicted"], "mechanism": inc["mechanism"]}
+    out = {"stalwart_s": inc["detection_s"], "symptom": inc["symptom"], "state": rep["state"],
+           "evicted": inc["machines_evicted"], "mechanism": inc["mechanism"]}
+    if kind in IMPLICIT and inc.get("localized_at") is not None and inc.get("injected_at") is not None:
+        # localized (culprit named) after the fault; the hang timeout starts counting at the last
+        # progress, which is at most one step before the fault, so this bounds "after the timeout
+        # starts counting" from above
+        out["stalwart_s"] = round(inc["localized_at"] - inc["injected_at"], 2)
+        out["detected_s"] = inc["detection_s"]
+    return out
 
 
 # ----- torchrun -----------------------------------------------------------------------------
@@ -192,7 +209,7 @@ class TorchrunPair:
     def inject(self) -> None:
         """Make the fault on machine 1 (see the module docstring for why each is faithful)."""
         agent = self.agents[1]
-        if self.kind == "gpu-lost":
+        if self.kind in ("gpu-lost", "sigstop"):
             workers = [c for c in self._tree(agent.pid)[1:] if "stalwart.examples.gpt" in " ".join(c.cmdline())
                        and "torch.distributed.run" not in " ".join(c.cmdline())]
             if not workers:
@@ -204,6 +221,10 @@ class TorchrunPair:
             for proc in self._tree(agent.pid):
                 proc.send_signal(signal.SIGSTOP)
                 self.frozen.append(proc.pid)
+        elif self.kind == "cpu-throttle":
+            from stalwart.chaos.cgroup import CgroupChaos
+            self.cgroup = CgroupChaos(f"bench-{os.getpid()}")
+            self.cgroup.throttle_cpu([p.pid for p in self._tree(agent.pid)[1:]], fraction=0.1)
         self.injected_at = time.time()
         if self.kind in ("nic-down", "machine-down") and self.machines:
             from stalwart.chaos import net
@@ -254,6 +275,8 @@ class TorchrunPair:
             if a.stdout:
                 a.stdout.close()
         self.store = None
+        if getattr(self, "cgroup", None) is not None:
+            self.cgroup.restore()
         if self.net is not None:
             self.net.destroy()
 
@@ -301,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", type=float, default=60.0,
                     help="seconds to wait for torchrun to notice (default 60; gloo's own is 1800)")
     ap.add_argument("--step", type=int, default=8, help="inject after this many steps (default 8)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma list (default: all three)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list (default: all of {', '.join(KINDS)})")
     a = ap.parse_args(argv)
     try:
         kinds = parse_kinds(a.kinds)

@@ -1,11 +1,22 @@
-"""Recovery benchmark: the same crash at the same step under torchrun and under stalwart.
+"""Recovery benchmark: stalwart vs torchrun on the same job, fault and step.
 
-    python bench/recovery.py [--steps 60] [--crash-step 35] [--ckpt-every 10]
+    python bench/recovery.py [--steps 80] [--crash-step 45] [--ckpt-every 50] [--only crash,machine,update]
 
-torchrun runs `--max-restarts 3` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712); both
-run the bundled example with the same layout (tp=2, dp=2, 4 workers) and the same durable
-checkpoint interval. Prints fault-to-next-step seconds for both, steps lost, and the ratio.
-Not a timed test: a script that prints what it measured.
+Three comparisons, each printing fault-to-next-step seconds, the seconds until training is back
+at the step it had reached (lost steps redone), steps lost, and the ratio:
+
+- crash: one worker SIGKILLed. torchrun `--max-restarts 3` (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+  pytorch#135712) restarts every worker from the durable checkpoint; stalwart runs its stop-time
+  checks (no culprit), then reattempts from the every-step in-memory checkpoint.
+- machine: a machine fault. torchrun sees a dead worker and restarts the same way; stalwart (one
+  warm standby) evicts the machine and the standby takes its ranks from the in-memory checkpoint.
+- update: new training code. A full requeue stops everything and starts new torchrun agents that
+  reload the durable checkpoint; stalwart's urgent hot update restarts the workers in place from
+  the in-memory checkpoint.
+
+Both run the bundled example with the same layout (tp=2, dp=2, 4 workers) and the same durable
+checkpoint interval (default 50 steps, the issue's setting). Not a timed test: a script that
+prints what it measured.
 """
 from __future__ import annotations
 
@@ -30,29 +41,38 @@ from stalwart.agent.workers import kill_tree  # noqa: E402
 ERROR_RE = re.compile(r"Traceback|Error|ERROR|[Ff]ailed|FAILED|exitcode|Signals\.")
 
 
-def torchrun_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str) -> dict:
-    """SIGKILL one worker once `crash_step` steps are done (rank 0 printed step crash_step-1); time until the restarted workers'
-    first step, the first error line torchrun printed (its detection), and the steps redone."""
+def _torchrun(steps: int, ckpt_every: int, workdir: str, max_restarts: int = 3) -> subprocess.Popen:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1",
                STALWART_CKPT_DIR=os.path.join(workdir, "ckpt"), STALWART_CKPT_EVERY=str(ckpt_every),
                STALWART_STEPS=str(steps))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-            "--max-restarts", "3", "-m", "stalwart.examples.gpt", "--tp", "2", "--layers", "2",
-            "--steps", str(steps)]
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True, cwd=workdir)
-    killed_at = detected_at = resumed = None
+            "--max-restarts", str(max_restarts), "-m", "stalwart.examples.gpt", "--tp", "2",
+            "--layers", "2", "--steps", str(steps)]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=workdir)
+
+
+def _steps(line: str) -> int | None:
+    m = re.match(r'\{"step": (\d+)', line)
+    return int(m.group(1)) if m else None
+
+
+def torchrun_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str) -> dict:
+    """SIGKILL one worker once `crash_step` steps are done (rank 0 printed step crash_step-1); time
+    until the restarted workers' first step and until they are back past the step reached, the
+    first error line torchrun printed (its detection), and the steps redone."""
+    p = _torchrun(steps, ckpt_every, workdir)
+    killed_at = detected_at = resumed = caught_up = None
     max_step = -1            # the furthest step rank 0 printed before the restart
     first_after = None
     try:
         for line in p.stdout:
             now = time.time()
-            m = re.match(r'\{"step": (\d+)', line)
-            if not m:
+            step = _steps(line)
+            if step is None:
                 if killed_at is not None and detected_at is None and ERROR_RE.search(line):
                     detected_at = now
                 continue
-            step = int(m.group(1))
             if killed_at is None:
                 max_step = max(max_step, step)
                 if step + 1 >= crash_step:   # `crash_step` steps done, as stalwart's chaos counts
@@ -66,29 +86,103 @@ def torchrun_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
                     resumed, first_after = now, step   # the restarted workers' first step
                 else:
                     max_step = step                    # printed by survivors before they noticed
+            if resumed is not None and caught_up is None and step > max_step:
+                caught_up = now
         p.wait(timeout=600)
     finally:
         kill_tree(p.pid)
     return {"fault_to_next_step_s": (resumed - killed_at) if resumed and killed_at else None,
+            "fault_to_caught_up_s": (caught_up - killed_at) if caught_up and killed_at else None,
             "detection_s": (detected_at - killed_at) if detected_at and killed_at else None,
             "killed_after_step": max_step if killed_at else None,
             "steps_lost": (max_step - first_after + 1) if first_after is not None else None,
             "exit_code": p.returncode}
 
 
-def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str) -> dict:
-    """The same job under stalwart with `crash@step=S,machine=1`; times from the incident record."""
-    rep = run_job(os.path.join(workdir, "stalwart"),
-                  gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=steps, ckpt_every=ckpt_every,
-                           chaos=[f"crash@step={crash_step},machine=1"]))
-    incs = [i for i in rep["incidents"] if i.get("injected_at") is not None]
+def torchrun_requeue(steps: int, at_step: int, ckpt_every: int, workdir: str) -> dict:
+    """A full requeue for new code: stop the whole torchrun job once `at_step` steps are done, start
+    new agents that reload the newest durable checkpoint; time from the stop to their first step."""
+    first = _torchrun(steps, ckpt_every, workdir, max_restarts=0)
+    max_step = -1
+    try:
+        for line in first.stdout:
+            step = _steps(line)
+            if step is not None:
+                max_step = max(max_step, step)
+                if step + 1 >= at_step:
+                    break
+    finally:
+        stopped_at = time.time()
+        kill_tree(first.pid)
+        first.wait()
+    second = _torchrun(steps, ckpt_every, workdir, max_restarts=0)
+    resumed = caught_up = first_after = None
+    try:
+        for line in second.stdout:
+            step = _steps(line)
+            if step is None:
+                continue
+            if resumed is None:
+                resumed, first_after = time.time(), step
+            if step > max_step:
+                caught_up = time.time()
+                break
+    finally:
+        kill_tree(second.pid)
+        second.wait()
+    return {"fault_to_next_step_s": resumed - stopped_at if resumed else None,
+            "fault_to_caught_up_s": caught_up - stopped_at if caught_up else None,
+            "detection_s": None, "killed_after_step": max_step,
+            "steps_lost": (max_step - first_after + 1) if first_after is not None else None}
+
+
+def _step_times(state_dir: str) -> list[tuple[float, int, int]]:
+    """(t, run, step) of every committed step, from the store (times since the job started)."""
+    from stalwart.controller.store import Store
+    store = Store(f"sqlite:///{state_dir}/stalwart.db")
+    try:
+        evs = store.events(1)
+        t0 = evs[0]["t"]
+        return [(e["t"] - t0, e["data"]["run"], e["data"]["step"]) for e in evs if e["kind"] == "step"]
+    finally:
+        store.close()
+
+
+def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str, kind: str,
+                      update: bool = False) -> dict:
+    """The same job under stalwart with `KIND@step=S,machine=1` (or an urgent hot update once S
+    steps are done); times from the incident record and the step events."""
+    d = os.path.join(workdir, f"stalwart-{'update' if update else kind}")
+    spec = gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=steps, ckpt_every=ckpt_every,
+                    standby=1 if kind == "machine-down" else 0,
+                    chaos=[] if update else [f"{kind}@step={crash_step},machine=1"])
+    during = None
+    if update:
+        code = os.path.join(workdir, "code-v2")
+        os.makedirs(code, exist_ok=True)
+        with open(os.path.join(code, "train.py"), "w") as f:
+            f.write("import sys\nfrom stalwart.examples import gpt\nsys.exit(gpt.main())\n")
+        posted = []
+
+        def during(client, job, st):
+            live = st.get("live") or {}
+            if not posted and live.get("state") == "running" and live.get("step", 0) >= crash_step:
+                posted.append(client.post(f"/api/jobs/{job}/versions", {"code": code, "mode": "urgent"}))
+    rep = run_job(d, spec, during=during)
+    incs = [i for i in rep["incidents"] if update or i.get("injected_at") is not None]
     if rep["state"] != "succeeded" or not incs or incs[0]["resumed_at"] is None:
         raise RuntimeError(f"stalwart job {rep['state']} ({rep.get('reason')}); incidents {rep['incidents']}")
     inc = incs[0]
-    return {"fault_to_next_step_s": inc["resumed_at"] - inc["injected_at"],
+    start = inc["detected_at"] if update else inc["injected_at"]
+    times = _step_times(d)
+    before = [s for t, _, s in times if t <= start]
+    reached = max(before) if before else -1
+    after = [t for t, _, s in times if t > start and s > reached]
+    return {"fault_to_next_step_s": inc["resumed_at"] - start,
+            "fault_to_caught_up_s": (min(after) - start) if after else None,
             "detection_s": inc["detection_s"],
             "localization_s": inc["localized_at"] - inc["detected_at"] if inc["localized_at"] else None,
-            "killed_after_step": crash_step - 1, "steps_lost": rep["steps_lost"],
+            "killed_after_step": reached, "steps_lost": rep["steps_lost"],
             "mechanism": inc["mechanism"], "state": rep["state"], "ettr": rep["ettr"]}
 
 
@@ -96,31 +190,54 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def main() -> int:
-    """Run torchrun then stalwart on the same job and crash; print both and the ratio."""
+CASES = {
+    "crash": ("crash of one worker", "torchrun restart", "stalwart checks + reattempt"),
+    "machine": ("machine fault", "torchrun restart", "stalwart standby takeover"),
+    "update": ("new code", "full requeue", "stalwart hot update"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each comparison (torchrun first, then stalwart); print the table and the ratios."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--crash-step", type=int, default=35,
-                    help="crash once this many steps are done (default 35: mid-way between "
-                         "durable checkpoints, the expected case)")
-    ap.add_argument("--ckpt-every", type=int, default=10, help="durable checkpoint interval")
-    a = ap.parse_args()
-    if not 1 <= a.crash_step < a.steps or a.ckpt_every < 1:
-        print("error: need 1 <= --crash-step < --steps and --ckpt-every >= 1", file=sys.stderr)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--crash-step", type=int, default=45,
+                    help="fault once this many steps are done (default 45: just before the next "
+                         "durable checkpoint at 50, the costly case for a durable-only restart)")
+    ap.add_argument("--ckpt-every", type=int, default=50, help="durable checkpoint interval (default 50)")
+    ap.add_argument("--only", default="crash,machine,update", help="comma list of crash, machine, update")
+    a = ap.parse_args(argv)
+    cases = [c.strip() for c in a.only.split(",") if c.strip()]
+    if not 1 <= a.crash_step < a.steps or a.ckpt_every < 1 or not cases or set(cases) - set(CASES):
+        print(f"error: need 1 <= --crash-step < --steps, --ckpt-every >= 1 and --only from "
+              f"{', '.join(CASES)}", file=sys.stderr)
         return 2
+    results = {}
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-") as d:
-        tr = torchrun_recovery(a.steps, a.crash_step, a.ckpt_every, d)
-        sw = stalwart_recovery(a.steps, a.crash_step, a.ckpt_every, d)
-    print(json.dumps({"torchrun": tr, "stalwart": sw}, indent=1))
-    print(f"\ncrash of one worker after {a.crash_step} of {a.steps} steps, durable checkpoint every "
-          f"{a.ckpt_every} (stalwart also keeps one in memory every step)")
-    print(f"{'':<10} {'detect (s)':>11} {'fault->next step (s)':>21} {'steps lost':>11}")
-    for name, r in (("torchrun", tr), ("stalwart", sw)):
-        print(f"{name:<10} {_fmt(r['detection_s']):>11} {_fmt(r['fault_to_next_step_s']):>21} "
-              f"{_fmt(r['steps_lost']):>11}")
-    if tr["fault_to_next_step_s"] and sw["fault_to_next_step_s"]:
-        print(f"\nratio torchrun/stalwart (fault->next step): "
-              f"{tr['fault_to_next_step_s'] / sw['fault_to_next_step_s']:.2f}x")
+        for c in cases:
+            sub = os.path.join(d, c)
+            os.makedirs(sub)
+            print(f"{c}: torchrun ...", flush=True)
+            tr = torchrun_requeue(a.steps, a.crash_step, a.ckpt_every, sub) if c == "update" else \
+                torchrun_recovery(a.steps, a.crash_step, a.ckpt_every, sub)
+            print(f"{c}: stalwart ...", flush=True)
+            sw = stalwart_recovery(a.steps, a.crash_step, a.ckpt_every, sub,
+                                   "machine-down" if c == "machine" else "crash", update=c == "update")
+            results[c] = {"torchrun": tr, "stalwart": sw}
+    print(json.dumps(results, indent=1))
+    print(f"\nfault after {a.crash_step} of {a.steps} steps, durable checkpoint every {a.ckpt_every} "
+          f"(stalwart also keeps one in memory every step)")
+    head = f"{'case':<30} {'fault->next step (s)':>21} {'fault->caught up (s)':>21} {'steps lost':>11}"
+    print(head + "\n" + "-" * len(head))
+    for c, r in results.items():
+        what, peer, ours = CASES[c]
+        for name, x in ((f"{what}: {peer}", r["torchrun"]), (f"{what}: {ours}", r["stalwart"])):
+            print(f"{name[:30]:<30} {_fmt(x['fault_to_next_step_s']):>21} "
+                  f"{_fmt(x['fault_to_caught_up_s']):>21} {_fmt(x['steps_lost']):>11}")
+        t, s = r["torchrun"], r["stalwart"]
+        for key in ("fault_to_next_step_s", "fault_to_caught_up_s"):
+            if t.get(key) and s.get(key):
+                print(f"{'':<30} ratio {key}: {t[key] / s[key]:.2f}x (target >= 5x)")
     return 0
 
 
