@@ -104,6 +104,7 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "replay_steps": ("int", 1, False, math.inf, False),
     "replay_timeout_s": ("float", 0.0, True, math.inf, False),
     "ladder_window_s": ("float", 0.0, True, math.inf, False),
+    "mem_slots": ("int", 2, False, math.inf, False),
 }
 
 
@@ -147,6 +148,11 @@ class Policy:
     replay_steps: steps each replay group trains (>= 1).
     replay_timeout_s: a replay group not done after this long counts as failing (> 0).
     ladder_window_s: failures further apart than this start the ladder afresh (> 0).
+    mem_slots: shared-memory slots per rank for the every-step checkpoint, used round-robin
+        (>= 2). Ranks of different data-parallel replicas stop a step or two apart and a backup
+        peer's copy may trail by a step or two; holding the last few steps in memory lets a
+        restore find one step that every rank has in memory. Costs one copy of a rank's state
+        in host memory per slot.
 
     ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
@@ -178,6 +184,7 @@ class Policy:
     replay_steps: int = 6
     replay_timeout_s: float = 90.0
     ladder_window_s: float = 3600.0
+    mem_slots: int = 4
 
     def __post_init__(self) -> None:
         self.validate()

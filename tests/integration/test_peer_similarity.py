@@ -9,6 +9,9 @@ from jobrun import gpt_spec, run_job
 @pytest.mark.timeout(300)
 def test_machine_unlike_its_peers_is_evicted(tmp_path):
     s = gpt_spec(machines=4, gpus=1, steps=80, standby=1, chaos=["gpu-hot@step=15,machine=2"])
+    # steps of at least 0.2 s: the 65 steps after the fault outlast the detector's window plus its
+    # continuity (about 8 s) however fast this machine trains the tiny model
+    s["command"] += ["--min-compute-s", "0.2"]
     # fail-slow off (a 99% drop) so only the similarity detector can act; a short continuity
     s["policy"].update(similarity_continuity_s=4.0, similarity_window_s=10.0, failslow_drop=0.99,
                        hang_timeout_floor_s=30.0)

@@ -2,6 +2,7 @@
 machine, a crash that goes away is reattempted after the checks pass, a version that keeps crashing
 (not a user-code exception) is rolled back after the reattempt, and silent data corruption on one
 machine of 4 is found by the bitwise alignment test or, with that disabled, by dual-phase replay."""
+import glob
 import os
 import shutil
 import subprocess
@@ -128,3 +129,6 @@ def test_silent_corruption_without_alignment_is_found_by_replay(tmp_path):
     # k=2 on 4 machines: horizontal {m0,m1},{m2,m3}; vertical {m0,m2},{m1,m3}
     assert (replay["failed_horizontal"], replay["failed_vertical"], replay["machines"]) == ([1], [0], ["m2"])
     assert rep["incidents_by_mechanism"] == {"reattempt": 1, "replay": 1}
+    # the replay ran the job's layout on fewer layers (one per pipeline stage)
+    logs = [open(p, errors="replace").read() for p in glob.glob(f"{tmp_path}/**/*.err", recursive=True)]
+    assert any("replay: 1 of 2 layers" in text for text in logs), len(logs)

@@ -130,6 +130,22 @@ def test_double_buffering_alternates_slots(shm_dir):
 
 
 @pytest.mark.timeout(30)
+def test_more_slots_keep_more_recent_steps(shm_dir):
+    with MemCheckpointer(shm_dir, rank=1, slots=4) as ck:
+        for step in range(6):
+            ck.snapshot({"w": torch.full((100,), float(step))}, step)
+        ck.wait()
+        assert [s for _, s, _ in memckpt.list_shards(shm_dir, 1)] == [2, 3, 4, 5]
+        assert memckpt.parse_name("rank00001.slot3.hdr") == (1, "slot", 3)
+        assert load(shm_dir, 1, step=2)[1]["w"][0].item() == 2.0
+        with pytest.raises(FileNotFoundError):
+            load(shm_dir, 1, step=1)                  # overwritten by step 5
+    for bad in (1, 0, 1000, True, 2.0):
+        with pytest.raises(ValueError, match="slots"):
+            MemCheckpointer(shm_dir, rank=1, slots=bad)
+
+
+@pytest.mark.timeout(30)
 def test_interrupted_write_never_appears_complete(shm_dir, monkeypatch):
     state = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
     with MemCheckpointer(shm_dir, rank=0) as ck:

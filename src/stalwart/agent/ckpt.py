@@ -1,6 +1,6 @@
 """The agent's checkpoint manager: every-step shards in shared memory, backups on a peer, a durable tier.
 
-Workers write their own double-buffered shards into the machine's shm dir (worker/memckpt.py).
+Workers write their own round-robin slot shards into the machine's shm dir (worker/memckpt.py).
 This manager, off the training processes:
 - notices each new complete own shard, reports it, and streams it to this machine's backup peer
   (a machine that shares none of the rank's parallel groups; chosen by the controller from

@@ -14,7 +14,7 @@ in flight is always finished — a half-sent shard is worthless, and dropping it
 step appears would starve a slow link of any complete backup. Pushes queued behind it are
 coalesced: only the newest waits, older ones resolve as ``"superseded"``. Before sending, the
 shard is copied into a per-lane staging buffer and the slot's header re-checked, so a worker
-overwriting its slot two steps later cannot tear the copy (such a push resolves as ``"stale"``).
+overwriting its slot a few steps later cannot tear the copy (such a push resolves as ``"stale"``).
 """
 from __future__ import annotations
 

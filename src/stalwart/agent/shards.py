@@ -1,6 +1,6 @@
 """The agent's checkpoint shard store: three tiers of one machine's view of the checkpoint.
 
-* ``own``     — the double-buffered slots its workers write in shared memory (`MemCheckpointer`).
+* ``own``     — the round-robin slots its workers write in shared memory (`MemCheckpointer`).
 * ``backup``  — shards of other machines' ranks received from peers (`PeerServer`), one file pair
   per step in ``backup_dir`` (put it on /dev/shm to keep them in memory), newest `keep_backup` kept.
 * ``durable`` — every K steps, `persist` copies a shard to a local directory or any fsspec URL.
@@ -217,7 +217,7 @@ class ShardStore:
         """Local header path of a valid shard of (rank, step) in `tier`; durable shards are downloaded.
 
         Raises FileNotFoundError when the tier has no such shard, CorruptShard when it is invalid.
-        An own slot is overwritten two steps later by its worker: fetch it while workers are stopped
+        An own slot is overwritten a few steps later by its worker: fetch it while workers are stopped
         or copy it at once (`memckpt.load` re-verifies the checksum).
         """
         _check_tier(tier)

@@ -186,6 +186,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
                     "STALWART_DP": t.dp, "STALWART_CP": t.cp, "STALWART_EP": t.ep, "STALWART_REPLAY": 0,
                     "STALWART_MACHINES": s.machines, "STALWART_GPUS_PER_MACHINE": self.G,
                     "STALWART_STEPS": s.steps, "STALWART_CKPT_EVERY": s.ckpt_every,
+                    "STALWART_MEM_SLOTS": s.policy.mem_slots,
                     "STALWART_CKPT_DIR": self.ctl.ckpt_dir(self.job_id),
                     "TORCHELASTIC_RUN_ID": f"stalwart-{self.job_id}"})
         if self.version is not None:

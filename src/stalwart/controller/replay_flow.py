@@ -4,7 +4,9 @@ evict the one machine that a failing group of each phase shares.
 
 A mixin of `JobRunner` (jobs.py). The planner is `analyzer.replay` (pure). Each group runs the
 job's own command from a fresh start with the job's TP and PP, DP = k, for `policy.replay_steps`
-steps, as a throw-away run (STALWART_REPLAY=1: no checkpoint is written or read). A group fails
+steps, as a throw-away run (STALWART_REPLAY=1: no checkpoint is written or read). The job may
+shrink its model for the replay: STALWART_REPLAY_LAYERS (= PP, one layer per stage) is the fewest
+layers that keep its layout; the SDK exposes it as `ctx.replay_layers` and the bundled GPT uses it. A group fails
 when a worker exits non-zero, reports a non-finite loss or gradient norm, or does not finish in time.
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ class ReplayFlow:
             env = self._common_env(run, rp["port"])
             env.update({"WORLD_SIZE": world, "STALWART_DP": plan.k, "STALWART_MACHINES": len(machines),
                         "STALWART_STEPS": p.replay_steps, "STALWART_RESTORE_STEP": -1,
-                        "STALWART_REPLAY": 1})
+                        "STALWART_REPLAY": 1, "STALWART_REPLAY_LAYERS": self.topo.pp})
             rp["groups"][run] = {"group": g, "machines": list(machines), "done": set(),
                                  "world": world, "failed": None}
             for i, m in enumerate(machines):

@@ -13,6 +13,7 @@ metrics printed as JSON lines by global rank 0 and optional checkpoints in ``--c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -66,6 +67,9 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--log-every", type=int, default=1,
                    help="global rank 0 prints metrics every N steps (0: only the summary)")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
+    p.add_argument("--min-compute-s", type=float, default=0.0,
+                   help="forward and backward of a step last at least this long (sleeps the rest): "
+                        "emulates a bigger model's step time")
     p.add_argument("--plain", action="store_true",
                    help="bare torch.distributed instead of the stalwart worker SDK")
     p.add_argument("--ckpt-dir", default=None, help="--plain only: checkpoint directory")
@@ -73,8 +77,9 @@ def parse_args(argv: Sequence[str] | None = None,
     for name in ("tp", "pp", "steps", "batch", "micro_batches", "layers", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if min(args.dp, args.ckpt_every, args.log_every, args.warmup) < 0 or args.lr <= 0:
-        raise ValueError("--dp, --ckpt-every, --log-every and --warmup must be >= 0, --lr > 0")
+    if min(args.dp, args.ckpt_every, args.log_every, args.warmup, args.min_compute_s) < 0 or args.lr <= 0:
+        raise ValueError("--dp, --ckpt-every, --log-every, --warmup and --min-compute-s must be "
+                         ">= 0, --lr > 0")
     return args
 
 
@@ -239,6 +244,11 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         raise ValueError(f"tp*pp*dp = {tp}*{pp}*{args.dp or dp} does not match world size "
                          f"{ctx.world_size}")
     cfg = model_config(args)
+    short = getattr(ctx, "replay_layers", 0)
+    if short and pp <= short < cfg.n_layers:
+        # a dual-phase replay (stop-time diagnostics) runs the same layout on fewer layers
+        cfg = dataclasses.replace(cfg, n_layers=short - short % pp)
+        ctx.log(f"replay: {cfg.n_layers} of {args.layers} layers")
     cfg.validate(tp, pp)
     if args.batch % (dp * args.micro_batches):
         raise ValueError(f"--batch {args.batch} is not divisible by dp*micro-batches = "
@@ -272,6 +282,8 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         hang = getattr(ctx, "maybe_hang", None)
         local_loss = gpipe_step(stage, x, y, args.micro_batches, links,
                                 functools.partial(hang, step, "pp") if hang else None)
+        if args.min_compute_s > 0:
+            time.sleep(max(0.0, args.min_compute_s - (time.perf_counter() - t0)))
         ctx.on_gradients(step, params)
         if hang:
             hang(step, "dp")

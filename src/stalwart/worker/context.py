@@ -64,8 +64,11 @@ class Context:
         # A dual-phase replay (stop-time diagnostics) trains a throw-away copy of the job: it must
         # never write the job's checkpoints nor restore from them.
         self.replay = env.get("STALWART_REPLAY") == "1"
+        # ...on fewer layers where the job honours it (0: keep the job's own depth)
+        self.replay_layers = _env_int("STALWART_REPLAY_LAYERS", 0) if self.replay else 0
         shm = None if self.replay else env.get("STALWART_SHM_DIR")
-        self.mem = memckpt.MemCheckpointer(shm, self.rank) if shm else None
+        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int("STALWART_MEM_SLOTS", 2))) \
+            if shm else None
         self.cuda = torch.cuda.is_available() and env.get("STALWART_FORCE_CPU") != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         if self.cuda:

@@ -1,4 +1,4 @@
-"""Every-step in-memory checkpoint of one rank, double-buffered in shared memory.
+"""Every-step in-memory checkpoint of one rank, in round-robin slots of shared memory.
 
 On-disk (tmpfs) format of one *shard*, shared by every tier (own shm slots, peer backups, durable):
 
@@ -10,7 +10,8 @@ The header is written last, to a temp name then ``os.replace``d, and is unlinked
 overwritten: a shard is complete exactly when its header exists, and its checksum (CRC32 over
 ``data[:nbytes]`` then over the meta bytes) says whether the bytes are intact.
 
-Own slots are ``rank{r:05d}.slot{k}.{data,hdr}`` (step s goes to slot s % 2); other tiers use
+Own slots are ``rank{r:05d}.slot{k}.{data,hdr}`` (step s goes to slot s % slots, 2 by default,
+the job's ``policy.mem_slots``); other tiers use
 ``rank{r:05d}.step{s:012d}.{data,hdr}``. A *shard path* is the path of the ``.hdr`` file (the
 ``.data`` path or the bare base are accepted too).
 
@@ -33,7 +34,7 @@ from typing import Any
 FORMAT = "stalwart-shard/1"
 ALIGN = 64
 CRC_CHUNK = 16 << 20
-_NAME = re.compile(r"^rank(\d{5})\.(slot[01]|step\d{12})\.hdr$")
+_NAME = re.compile(r"^rank(\d{5})\.(slot\d{1,3}|step\d{12})\.hdr$")
 
 
 class CorruptShard(RuntimeError):
@@ -43,7 +44,7 @@ class CorruptShard(RuntimeError):
 # ----------------------------------------------------------------------------- format helpers
 
 def slot_base(dir: str, rank: int, slot: int) -> str:
-    """Base path (without extension) of one own double-buffer slot."""
+    """Base path (without extension) of one own slot."""
     return os.path.join(dir, f"rank{rank:05d}.slot{slot}")
 
 
@@ -147,7 +148,7 @@ def encode_shard(path: str) -> tuple[dict, memoryview]:
     """(header, read-only view of the data bytes) of a complete shard, for shipping to a peer.
 
     The view maps the file: call ``view.release()`` when done. The slot may be overwritten by its
-    worker two steps later; use `still_current` after copying to know the copy is consistent.
+    worker `slots` steps later; use `still_current` after copying to know the copy is consistent.
     """
     hdr = read_header(path)
     if hdr is None:
@@ -234,21 +235,25 @@ class _Slot:
 
 
 class MemCheckpointer:
-    """Snapshots one rank's state into two preallocated shared-memory slots, alternately.
+    """Snapshots one rank's state into `slots` preallocated shared-memory slots, round-robin
+    (two: double buffering; more keep more recent steps in memory).
 
     `snapshot` blocks only for the tensor copies; the checksum and header commit run on a
     background thread. Not thread-safe: call it from the training thread.
     """
 
-    def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05):
+    def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05,
+                 slots: int = 2):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        if not isinstance(slots, int) or isinstance(slots, bool) or not 2 <= slots <= 999:
+            raise ValueError(f"slots must be an int from 2 to 999, got {slots!r}")
         self.dir = dir
         self.rank = rank
         self.layout = dict(layout or {})
         self.headroom = headroom
         os.makedirs(dir, exist_ok=True)
-        self._slots = [_Slot(slot_base(dir, rank, k)) for k in (0, 1)]
+        self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}")
         self._last_step: int | None = None
 
@@ -271,11 +276,11 @@ class MemCheckpointer:
 
     # -- public API
     def snapshot(self, state: Any, step: int) -> None:
-        """Copy `state` (nested tensors / picklable values) into slot step % 2; commit in the background."""
+        """Copy `state` (nested tensors / picklable values) into slot step % slots; commit in the background."""
         import torch
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        slot = self._slots[step % 2]
+        slot = self._slots[step % len(self._slots)]
         if slot.pending is not None:
             fut, slot.pending = slot.pending, None
             fut.result()          # previous write of this slot must be finished (re-raises its error)
