@@ -1,4 +1,5 @@
 """Peer-similarity watch over per-machine metric rows, with an explicit clock."""
+import math
 import random
 
 from stalwart.agent.metrics import MetricsSampler, gpu_means
@@ -14,8 +15,12 @@ def feed(w, t, odd=None, n=4, temp_odd=95.0):
 
 
 def run(w, odd_from=None, odd=None, until=60.0):
+    return run_from(w, 0.0, odd_from, odd, until)
+
+
+def run_from(w, t, odd_from=None, odd=None, until=None):
     first = None
-    t = 0.0
+    until = t + 60.0 if until is None else until
     while t < until:
         feed(w, t, odd if odd_from is not None and t >= odd_from else None)
         t += 1.0
@@ -29,6 +34,19 @@ def test_a_hot_machine_is_a_suspect_after_the_continuity():
     w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
     t, m = run(w, odd_from=20, odd="m2")
     assert m == "m2" and 30 <= t <= 35
+
+
+def test_rows_before_the_warm_up_ends_are_ignored():
+    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10,
+                  not_before=math.inf)
+    for t in range(40):                  # m1 is odd throughout a warm-up that never ends
+        feed(w, float(t), "m1")
+        assert w.check(t + 1.01)[0] is None
+    w.start(40.0)
+    w.start(45.0)                        # already started: the first start stands
+    assert w.not_before == 40.0
+    t, m = run_from(w, 40.0, odd_from=40.0, odd="m1")
+    assert m == "m1" and 55 <= t <= 60       # a full window after the start, then the continuity
 
 
 def test_healthy_noisy_peers_raise_nothing():

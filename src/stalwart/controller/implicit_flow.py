@@ -5,6 +5,7 @@ rules) and `implicit` (stack aggregation to an eviction); this is the part that 
 """
 from __future__ import annotations
 
+import math
 import time
 
 from collections import Counter
@@ -30,15 +31,23 @@ class ImplicitFlow:
         for i, m in enumerate(self.slots):
             stages.setdefault(self.topo.coords(i * self.G)["pp"], []).append(m)
         self.peerwatch = PeerWatch(list(stages.values()), p.heartbeat_s, p.similarity_window_s,
-                                   p.similarity_continuity_s)
+                                   p.similarity_continuity_s, not_before=math.inf)
         self.peer_next_check = now + p.heartbeat_s
+        self.peer_steps = 0
 
     def _agent_metrics(self, machine: str, ev: dict) -> None:
         if self.state == "running" and getattr(self, "peerwatch", None) is not None:
             self.peerwatch.add(machine, float(ev["t"]), ev.get("values") or {})
 
     def _peer_times(self, t: float, times: dict) -> None:
-        """Per-machine mean step and compute time of a committed step (from the SDK reports)."""
+        """Per-machine mean step and compute time of a committed step (from the SDK reports).
+
+        The watch starts taking rows once the run has committed its warm-up steps
+        (`policy.hang_warmup_steps`, at least 3)."""
+        self.peer_steps += 1
+        if self.peer_steps < max(3, self.spec.policy.hang_warmup_steps):
+            return
+        self.peerwatch.start(t)
         by_m: dict[str, list] = {}
         for r, (dur, comp) in times.items():
             if dur is not None and comp is not None:

@@ -26,17 +26,26 @@ REL_FLOOR = 0.25
 
 class PeerWatch:
     def __init__(self, peers: Sequence[Sequence[str]], period_s: float, lookback_s: float,
-                 continuity_s: float):
+                 continuity_s: float, not_before: float = -math.inf):
         self.groups = [list(g) for g in peers if len(g) >= 3]
         self.period_s = period_s
         self.lookback = max(WINDOW, int(lookback_s / period_s))
         self.rows: dict[str, dict[int, dict[str, float]]] = {m: {} for g in self.groups for m in g}
         self.conts = [Continuity(continuity_s=continuity_s, grace_s=max(10.0, 4 * period_s))
                       for _ in self.groups]
+        # rows before this time are ignored: a run's start (imports, first allocations, the first
+        # steps) differs between machines for reasons that say nothing about their health; the job
+        # runner creates the watch with not_before=inf and calls `start` after the warm-up steps
+        self.not_before = not_before
+
+    def start(self, t: float) -> None:
+        """Accept rows from time `t` on, unless already started."""
+        if self.not_before == math.inf:
+            self.not_before = t
 
     def add(self, machine: str, t: float, values: Mapping[str, float]) -> None:
         """A metric row of `machine` at time `t` (later values of a bucket overwrite earlier)."""
-        if machine not in self.rows:
+        if machine not in self.rows or t < self.not_before:
             return
         row = self.rows[machine].setdefault(int(t // self.period_s), {})
         for k, v in values.items():

@@ -23,7 +23,9 @@ from stalwart.worker.simgpu_view import corrupt_
 
 SELFTEST_TOL = 1e-4          # max |C - ref| / max |ref| of an n x n float32 matmul
 MATMUL_REPS = 4              # timed matmuls for the speed measure, per batch
-BENCH_TRIES = 3              # batches timed; the fastest counts
+BENCH_TRIES = 3              # batches timed (at least); the fastest counts
+BENCH_MIN_S = 0.15           # ...and more batches until this long has passed (at most BENCH_MAX)
+BENCH_MAX = 60
 PATTERN_BYTES = 16 << 20     # memory pattern test size
 PATTERNS = (0x55555555, 0xAAAAAAAA - 2**32)  # 0x55.. and 0xAA.. as int32 values
 ALIGN_SHAPE = dict(vocab_size=64, d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=16)
@@ -99,19 +101,22 @@ def selftest(gpu, device: str = "cpu", n: int = 384, seed: int = 0) -> dict:
         if device.startswith("cuda"):   # big enough to time the GPU, not the launches
             da, db = (torch.randn(4096, 4096, device=device) for _ in range(2))
         size = da.shape[0]
-        elapsed = float("inf")
-        for _ in range(BENCH_TRIES):     # the fastest of a few batches: less scheduler noise
+        elapsed, tries, began = float("inf"), 0, time.perf_counter()
+        # the fastest of several batches over a short while: a machine whose CPU is briefly taken
+        # by something else (other machines' checks, on a local cluster) still shows its speed
+        while tries < BENCH_TRIES or (time.perf_counter() - began < BENCH_MIN_S and tries < BENCH_MAX):
             start = time.perf_counter()
             for _ in range(MATMUL_REPS):
                 da @ db
             _sync(device)
             elapsed = min(elapsed, time.perf_counter() - start)
+            tries += 1
         slow = gpu.slowdown()
         if slow > 1:           # a throttled GPU: the same work takes `slow` times as long
             time.sleep((slow - 1) * elapsed)
             elapsed *= slow
         gflops = 2 * size**3 * MATMUL_REPS / max(elapsed, 1e-9) / 1e9
-        measure = {"device": device, "rel_err": err, "gflops": round(gflops, 3), "n": n}
+        measure = {"device": device, "rel_err": err, "gflops": round(gflops, 3), "n": n, "tries": tries}
         if err > SELFTEST_TOL:
             return result("selftest", False,
                           f"matmul mismatch: max relative error {err:.3g} > {SELFTEST_TOL:g} "

@@ -140,6 +140,9 @@ class Runner:
         from stalwart.diag import checks
 
         device = "cpu"
+        # one intra-op thread: every worker of every machine runs its checks at once, and on a
+        # CPU host (the simulated-GPU backend) threads beyond its share only add scheduler noise
+        torch.set_num_threads(1)
         if torch.cuda.is_available() and plan["device"] < torch.cuda.device_count():
             device = f"cuda:{plan['device']}"
             torch.cuda.set_device(device)
