@@ -32,6 +32,18 @@ log = logging.getLogger("stalwart.agent")
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
+# What a worker may read before its activation (argument defaults, model shape): spares started for
+# one of these values are never handed ranks of a run with another.
+SHAPE_ENV = ("WORLD_SIZE", "STALWART_TP", "STALWART_PP", "STALWART_DP", "STALWART_CP", "STALWART_EP",
+             "STALWART_MACHINES", "STALWART_STEPS", "STALWART_REPLAY")
+
+
+def warm_key(cmd: dict) -> tuple:
+    """Which runs a warm worker started for `cmd` can serve: same command, directory and shape."""
+    env = cmd.get("env", {})
+    return (tuple(cmd["command"]), cmd.get("cwd"), tuple(str(env.get(k, "")) for k in SHAPE_ENV))
+
+
 class Agent:
     def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
@@ -336,9 +348,11 @@ class Agent:
             return
         self._run = cmd["run"]
         n = len(cmd["workers"])
-        key = (tuple(cmd["command"]), cmd.get("cwd"))
+        # A replay (stop-time diagnostics) is a throw-away run of another shape: it starts cold and
+        # leaves the job's spares alone, for the run after it.
+        replay = str(cmd.get("env", {}).get("STALWART_REPLAY")) == "1"
         ready: list[int] = []
-        if self._warm_key == key and self.warm.workers:
+        if not replay and self._warm_key == warm_key(cmd) and self.warm.workers:
             deadline = time.time() + wait_s
             while True:
                 warm_pids = set(self.warm.pids())
@@ -348,14 +362,15 @@ class Agent:
                     break
                 time.sleep(0.02)
         if len(ready) < n:
-            self.warm.stop()
+            if not replay:
+                self.warm.stop()
             self._cold_start(cmd, extra)
             warm = False
         else:
             self._hand_over(cmd, extra, ready[:n])
             warm = True
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm})
-        if self.keep_warm:
+        if self.keep_warm and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
             self._refill_at = (time.time() + 5.0, cmd)   # after the run is through its start-up
@@ -379,7 +394,7 @@ class Agent:
         for k in ("STALWART_RUN", "MASTER_PORT", "RANK", "STALWART_RESTORE_STEP"):
             base.pop(k, None)
         base["STALWART_STANDBY"] = "1"
-        self._warm_key = (tuple(cmd["command"]), cmd.get("cwd"))
+        self._warm_key = warm_key(cmd)
         self.warm.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
                         [None] * n, None, cmd.get("cwd"), f"warm{int(time.time() * 1000) % 10**9}",
                         prefix=self._prefix())
