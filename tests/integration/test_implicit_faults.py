@@ -68,7 +68,9 @@ def test_nan_gradients_single_out_the_machine(tmp_path):
 @pytest.mark.timeout(300)
 def test_cpu_throttled_machine_is_found_by_fail_slow_rounds(tmp_path):
     s = spec("cpu-throttle@step=20,machine=2,fraction=0.1")
-    s["steps"] = 120
+    # enough steps after the fault for the rounds (up to 2 x 5 rounds, 2 s apart) at the
+    # throttled pace; the steps after the eviction run at full speed
+    s["steps"] = 200
     s["policy"].update(failslow_period_s=2.0, hang_timeout_floor_s=30.0)
     rep = run_job(tmp_path, s, timeout=280)
     assert rep["state"] == "succeeded", rep.get("reason")

@@ -77,13 +77,16 @@ class ImplicitFlow:
     def _watch_throughput(self, dur: float, now: float, times: dict) -> None:
         """Called per committed step; starts fail-slow rounds when throughput drops."""
         self.rank_times = (self.rank_times + [times])[-10:]
-        if dur <= 0 or self.failslow is not None or now < self.failslow_quiet_until:
+        if dur <= 0:
             return
         self.step_durs = (self.step_durs + [dur])[-200:]
+        if self.failslow is not None or now < self.failslow_quiet_until:
+            return
         p = self.spec.policy
         if throughput_drop(self.step_durs, baseline_n=20, recent_n=5, drop=p.failslow_drop):
-            self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "machines": Counter(),
-                             "done": 0, "next": now, "wait": set(), "stacks": {}, "started": now}
+            self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "flagged": [],
+                             "done": 0, "next": now, "wait": set(), "stacks": {}, "started": now,
+                             "baseline_s": median(self.step_durs[-25:-5])}
             self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur})
 
     def _failslow_tick(self, now: float) -> None:
@@ -126,24 +129,17 @@ class ImplicitFlow:
                                       "stack_outliers": sorted(by_stack), "slow_ranks": by_compute,
                                       "compute_s": getattr(self, "failslow_compute", {})})
         fs["rounds"].add_round(outliers, self.topo, now)
-        for i in self.topo.machines_of(outliers) if outliers else []:
-            fs["machines"][self.slots[i]] += 1
+        fs["flagged"].append({self.slots[i] for i in self.topo.machines_of(outliers)} if outliers else set())
         fs["done"] += 1
         fs["next"] = now + self.spec.policy.failslow_period_s
-        if fs["done"] < self.spec.policy.failslow_rounds:
+        p = self.spec.policy
+        if fs["done"] < p.failslow_rounds:
             return
+        machines, why = self._failslow_verdict(fs)
+        if not machines and fs["done"] < 2 * p.failslow_rounds and self._still_slow(fs):
+            return      # no verdict yet but the job is still slow: the window of rounds slides on
         self.failslow = None
         self.failslow_quiet_until = now + 30.0     # at most one set of rounds per 30 s
-        verdict = fs["rounds"].verdict()
-        half = self.spec.machines // 2
-        if verdict and len(verdict[1]) <= max(1, half):
-            machines = [self.slots[i] for i in verdict[1]]
-            why = f"{verdict[0]} group flagged most often over {fs['done']} rounds"
-        else:   # the covering group is most of the job: evict the machines flagged in most rounds
-            top = max(fs["machines"].values(), default=0)
-            need = -(-4 * fs["done"] // 5)          # flagged in at least 80% of the rounds
-            machines = sorted(m for m, c in fs["machines"].items() if c == top and c >= need)
-            why = f"flagged in {top} of {fs['done']} rounds"
         if not machines:
             self.event("failslow_cleared", {"run": self.run_seq, "rounds": fs["done"]})
             return
@@ -156,6 +152,25 @@ class ImplicitFlow:
                                                               f"{why}")
         self.store.update_incident(self.incident["id"], data={"stacks": fs["stacks"],
                                                               "analysis": self.incident["reason"]})
+
+    def _failslow_verdict(self, fs: dict) -> tuple[list[str], str]:
+        """The machines to evict after the last `failslow_rounds` rounds, and why ([] if none):
+        the most-flagged parallel group when it is at most half the job, else the machines flagged
+        in at least 80% of those rounds."""
+        n = self.spec.policy.failslow_rounds
+        verdict = fs["rounds"].verdict()
+        if verdict and len(verdict[1]) <= max(1, self.spec.machines // 2):
+            return [self.slots[i] for i in verdict[1]], f"{verdict[0]} group flagged most often over {n} rounds"
+        counts = Counter(m for flagged in fs["flagged"][-n:] for m in flagged)
+        top = max(counts.values(), default=0)
+        need = -(-4 * n // 5)
+        return sorted(m for m, c in counts.items() if c == top and c >= need), \
+            f"flagged in {top} of the last {n} rounds"
+
+    def _still_slow(self, fs: dict) -> bool:
+        """Whether the recent steps still run below the throughput seen before the rounds began."""
+        recent = self.step_durs[-5:]
+        return bool(recent) and median(recent) * (1 - self.spec.policy.failslow_drop) > fs["baseline_s"]
 
     def _training_anomaly(self, s: int, acc: dict) -> bool:
         """NaN/inf or a jump >= loss_jump_factor in loss or grad norm: suspend and open an incident.
