@@ -45,8 +45,11 @@ def test_over_evicting_a_pipeline_group_restores_from_backup_peers(tmp_path):
 def test_machine_and_its_backup_peer_down_fall_back_to_durable(tmp_path):
     # dp=3 on 3 machines: m1 backs up to m2. Both die: rank 1 has no copy in memory anywhere.
     spec = gpt_spec(machines=3, gpus=1, dp=3, steps=40, standby=2, ckpt_every=5,
-                    chaos=["machine-down@step=27,machine=1", "machine-down@step=27,machine=2"])
+                    chaos=["machine-down@step=20,machine=1", "machine-down@step=20,machine=2"])
     spec["command"] += ["--batch", "12"]     # divisible by dp*micro-batches = 3*2
+    # steps of at least 0.1 s: the controller fires the chaos when it has committed step 20, and
+    # the workers must not have finished the job by then however fast they train
+    spec["command"] += ["--min-compute-s", "0.1"]
     rep = run_job(tmp_path, spec)
     assert rep["state"] == "succeeded", rep.get("reason")
     t = tiers(rep)

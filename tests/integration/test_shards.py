@@ -223,3 +223,30 @@ def test_killed_mid_copy_never_leaves_a_complete_looking_bad_slot(tmp_shm):
             proc.wait(timeout=10)
         proc.stdin.close()
         proc.stdout.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
+    """Steps 0-3 land in the slots between two scans: step 1 and 3 (every=2) must both be made
+    durable, not only the newest step; only the newest goes to the backup peer."""
+    from stalwart.agent.ckpt import CkptManager
+    events = []
+    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append)
+    try:
+        mgr._stop.set()                  # no background scans: this test scans by hand
+        mgr._thread.join(timeout=5)
+        durable = os.path.join(tmp_shm, "durable")
+        mgr.configure(durable, every=2, backup=None)
+        with MemCheckpointer(mgr.shm_dir, rank=0, slots=4) as ck:
+            for step in range(4):
+                ck.snapshot({"w": torch.full((64,), float(step))}, step)
+            ck.wait()
+        mgr._scan()
+        mgr.store.close()                # waits for the background persists
+        mgr._scan()                      # nothing new: nothing repeated
+        durable_steps = sorted(e["step"] for e in events if e["tier"] == "durable")
+        assert durable_steps == [1, 3], events
+        assert [e["step"] for e in events if e["tier"] == "own"] == [3]
+        assert [s for _, s, _ in memckpt.list_shards(durable, 0)] == [1, 3]
+    finally:
+        mgr.close()

@@ -82,24 +82,31 @@ class CkptManager:
                 log.warning("checkpoint watcher: %s", e)
 
     def _scan(self) -> None:
-        newest: dict[int, tuple[int, str]] = {}
-        for rank, step, path in memckpt.list_shards(self.shm_dir):
-            if step > newest.get(rank, (-1, ""))[0]:
-                newest[rank] = (step, path)
+        shards: dict[int, list[tuple[int, str]]] = {}
+        for rank, step, path in memckpt.list_shards(self.shm_dir):   # sorted by (rank, step)
+            shards.setdefault(rank, []).append((step, path))
         with self._cfg_lock:
             backup, every, store = self._backup, self._every, self.store
-        for rank, (step, path) in newest.items():
-            if self._seen.get(rank, -1) >= step:
+        for rank, held in shards.items():
+            seen = self._seen.get(rank, -1)
+            new = [(s, p) for s, p in held if s > seen]
+            if not new:
                 continue
+            step, path = new[-1]
             self._seen[rank] = step
             self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "own",
                        "holder": self.machine_id})
-            if backup is not None:
+            if backup is not None:       # only the newest step goes to the peer
                 fut = self.client.push(tuple(backup["addr"]), rank, step, path)
                 fut.add_done_callback(lambda f, r=rank, s=step, b=backup: self._pushed(f, r, s, b))
-            if store.durable_dir and (step + 1) % every == 0:
-                fut = store.persist(rank, step)
-                fut.add_done_callback(lambda f, r=rank, s=step: self._persisted(f, r, s))
+            if not store.durable_dir:
+                continue
+            # every K-th step is made durable, also one this scan came too late to see as newest:
+            # the rank's slots still hold the last few steps
+            for s, _ in new:
+                if (s + 1) % every == 0:
+                    fut = store.persist(rank, s)
+                    fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
 
     def _pushed(self, fut, rank: int, step: int, backup: dict) -> None:
         try:

@@ -71,7 +71,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         self.awaiting_resume: list[int] = []  # incidents whose new run has not completed a step
         self.alerts: list[policy.Alert] = []
         self.chaos_applied: list[dict] = []
-        self.avail = restore.Availability()   # every rank's checkpoint copies, by tier
+        # every rank's checkpoint copies, by tier
+        self.avail = restore.Availability(memory={"own": max(2, spec.policy.mem_slots - 1), "backup": 2})
         self.bad_steps: set[int] = set()      # steps some rank could not restore
         self.restore_tiers: dict[int, str] = {}
         self.restore_skipped: dict[int, list[str]] = {}   # tiers tried first and why they failed

@@ -16,15 +16,16 @@ TIERS = ("own", "backup", "durable")
 @dataclass
 class Availability:
     """What the agents reported: rank -> tier -> step -> holder (machine id, or a durable URL)."""
-    keep: int = 4
+    keep: int = 8
     copies: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
-    # memory tiers physically hold only this many steps (double-buffered slots, 2 backups)
-    KEEP_IN_MEMORY = {"own": 2, "backup": 2}
+    # memory tiers physically hold only this many complete steps: own, the rank's slots less the
+    # one being written (policy.mem_slots - 1); backup, what the agent keeps beyond reports in flight
+    memory: dict[str, int] = field(default_factory=lambda: {"own": 2, "backup": 2})
 
     def add(self, rank: int, tier: str, step: int, holder: str) -> None:
         steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
         steps[step] = holder
-        for old in sorted(steps)[:-min(self.keep, self.KEEP_IN_MEMORY.get(tier, self.keep))]:
+        for old in sorted(steps)[:-min(self.keep, self.memory.get(tier, self.keep))]:
             del steps[old]
 
     def replace_held(self, machine: str, tier: str, steps_by_rank: dict[int, list[int]]) -> None:
