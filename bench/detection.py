@@ -123,7 +123,14 @@ def render_table(rows: list[dict], bound_s: float) -> str:
 # ----- stalwart -----------------------------------------------------------------------------
 def stalwart_detection(kind: str, step: int, workdir: str) -> dict:
     """Run the small job with `KIND@step=S,machine=1` and return the fault's incident times."""
-    if kind in IMPLICIT:
+    if kind == "cpu-throttle":
+        # fail-slow compares against the job's own baseline (20 steps before the 5 recent ones):
+        # inject after it exists, and leave steps for up to 2 x 5 rounds at the throttled pace
+        step = max(step, 30)
+        spec = gpt_spec(machines=4, gpus=1, steps=step + 200, standby=1,
+                        chaos=[f"{kind}@step={step},machine=1,fraction=0.1"])
+        spec["policy"].update(hang_timeout_floor_s=30.0, failslow_period_s=2.0)
+    elif kind in IMPLICIT:
         spec = gpt_spec(machines=4, gpus=1, steps=step + 60, standby=1,
                         chaos=[f"{kind}@step={step},machine=1"])
         spec["policy"].update(hang_timeout_floor_s=2.0, failslow_period_s=3.0)
