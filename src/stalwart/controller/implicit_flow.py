@@ -21,6 +21,7 @@ from stalwart.controller.peerwatch import PeerWatch
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
 SLOW_COMPUTE_RATIO = 3.0        # a rank computing this many times the median is slow
+BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, and the recent ones
 
 
 class ImplicitFlow:
@@ -83,10 +84,10 @@ class ImplicitFlow:
         if self.failslow is not None or now < self.failslow_quiet_until:
             return
         p = self.spec.policy
-        if throughput_drop(self.step_durs, baseline_n=20, recent_n=5, drop=p.failslow_drop):
+        if throughput_drop(self.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop):
             self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "flagged": [],
                              "done": 0, "next": now, "wait": set(), "stacks": {}, "started": now,
-                             "baseline_s": median(self.step_durs[-25:-5])}
+                             "baseline_s": median(self.step_durs[-(BASELINE_N + RECENT_N):-RECENT_N])}
             self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur})
 
     def _failslow_tick(self, now: float) -> None:
@@ -169,7 +170,7 @@ class ImplicitFlow:
 
     def _still_slow(self, fs: dict) -> bool:
         """Whether the recent steps still run below the throughput seen before the rounds began."""
-        recent = self.step_durs[-5:]
+        recent = self.step_durs[-RECENT_N:]
         return bool(recent) and median(recent) * (1 - self.spec.policy.failslow_drop) > fs["baseline_s"]
 
     def _training_anomaly(self, s: int, acc: dict) -> bool:

@@ -197,6 +197,11 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": run})
         return env
 
+    def _workers_of(self, i: int) -> list[dict]:
+        """The worker entries of a start command for the i-th machine of a run (ranks i*G..)."""
+        return [{"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
+                for r in range(i * self.G, (i + 1) * self.G)]
+
     def _start_run(self, restore_step: int, cands: dict[int, list[dict]]) -> None:
         self.run_seq += 1
         port = self.ctl.rendezvous.open(self.job_id, self.run_seq)
@@ -205,13 +210,11 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         start_step = restore_step + 1
         self.restore_tiers, self.restore_skipped = {}, {}
         for i, m in enumerate(self.slots):
-            workers = []
-            for r in range(i * self.G, (i + 1) * self.G):
-                w = {"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
-                if cands.get(r):
+            workers = self._workers_of(i)
+            for w in workers:
+                if cands.get(w["rank"]):
                     w["restore"] = [dict(c, addr=self.ctl.peer_addr(c["holder"])) if c["tier"] == "backup"
-                                    else c for c in cands[r]]
-                workers.append(w)
+                                    else c for c in cands[w["rank"]]]
             backup = self.slots[self.topo.backup_machine(i)] if self.spec.machines > 1 else None
             ckpt = {"durable_dir": self.ctl.ckpt_dir(self.job_id), "every": self.spec.ckpt_every,
                     "backup": {"machine": backup, "addr": self.ctl.peer_addr(backup)}

@@ -63,8 +63,7 @@ class ReplayFlow:
             rp["groups"][run] = {"group": g, "machines": list(machines), "done": set(),
                                  "world": world, "failed": None}
             for i, m in enumerate(machines):
-                workers = [{"rank": r, "env": {"RANK": r, "LOCAL_RANK": r - i * self.G, "GROUP_RANK": i}}
-                           for r in range(i * self.G, (i + 1) * self.G)]
+                workers = self._workers_of(i)
                 self.ctl.send(m, {"type": "start", "run": run, "command": self.spec.command,
                                   "cwd": self.code_path, "env": env, "workers": workers, "ckpt": None})
 
