@@ -148,6 +148,14 @@ def _step_times(state_dir: str) -> list[tuple[float, int, int]]:
         store.close()
 
 
+def _code_dir(workdir: str, tag: str) -> str:
+    code = os.path.join(workdir, f"code-{tag}")
+    os.makedirs(code, exist_ok=True)
+    with open(os.path.join(code, "train.py"), "w") as f:
+        f.write(f"# version {tag}\nimport sys\nfrom stalwart.examples import gpt\nsys.exit(gpt.main())\n")
+    return code
+
+
 def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str, kind: str,
                       update: bool = False) -> dict:
     """The same job under stalwart with `KIND@step=S,machine=1` (or an urgent hot update once S
@@ -158,10 +166,10 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
                     chaos=[] if update else [f"{kind}@step={crash_step},machine=1"])
     during = None
     if update:
-        code = os.path.join(workdir, "code-v2")
-        os.makedirs(code, exist_ok=True)
-        with open(os.path.join(code, "train.py"), "w") as f:
-            f.write("import sys\nfrom stalwart.examples import gpt\nsys.exit(gpt.main())\n")
+        # hot update versions a code directory: the job runs train.py from one, v2 is a copy
+        spec["command"] = [sys.executable, "train.py"] + spec["command"][3:]
+        spec["code_dir"] = _code_dir(workdir, "v1")
+        code = _code_dir(workdir, "v2")
         posted = []
 
         def during(client, job, st):
@@ -175,9 +183,11 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
     inc = incs[0]
     start = inc["detected_at"] if update else inc["injected_at"]
     times = _step_times(d)
-    before = [s for t, _, s in times if t <= start]
-    reached = max(before) if before else -1
-    after = [t for t, _, s in times if t > start and s > reached]
+    before = [(s, run) for t, run, s in times if t <= start]
+    reached = max(s for s, _ in before) if before else -1
+    run_at_fault = max((run for _, run in before), default=0)
+    # steps the old run still committed after the fault are not recovery
+    after = [t for t, run, s in times if t > start and s > reached and run > run_at_fault]
     return {"fault_to_next_step_s": inc["resumed_at"] - start,
             "fault_to_caught_up_s": (min(after) - start) if after else None,
             "detection_s": inc["detection_s"],
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             sw = stalwart_recovery(a.steps, a.crash_step, a.ckpt_every, sub,
                                    "machine-down" if c == "machine" else "crash", update=c == "update")
             results[c] = {"torchrun": tr, "stalwart": sw}
-    print(json.dumps(results, indent=1))
+            print(json.dumps({c: results[c]}), flush=True)
     print(f"\nfault after {a.crash_step} of {a.steps} steps, durable checkpoint every {a.ckpt_every} "
           f"(stalwart also keeps one in memory every step)")
     head = f"{'case':<30} {'fault->next step (s)':>21} {'fault->caught up (s)':>21} {'steps lost':>11}"

@@ -24,6 +24,21 @@ def _env_int(name: str, default: int | None = None) -> int | None:
     return int(v) if v not in (None, "") else default
 
 
+def _warm_up_torch() -> None:
+    """Pay torch's first-use costs while waiting as a spare, not after activation.
+
+    Building the first optimizer imports torch._dynamo (about 1 s on these machines, as long as
+    importing torch itself); the first backward starts the autograd engine's threads. A training
+    script does both right after `init()` returns, so a warm worker that skipped this would spend
+    that second on the restart's critical path.
+    """
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    (p * p).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 class Context:
     """What `stalwart.worker.init()` returns. See the README's "Worker SDK" section."""
 
@@ -85,6 +100,7 @@ class Context:
     # -- set-up ------------------------------------------------------------------------------
     def _wait_for_activation(self) -> None:
         """A warm standby: torch is imported; block until the agent hands us our ranks."""
+        _warm_up_torch()
         self.link.send_now({"type": "standby_ready", "pid": os.getpid()})
         self._activation.wait()
         os.environ.update(self._activation_env)
