@@ -10,9 +10,11 @@ at the step it had reached (lost steps redone), steps lost, and the ratio:
   checks (no culprit), then reattempts from the every-step in-memory checkpoint.
 - machine: a machine fault. torchrun sees a dead worker and restarts the same way; stalwart (one
   warm standby) evicts the machine and the standby takes its ranks from the in-memory checkpoint.
-- update: new training code. A full requeue stops everything and starts new torchrun agents that
-  reload the durable checkpoint; stalwart's urgent hot update restarts the workers in place from
-  the in-memory checkpoint.
+- update: new training code. A full requeue stops everything (once `--crash-step` steps are done)
+  and starts new torchrun agents that reload the durable checkpoint; stalwart registers an urgent
+  hot update at that step, warms spare workers on the new code while training goes on, then stops
+  the run and restarts in place from the in-memory checkpoint. Its time counts from that stop
+  (training stood still only then); `request_to_next_step_s` and `spares_warm_up_s` are printed too.
 
 Both run the bundled example with the same layout (tp=2, dp=2, 4 workers) and the same durable
 checkpoint interval (default 50 steps, the issue's setting). Not a timed test: a script that
@@ -38,6 +40,7 @@ from jobrun import gpt_spec, run_job  # noqa: E402
 from stalwart.agent.workers import kill_tree  # noqa: E402
 
 
+UPDATE_MAX_STEPS = 3000    # the update case's job length; it is cancelled 300 steps after the update
 ERROR_RE = re.compile(r"Traceback|Error|ERROR|[Ff]ailed|FAILED|exitcode|Signals\.")
 
 
@@ -136,16 +139,24 @@ def torchrun_requeue(steps: int, at_step: int, ckpt_every: int, workdir: str) ->
             "steps_lost": (max_step - first_after + 1) if first_after is not None else None}
 
 
-def _step_times(state_dir: str) -> list[tuple[float, int, int]]:
-    """(t, run, step) of every committed step, from the store (times since the job started)."""
+def _events(state_dir: str) -> dict[str, list[dict]]:
+    """The job's events by kind, from the store."""
     from stalwart.controller.store import Store
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
-        evs = store.events(1)
-        t0 = evs[0]["t"]
-        return [(e["t"] - t0, e["data"]["run"], e["data"]["step"]) for e in evs if e["kind"] == "step"]
+        out: dict[str, list[dict]] = {}
+        for e in store.events(1):
+            out.setdefault(e["kind"], []).append(e)
+        return out
     finally:
         store.close()
+
+
+def _step_times(state_dir: str) -> list[tuple[float, int, int]]:
+    """(t, run, step) of every committed step, t since the job was submitted (as in the report)."""
+    evs = _events(state_dir)
+    t0 = evs["job_submitted"][0]["t"]
+    return [(e["t"] - t0, e["data"]["run"], e["data"]["step"]) for e in evs.get("step", [])]
 
 
 def _code_dir(workdir: str, tag: str) -> str:
@@ -161,6 +172,8 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
     """The same job under stalwart with `KIND@step=S,machine=1` (or an urgent hot update once S
     steps are done); times from the incident record and the step events."""
     d = os.path.join(workdir, f"stalwart-{'update' if update else kind}")
+    if update:    # long enough for the spares to warm up beside training; cancelled when resumed
+        steps = max(steps, UPDATE_MAX_STEPS)
     spec = gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=steps, ckpt_every=ckpt_every,
                     standby=1 if kind == "machine-down" else 0,
                     chaos=[] if update else [f"{kind}@step={crash_step},machine=1"])
@@ -175,10 +188,13 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
         def during(client, job, st):
             live = st.get("live") or {}
             if not posted and live.get("state") == "running" and live.get("step", 0) >= crash_step:
-                posted.append(client.post(f"/api/jobs/{job}/versions", {"code": code, "mode": "urgent"}))
-    rep = run_job(d, spec, during=during)
+                posted.append((client.post(f"/api/jobs/{job}/versions", {"code": code, "mode": "urgent"}),
+                               live["step"]))
+            elif posted and live.get("run", 1) > 1 and live.get("step", 0) >= posted[0][1] + UPDATE_MAX_STEPS // 10:
+                client.post(f"/api/jobs/{job}/cancel", {"reason": "bench: the update was measured"})
+    rep = run_job(d, spec, during=during, timeout=600)
     incs = [i for i in rep["incidents"] if update or i.get("injected_at") is not None]
-    if rep["state"] != "succeeded" or not incs or incs[0]["resumed_at"] is None:
+    if rep["state"] not in ("succeeded", "cancelled") or not incs or incs[0]["resumed_at"] is None:
         raise RuntimeError(f"stalwart job {rep['state']} ({rep.get('reason')}); incidents {rep['incidents']}")
     inc = incs[0]
     start = inc["detected_at"] if update else inc["injected_at"]
@@ -188,7 +204,13 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
     run_at_fault = max((run for _, run in before), default=0)
     # steps the old run still committed after the fault are not recovery
     after = [t for t, run, s in times if t > start and s > reached and run > run_at_fault]
-    return {"fault_to_next_step_s": inc["resumed_at"] - start,
+    extra = {}
+    if update:   # the request came earlier: training went on while spares warmed up on the new code
+        evs = _events(d)
+        asked = evs["version_registered"][0]["t"] - evs["job_submitted"][0]["t"]
+        extra = {"request_to_next_step_s": inc["resumed_at"] - asked,
+                 "spares_warm_up_s": (evs.get("version_prewarmed") or [{"data": {}}])[0]["data"].get("seconds")}
+    return {**extra, "fault_to_next_step_s": inc["resumed_at"] - start,
             "fault_to_caught_up_s": (min(after) - start) if after else None,
             "detection_s": inc["detection_s"],
             "localization_s": inc["localized_at"] - inc["detected_at"] if inc["localized_at"] else None,

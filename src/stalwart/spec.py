@@ -94,6 +94,7 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "similarity_evict": ("bool", 0, False, 0, False),
     "daily_failure_rate": ("float", 0.0, False, 1.0, True),
     "hot_update_window_s": ("float", 0.0, False, math.inf, False),
+    "hot_update_prewarm_s": ("float", 0.0, False, math.inf, False),
     "stop_grace_s": ("float", 0.0, False, math.inf, False),
     "max_standby_wait_s": ("float", 0.0, False, math.inf, False),
     "stop_time_checks": ("bool", 0, False, 0, False),
@@ -135,6 +136,10 @@ class Policy:
         standby pool when ``standby`` is "auto" (0 <= x < 1).
     hot_update_window_s: a pending code version is applied at the latest after this window
         (>= 0; default 24 h; 0 applies at once).
+    hot_update_prewarm_s: before a code version is applied, every machine starts spare workers
+        on it (torch imported, the new code loaded) while training goes on; a due update waits
+        at most this long for them, then restarts cold (>= 0; 0 never waits). A version with a
+        window gets its spares this long before the window expires.
     stop_grace_s: time between SIGTERM and SIGKILL when stopping workers (>= 0).
     max_standby_wait_s: how long a failover waits for a standby before restarting on the
         remaining machines or paging (>= 0).
@@ -174,6 +179,7 @@ class Policy:
     similarity_evict: bool = True
     daily_failure_rate: float = 0.0012
     hot_update_window_s: float = 86400.0
+    hot_update_prewarm_s: float = 120.0
     stop_grace_s: float = 2.0
     max_standby_wait_s: float = 60.0
     stop_time_checks: bool = True

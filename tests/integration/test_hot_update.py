@@ -43,17 +43,19 @@ def spec(tmp_path, steps, **kw):
 
 
 class Script:
-    """Registers versions when the job reaches given steps (called on every status poll)."""
+    """Registers versions when the job reaches given steps (called on every status poll); an entry
+    (step, body, run) also waits for run number `run` (an earlier version applied)."""
 
     def __init__(self, plan):
-        self.plan = sorted(plan, key=lambda p: p[0])
+        self.plan = [p if len(p) == 3 else (*p, 1) for p in sorted(plan, key=lambda p: p[0])]
         self.done = []
 
     def __call__(self, client, job, st):
-        step = (st.get("live") or {}).get("step", 0)
-        run_state = (st.get("live") or {}).get("state")
-        while self.plan and step >= self.plan[0][0] and run_state == "running":
-            at, body = self.plan.pop(0)
+        live = st.get("live") or {}
+        step, run = live.get("step", 0), live.get("run", 0)
+        while self.plan and step >= self.plan[0][0] and run >= self.plan[0][2] \
+                and live.get("state") == "running":
+            at, body, _ = self.plan.pop(0)
             self.done.append(client.post(f"/api/jobs/{job}/versions", body))
 
 
@@ -67,14 +69,23 @@ def statuses(state_dir):
         store.close()
 
 
+def events(state_dir, kind):
+    from stalwart.controller.store import Store
+    store = Store(f"sqlite:///{state_dir}/stalwart.db")
+    try:
+        return [e["data"] for e in store.events(1) if e["kind"] == kind]
+    finally:
+        store.close()
+
+
 @pytest.mark.timeout(400)
 def test_urgent_update_then_rollback_of_a_bad_version(tmp_path):
-    s = spec(tmp_path, 400)
+    s = spec(tmp_path, 1000)     # long enough for spares to warm up twice beside training
     script = Script([(30, {"code": code(tmp_path, "v2"), "mode": "urgent"}),
-                     (120, {"code": code(tmp_path, "bad", BAD), "mode": "urgent"})])
-    rep = run_job(tmp_path / "state", s, during=script)
+                     (120, {"code": code(tmp_path, "bad", BAD), "mode": "urgent"}, 2)])
+    rep = run_job(tmp_path / "state", s, during=script, timeout=360)
     assert rep["state"] == "succeeded", rep.get("reason")
-    assert rep["steps_completed"] == 400
+    assert rep["steps_completed"] == 1000
     mech = [i["mechanism"] for i in rep["incidents"]]
     assert mech.count("hot_update") == 2 and "rollback" in mech
     rb = next(i for i in rep["incidents"] if i["mechanism"] == "rollback")
@@ -84,12 +95,20 @@ def test_urgent_update_then_rollback_of_a_bad_version(tmp_path):
     for run in hot:                    # in place, from the in-memory checkpoint of each rank
         assert set(run["restore"]["tiers"].values()) == {"own"}, run["restore"]
         assert run["machines"] == rep["runs"][0]["machines"]
+    # spares warmed up on each new version while training went on: the restarts were warm
+    warmed = [e["version"] for e in events(tmp_path / "state", "version_prewarmed")]
+    assert warmed == [2, 3], warmed
+    started = events(tmp_path / "state", "workers_started")
+    for run in hot:
+        assert [e["warm"] for e in started if e["run"] == run["id"]] == [True, True], started
     assert rep["unproductive_s"]["hot_update"] > 0
 
 
 @pytest.mark.timeout(400)
 def test_lazy_update_rides_on_the_next_failure_and_window_expires(tmp_path):
     s = spec(tmp_path, 500, chaos=["crash@step=150,machine=1"])
+    # a due update waits for spares on the new code at most this long (then restarts cold)
+    s["policy"]["hot_update_prewarm_s"] = 3.0
     script = Script([(20, {"code": code(tmp_path, "v2"), "mode": "lazy"}),
                      (250, {"code": code(tmp_path, "v3"), "mode": "window", "window_s": 1.0})])
     rep = run_job(tmp_path / "state", s, during=script)
@@ -101,3 +120,29 @@ def test_lazy_update_rides_on_the_next_failure_and_window_expires(tmp_path):
     # version 2 was applied only at the crash's restart, not when it was registered
     crash = rep["incidents"][0]
     assert rep["runs"][1]["start_step"] >= 140 and crash["resumed_at"] > crash["detected_at"]
+
+
+@pytest.mark.timeout(400)
+def test_standby_follows_the_version_and_takes_over_warm(tmp_path):
+    """The standby's warm workers are started on the job's code version (they once held the code
+    dir, not its snapshot, and every takeover of a versioned job was cold) and are started again on
+    each version applied; a machine lost after an update is replaced by warm workers on it."""
+    s = spec(tmp_path, 1000, standby=1)
+    script = Script([(20, {"code": code(tmp_path, "v2"), "mode": "urgent"})])
+    lost = []
+
+    def during(client, job, st):
+        script(client, job, st)
+        live = st.get("live") or {}
+        if not lost and live.get("run", 0) >= 2 and live.get("step", 0) >= 20 and live.get("state") == "running":
+            lost.append(client.post(f"/api/jobs/{job}/inject", {"chaos": "machine-down@machine=1"}))
+
+    rep = run_job(tmp_path / "state", s, during=during, timeout=360)
+    assert rep["state"] == "succeeded", rep.get("reason")
+    mech = [(i["symptom"], i["mechanism"]) for i in rep["incidents"]]
+    assert mech[0] == ("hot_update", "hot_update") and mech[1][1] == "evict_restart", mech
+    takeover = rep["runs"][2]
+    standby = (set(takeover["machines"].values()) - set(rep["runs"][1]["machines"].values())).pop()
+    started = [e for e in events(tmp_path / "state", "workers_started") if e["run"] == takeover["id"]]
+    assert {e["machine"]: e["warm"] for e in started}[standby] is True, started
+    assert dict(statuses(tmp_path / "state"))[2] == "stable"

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from stalwart.controller import versions as V
 from stalwart.controller.store import Store
-from stalwart.controller.versions import (Versions, after_failure, current_version, due_update,
+from stalwart.controller.versions import (Versions, after_failure, current_version, due_update, to_prewarm,
                                           is_due, is_healthy, last_stable_version, remove_tree,
                                           rollback_reason, snapshot, tree_hash)
 
@@ -306,6 +306,19 @@ def test_due_update_picks_the_newest_due_version():
     assert due_update(list(reversed(vs)), T + 60, at_failure=True)["id"] == 3
     assert due_update(vs + [ver(5, "urgent", "urgent", None)], T + 60, False)["id"] == 5
     assert due_update([], T, True) is None
+
+
+def test_to_prewarm_warms_what_the_next_restart_or_a_near_window_will_apply():
+    lazy, window = ver(2, mode="lazy"), ver(3, mode="window", window_s=3600)
+    assert to_prewarm([ver(1, "stable", applied_at=T)], T, 120) is None
+    assert to_prewarm([lazy], T, 120)["id"] == 2                   # any restart applies it
+    assert to_prewarm([ver(4, "urgent", "urgent", None)], T, 120)["id"] == 4
+    # a window version only shortly before its window ends: until then restarts run the old code
+    assert to_prewarm([window], T + 60, 120) is None
+    assert to_prewarm([window], T + 3600 - 120, 120)["id"] == 3
+    assert to_prewarm([lazy, window], T + 3500, 120)["id"] == 3   # the newest of them
+    assert to_prewarm([ver(5, "applied", "urgent", None)], T, 120) is None
+    assert to_prewarm([ver(6, mode="window", window_s=None)], T + 10**6, 120) is None
 
 
 def test_current_and_last_stable_from_plain_rows():

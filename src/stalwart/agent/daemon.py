@@ -65,6 +65,7 @@ class Agent:
         self.warm = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
         self._warm_key: tuple | None = None
         self._refill_at: tuple[float, dict] | None = None   # when to top up the spares, for which run
+        self._spares_for: str | None = None     # `spares` asked: report when those are all ready
         self._events: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
@@ -262,6 +263,7 @@ class Agent:
             if kind == "standby_ready":
                 with self._lock:
                     self._standby_ready.append(pid)
+                self._report_spares()
             if kind in FORWARDED:
                 msg["run"] = self._run
                 self.emit(msg)
@@ -273,6 +275,8 @@ class Agent:
             self._launch(cmd, wait_s=float(cmd.get("wait_s", 30)) if kind == "activate" else 2.0)
         elif kind == "prewarm":
             self._prewarm(cmd)
+        elif kind == "spares":
+            self._spares(cmd)
         elif kind == "stop":
             self._stop_workers(cmd.get("run"), float(cmd.get("grace_s", 0.0)))
         elif kind == "chaos":
@@ -405,8 +409,30 @@ class Agent:
         self._spawn_warm(cmd, int(cmd.get("count", self.gpus)))
         self.emit({"type": "prewarmed", "pids": self.warm.pids()})
 
+    def _spares(self, cmd: dict) -> None:
+        """Spares for another command (a new code version) while the run goes on: the current
+        spares make way, and `spares_ready` says when the new ones wait at the barrier, so the
+        controller stops the run only once the restart can be warm."""
+        self._refill_at = None
+        if self._warm_key != warm_key(cmd):
+            self.warm.stop()
+            self._spawn_warm(cmd, int(cmd.get("count", self.gpus)))
+        self._spares_for = cmd.get("cwd")
+        self._report_spares()
+
+    def _report_spares(self) -> None:
+        with self._lock:
+            if self._spares_for is None or not self.warm.workers:
+                return
+            if not set(self.warm.pids()) <= set(self._standby_ready):
+                return
+            cwd, self._spares_for = self._spares_for, None
+        self.emit({"type": "spares_ready", "cwd": cwd, "pids": self.warm.pids()})
+
     def _refill(self, cmd: dict) -> None:
         missing = len(cmd["workers"]) - len(self.warm.workers)
+        if self._warm_key not in (None, warm_key(cmd)) and self.warm.workers:
+            return      # the spares wait for another command (a new code version)
         if missing > 0 and self._run == cmd["run"]:
             self._spawn_warm(cmd, missing)
 

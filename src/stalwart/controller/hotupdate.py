@@ -5,10 +5,13 @@ The decisions (when a version is due, when to roll back, when it is proven) are 
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from stalwart.controller import versions
+
+log = logging.getLogger("stalwart.controller")
 
 SKIP_DIRS = {"__pycache__", ".git"}
 MAX_FILES = 5000
@@ -55,7 +58,54 @@ class HotUpdateFlow:
     failure's restart or when the window expires), rolled back by `_localize` when they fail."""
 
     def _use_version(self, row: dict) -> None:
+        moved = self.run_seq > 0 and row["path"] != self.code_path
         self.version, self.code_path = row, row["path"]
+        if moved:      # the standbys' warm workers hold the old code: warm them up on this one
+            for m in self.standby:
+                self._prewarm(m)
+
+    # -- spares on the coming version ------------------------------------------------------------
+    def _update_ready(self, now: float) -> bool:
+        """Is a due code version to be applied now? Before it is, every machine of the run starts
+        spare workers on it while training goes on, so the restart that applies it is warm; a
+        due version waits for them at most `hot_update_prewarm_s`."""
+        vs = self.versions.list(self.job_id)
+        lead = self.spec.policy.hot_update_prewarm_s
+        want = versions.to_prewarm(vs, now, lead) if lead > 0 else None
+        p = self.spares_prep
+        if want is not None and (p is None or p["version"] != want["id"] or p["run"] != self.run_seq):
+            self._prepare_spares(want, now)
+        due = versions.due_update(vs, now, at_failure=False)
+        if due is None:
+            return False
+        p = self.spares_prep
+        if p is None or p["version"] != due["id"]:
+            return True
+        if set(self.slots) <= p["ready"]:
+            return True
+        if now - p["sent"] >= lead:
+            log.warning("job %s: spares for version %s not ready on %s after %.0fs; restarting cold",
+                        self.job_id, due["id"], sorted(set(self.slots) - p["ready"]), lead)
+            return True
+        return False
+
+    def _prepare_spares(self, v: dict, now: float) -> None:
+        self.spares_prep = {"version": v["id"], "path": v["path"], "sent": now, "run": self.run_seq,
+                            "ready": set()}
+        env = self._common_env(run=None, port=None, version=v)
+        for m in self.slots:
+            self.ctl.send(m, {"type": "spares", "command": self.spec.command, "cwd": v["path"],
+                              "count": self.G, "env": env})
+        self.event("version_prewarm", {"version": v["id"], "machines": list(self.slots)}, t=now)
+
+    def _agent_spares_ready(self, machine: str, ev: dict) -> None:
+        p = self.spares_prep
+        if p is None or ev.get("cwd") != p["path"] or machine in p["ready"]:
+            return
+        p["ready"].add(machine)
+        if set(self.slots) <= p["ready"]:
+            self.event("version_prewarmed", {"version": p["version"],
+                                             "seconds": round(time.time() - p["sent"], 3)})
 
     def register_version(self, src: str, mode: str, window_s: float | None) -> dict:
         """`stalwart update`: snapshot a new code version (called from the API thread)."""

@@ -81,6 +81,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         self.code_path = spec.code_dir          # where the workers' code lives (a version snapshot)
         self.version: dict | None = None        # the code version the workers run
         self.versioning_off: str | None = None
+        self.spares_prep: dict | None = None    # spares warming up on a coming version (hotupdate)
         self.loss_hist: list[float] = []
         self.step_durs: list[float] = []       # committed step durations of this run (fail-slow)
         self.rank_times: list[dict] = []       # recent steps: rank -> (step s, compute s)
@@ -137,7 +138,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
             self._replay_check(now)
         elif self.state == "tracing" and now - self.incident["trace_sent"] > TRACE_TIMEOUT_S:
             self._finish_trace(now)
-        elif self.state == "running" and self.version is not None and self._due_version(now, False):
+        elif self.state == "running" and self.version is not None and self._update_ready(now):
             self._open_incident("hot_update", now)
         elif self.state == "running" and self.failslow is not None:
             self._failslow_tick(now)
@@ -161,16 +162,16 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         self.standby = free[self.spec.machines: self.spec.machines + want_standby]
         for m in self.slots:
             self.ctl.set_machine(m, state="active", job_id=self.job_id)
-        for m in self.standby:
-            self.ctl.set_machine(m, state="standby", job_id=self.job_id)
-            self._prewarm(m)
-        self.store.update_job(self.job_id, state="running")
         self.versioning_off = versionable(self.spec.code_dir, self.ctl.state_dir)
         if self.versioning_off is None:
             self._use_version(self.versions.register(self.job_id, self.spec.code_dir, self.ctl.state_dir,
                                                      "lazy", self.spec.policy.hot_update_window_s, now))
         else:
             log.info("job %s: hot update off: %s", self.job_id, self.versioning_off)
+        for m in self.standby:    # after the version: standbys warm up on the code the runs use
+            self.ctl.set_machine(m, state="standby", job_id=self.job_id)
+            self._prewarm(m)
+        self.store.update_job(self.job_id, state="running")
         self._start_run(-1, {})
 
     def _prewarm(self, m: str) -> None:
@@ -179,8 +180,11 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         self.warm.add(m)
 
     # -- runs ------------------------------------------------------------------------------------
-    def _common_env(self, run: int | None, port: int | None) -> dict:
+    def _common_env(self, run: int | None, port: int | None, version: dict | None = None) -> dict:
+        """The environment every worker of a run gets (`version`: of another code version than
+        the current one, for spares warming up on it)."""
         s, t = self.spec, self.topo
+        version = version or self.version
         env = dict(s.env)
         env.update({"WORLD_SIZE": self.world, "LOCAL_WORLD_SIZE": self.G,
                     "STALWART_JOB": self.job_id, "STALWART_TP": t.tp, "STALWART_PP": t.pp,
@@ -190,8 +194,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
                     "STALWART_MEM_SLOTS": s.policy.mem_slots,
                     "STALWART_CKPT_DIR": self.ctl.ckpt_dir(self.job_id),
                     "TORCHELASTIC_RUN_ID": f"stalwart-{self.job_id}"})
-        if self.version is not None:
-            env.update(version_env(self.code_path, self.version["id"]))
+        if version is not None:
+            env.update(version_env(version["path"], version["id"]))
         if run is not None:
             env.update({"STALWART_RUN": run, "MASTER_ADDR": self.ctl.store_host, "MASTER_PORT": port,
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": run})
@@ -449,8 +453,9 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         inc = self.incident
         limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
         # A worker's own failure (not a consequence of a peer's) explains the incident: its agent
-        # swept the probes before reporting it, so there is nothing more to wait for.
-        explained = any(not e.secondary for e in inc["exits"])
+        # swept the probes before reporting it, so there is nothing more to wait for; nor is there
+        # after a stop the controller chose (a hot update).
+        explained = inc["planned"] or any(not e.secondary for e in inc["exits"])
         if (inc["awaiting"] and now < limit) or \
                 (not explained and now < inc["detected_at"] + EVIDENCE_SETTLE_S):
             return

@@ -274,6 +274,21 @@ def due_update(versions: Iterable[Mapping[str, Any]], now: float,
     return due[-1] if due else None
 
 
+def to_prewarm(versions: Iterable[Mapping[str, Any]], now: float,
+               lead_s: float) -> Mapping[str, Any] | None:
+    """The waiting version whose spare workers should be warming now, or None: the newest one that
+    is due or will be at the next restart (urgent, lazy) or whose window ends within `lead_s`.
+
+    A window version is not warmed earlier: until then every restart runs the current code, and
+    spares of another version would make those restarts cold."""
+    def soon(v: Mapping[str, Any]) -> bool:
+        if v["status"] == "urgent" or v["mode"] in ("urgent", "lazy"):
+            return True
+        return v["window_s"] is not None and v["created_at"] + v["window_s"] - lead_s <= now
+    waiting = [v for v in _by_id(versions) if v["status"] in WAITING and soon(v)]
+    return waiting[-1] if waiting else None
+
+
 def _since(history: Iterable[Mapping[str, Any]], t0: float, now: float) -> list[Mapping[str, Any]]:
     out = [h for h in history if h.get("detected_at") is not None and t0 <= h["detected_at"] <= now]
     return sorted(out, key=lambda h: (h["detected_at"], h.get("id") or 0))
