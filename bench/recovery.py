@@ -175,7 +175,7 @@ def stalwart_recovery(steps: int, crash_step: int, ckpt_every: int, workdir: str
     if update:    # long enough for the spares to warm up beside training; cancelled when resumed
         steps = max(steps, UPDATE_MAX_STEPS)
     spec = gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=steps, ckpt_every=ckpt_every,
-                    standby=1 if kind == "machine-down" else 0,
+                    standby=0 if kind == "crash" else 1,
                     chaos=[] if update else [f"{kind}@step={crash_step},machine=1"])
     during = None
     if update:

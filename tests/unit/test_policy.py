@@ -71,3 +71,15 @@ def test_no_progress_across_restarts_stops_the_job():
     r = policy.resolve(snap(restarts_without_progress=2, max_restarts_without_progress=3),
                        Evidence(exits=(crash(),)), now=1.0)
     assert r.mechanism == "reattempt"
+
+
+def test_cause_in_hand_only_when_more_evidence_cannot_change_the_verdict():
+    peer = crash("m0", 0, secondary=True)
+    gpu = Alert(machine="m1", kind="gpu_lost", severity="fatal", machine_certain=True, t=1.0)
+    nic = Alert(machine="m1", kind="nic_down", severity="fatal", machine_certain=False, network=True, t=1.0)
+    assert not policy.cause_in_hand(False, (peer,), (), ())          # only consequences so far
+    assert not policy.cause_in_hand(False, (peer,), (nic,), ())      # a network alert may flap
+    assert policy.cause_in_hand(False, (peer,), (gpu,), ())
+    assert policy.cause_in_hand(False, (peer, crash("m1", 2)), (), ())
+    assert policy.cause_in_hand(False, (peer,), (), ("m1",))
+    assert policy.cause_in_hand(True, (), (), ())                    # a hot update's stop

@@ -80,6 +80,7 @@ class Worker:
     run: int | None
     started_at: float = field(default_factory=time.time)
     exit_code: int | None = None
+    failure_reported: bool = False      # the SDK said "failing" before the process ended
     expected_exit: bool = False
 
     def log_tail(self, nbytes: int = 8192) -> str:

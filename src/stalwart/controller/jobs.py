@@ -452,10 +452,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
     def _check_stopped(self, now: float) -> None:
         inc = self.incident
         limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
-        # A worker's own failure (not a consequence of a peer's) explains the incident: its agent
-        # swept the probes before reporting it, so there is nothing more to wait for; nor is there
-        # after a stop the controller chose (a hot update).
-        explained = inc["planned"] or any(not e.secondary for e in inc["exits"])
+        explained = policy.cause_in_hand(inc["planned"], tuple(inc["exits"]), tuple(inc["alerts"]),
+                                         tuple(inc["lost"]))
         if (inc["awaiting"] and now < limit) or \
                 (not explained and now < inc["detected_at"] + EVIDENCE_SETTLE_S):
             return

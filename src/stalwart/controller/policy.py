@@ -96,6 +96,19 @@ def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
     return False
 
 
+def cause_in_hand(planned: bool, exits: tuple[Exit, ...], alerts: tuple[Alert, ...],
+                  lost: tuple[str, ...]) -> bool:
+    """Can a stopped incident be resolved without waiting for more evidence?
+
+    Yes after a stop the controller chose (a hot update), a lost machine, a worker's own failure
+    (not a consequence of a peer's: its agent swept the probes before reporting it) or a fatal
+    machine-certain alert (a GPU gone, a full disk). Otherwise only consequences are known so far
+    (peers of a dead worker failing in their collectives) and the runner gives the probes a moment.
+    """
+    return (planned or bool(lost) or any(not e.secondary for e in exits)
+            or any(a.severity == "fatal" and a.machine_certain for a in alerts))
+
+
 def _primary_exits(exits: tuple[Exit, ...]) -> list[Exit]:
     """The exits that are causes, not consequences (earliest first)."""
     primary = [e for e in exits if not e.secondary]
@@ -173,7 +186,8 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
 def _describe_exits(exits: list[Exit]) -> str:
     parts = []
     for e in exits[:3]:
-        how = f"killed by signal {e.signal}" if e.signal else f"exit code {e.code}"
+        how = f"killed by signal {e.signal}" if e.signal else \
+            "failed with an exception" if e.code is None else f"exit code {e.code}"
         if e.signal == 9:
             how = "killed by SIGKILL"
         who = f"rank {e.rank}" if e.rank is not None else "a worker"

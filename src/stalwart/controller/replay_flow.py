@@ -80,7 +80,8 @@ class ReplayFlow:
         elif kind == "done" or (kind == "worker_exit" and ev.get("code") == 0):
             grp["done"].add(ev.get("rank"))
         elif kind == "worker_exit" and not ev.get("expected"):
-            how = f"signal {ev['signal']}" if ev.get("signal") else f"exit code {ev.get('code')}"
+            how = f"signal {ev['signal']}" if ev.get("signal") else \
+                "an exception" if ev.get("code") is None else f"exit code {ev.get('code')}"
             grp["failed"] = f"rank {ev.get('rank')} on {machine} failed ({how})"
         self._replay_check(time.time())
 

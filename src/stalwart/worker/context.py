@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Iterable
 
 import torch
@@ -268,8 +269,14 @@ class Context:
         """
         if self.mem is not None:
             self.mem.close()       # the last step's shard is committed before we say done
-        if sys.exc_info()[1] is None:
+        exc = sys.exc_info()[1]
+        if exc is None:
             self.link.send_now({"type": "done", "rank": self.rank})
+        elif not isinstance(exc, KeyboardInterrupt):
+            # Tell the agent now: tearing down an interpreter that imported torch takes about half
+            # a second after the traceback, and the agent would only see the exit after it.
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.link.send_now({"type": "failing", "rank": self.rank, "traceback": tb[-8192:]})
         self.link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
