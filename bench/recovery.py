@@ -1,15 +1,20 @@
 """Recovery benchmark: stalwart vs torchrun on the same job, fault and step.
 
-    python bench/recovery.py [--steps 80] [--crash-step 45] [--ckpt-every 50] [--only crash,machine,update]
+    python bench/recovery.py [--steps 250] [--crash-step 195] [--ckpt-every 50]
+                             [--only crash,machine,lost,update]
 
-Three comparisons, each printing fault-to-next-step seconds, the seconds until training is back
+Four comparisons, each printing fault-to-next-step seconds, the seconds until training is back
 at the step it had reached (lost steps redone), steps lost, and the ratio:
 
 - crash: one worker SIGKILLed. torchrun `--max-restarts 3` (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
   pytorch#135712) restarts every worker from the durable checkpoint; stalwart runs its stop-time
   checks (no culprit), then reattempts from the every-step in-memory checkpoint.
-- machine: a machine fault. torchrun sees a dead worker and restarts the same way; stalwart (one
-  warm standby) evicts the machine and the standby takes its ranks from the in-memory checkpoint.
+- machine: a machine fault its agent sees (`gpu-lost`: the GPU falls off the bus and the worker
+  on it fails). torchrun sees a dead worker and restarts the same way; stalwart (one warm standby)
+  evicts the machine at once and the standby takes its ranks from the in-memory checkpoint.
+- lost: the whole machine goes away (`machine-down`: its agent and workers are killed). torchrun
+  again sees a dead worker; stalwart notices the machine only by its missing heartbeats
+  (`missed_beats` x `heartbeat_s`, 4 x 0.5 s here), then the standby takes over as above.
 - update: new training code. A full requeue stops everything (once `--crash-step` steps are done)
   and starts new torchrun agents that reload the durable checkpoint; stalwart registers an urgent
   hot update at that step, warms spare workers on the new code while training goes on, then stops
@@ -224,20 +229,23 @@ def _fmt(x) -> str:
 
 CASES = {
     "crash": ("crash of one worker", "torchrun restart", "stalwart checks + reattempt"),
-    "machine": ("machine fault", "torchrun restart", "stalwart standby takeover"),
+    "machine": ("machine fault (GPU lost)", "torchrun restart", "stalwart standby takeover"),
+    "lost": ("machine lost (no heartbeat)", "torchrun restart", "stalwart standby takeover"),
     "update": ("new code", "full requeue", "stalwart hot update"),
 }
+CHAOS = {"crash": "crash", "machine": "gpu-lost", "lost": "machine-down"}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run each comparison (torchrun first, then stalwart); print the table and the ratios."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--crash-step", type=int, default=45,
-                    help="fault once this many steps are done (default 45: just before the next "
-                         "durable checkpoint at 50, the costly case for a durable-only restart)")
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--crash-step", type=int, default=195,
+                    help="fault once this many steps are done (default 195: just before the next "
+                         "durable checkpoint at 200, the costly case for a durable-only restart, "
+                         "and late enough that a job is past its start-up, as faults in long jobs are)")
     ap.add_argument("--ckpt-every", type=int, default=50, help="durable checkpoint interval (default 50)")
-    ap.add_argument("--only", default="crash,machine,update", help="comma list of crash, machine, update")
+    ap.add_argument("--only", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     a = ap.parse_args(argv)
     cases = [c.strip() for c in a.only.split(",") if c.strip()]
     if not 1 <= a.crash_step < a.steps or a.ckpt_every < 1 or not cases or set(cases) - set(CASES):
@@ -253,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             tr = torchrun_requeue(a.steps, a.crash_step, a.ckpt_every, sub) if c == "update" else \
                 torchrun_recovery(a.steps, a.crash_step, a.ckpt_every, sub)
             print(f"{c}: stalwart ...", flush=True)
-            sw = stalwart_recovery(a.steps, a.crash_step, a.ckpt_every, sub,
-                                   "machine-down" if c == "machine" else "crash", update=c == "update")
+            sw = stalwart_recovery(a.steps, a.crash_step, a.ckpt_every, sub, CHAOS.get(c, "crash"),
+                                   update=c == "update")
             results[c] = {"torchrun": tr, "stalwart": sw}
             print(json.dumps({c: results[c]}), flush=True)
     print(f"\nfault after {a.crash_step} of {a.steps} steps, durable checkpoint every {a.ckpt_every} "

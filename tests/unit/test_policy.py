@@ -83,3 +83,10 @@ def test_cause_in_hand_only_when_more_evidence_cannot_change_the_verdict():
     assert policy.cause_in_hand(False, (peer, crash("m1", 2)), (), ())
     assert policy.cause_in_hand(False, (peer,), (), ("m1",))
     assert policy.cause_in_hand(True, (), (), ())                    # a hot update's stop
+
+
+def test_a_machine_silent_for_two_beats_after_the_stop_is_lost():
+    heard = {"m0": 9.8, "m1": 8.9, "m2": None}
+    assert policy.silent_during_stop({"m0", "m1", "m2"}, heard, now=10.0, heartbeat_s=0.5) == ["m1", "m2"]
+    assert policy.silent_during_stop({"m0"}, heard, now=10.0, heartbeat_s=0.5) == []
+    assert policy.silent_during_stop({"m1"}, heard, now=10.0, heartbeat_s=1.0) == []   # 1.1 s < 2 beats

@@ -142,6 +142,7 @@ class Agent:
         self.chaos.cleanup()
         self.workers.stop()
         self.warm.stop()
+        self.diagnoser.stop()
         self.ckpt.close()
         import shutil
         shutil.rmtree(self.ckpt.root, ignore_errors=True)
@@ -293,6 +294,7 @@ class Agent:
             self.chaos.cleanup()
             self.workers.stop()
             self.warm.stop()
+            self.diagnoser.stop()
             self.shutdown()
         else:
             raise ValueError(f"unknown command {kind!r}")
@@ -437,6 +439,8 @@ class Agent:
             return      # the spares wait for another command (a new code version)
         if missing > 0 and self._run == cmd["run"]:
             self._spawn_warm(cmd, missing)
+        if self._run == cmd["run"]:
+            self.diagnoser.prewarm()   # the stop-time checks of the next failure start warm too
 
     def _stop_workers(self, run: int | None, grace_s: float) -> None:
         self._refill_at = None
@@ -444,6 +448,7 @@ class Agent:
         self.workers.stop(grace_s)
         if run is None:        # the job is over (or this machine left it): no spares either
             self.warm.stop()
+            self.diagnoser.stop()
             self._warm_key = None
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
@@ -451,7 +456,9 @@ class Agent:
         if cmd["kind"] == "machine-down":
             self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
             time.sleep(0.05)  # let the sender thread carry the injection time out
-            for pid in self.workers.pids() + self.warm.pids():
+            for pid in self.workers.pids() + self.warm.pids() + [self.diagnoser.warm_pid() or 0]:
+                if not pid:
+                    continue
                 kill_tree(pid)
             os._exit(137)
         t = self.chaos.apply(cmd)
@@ -492,13 +499,14 @@ class Agent:
     def _on_worker_exit(self, w: Worker) -> None:
         if w.failure_reported:
             return             # reported when its SDK said it was failing
-        if not w.expected_exit and w.exit_code != 0:
+        expected = w.expected_exit     # as it was at the exit: a stop may come during the sweep
+        if not expected and w.exit_code != 0:
             self.monitor.sweep()   # a dead GPU is reported before the crash it caused
         code = w.exit_code
         sig = -code if code is not None and code < 0 else None
         self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
-                   "code": code, "signal": sig, "expected": w.expected_exit,
-                   "log_tail": "" if w.expected_exit else w.log_tail(), "pid": w.proc.pid})
+                   "code": code, "signal": sig, "expected": expected,
+                   "log_tail": "" if expected else w.log_tail(), "pid": w.proc.pid})
 
 
 def socket_peer_pid(conn: socket.socket) -> int:

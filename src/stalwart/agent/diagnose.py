@@ -4,6 +4,10 @@ a time bound and reports every result (the pure verdict is the controller's `lad
 Each check process gets a plan file and appends one JSON line per finished check, so a process
 killed at the bound still leaves what it had measured. Processes run in the machine's network
 namespace (with its environment) like the workers, and are killed with their whole tree.
+
+Between failures the agent keeps one warm `stalwart.diag.worker --serve` process per machine (torch
+imported, the checks loaded) that forks the checkers when a `diagnose` command comes, so the checks
+do not start with an `import torch` in every process; without one the checkers start cold.
 """
 from __future__ import annotations
 
@@ -12,10 +16,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable
 
-from stalwart.agent.workers import kill_tree
+from stalwart.agent.workers import _die_with_parent, kill_tree
 
 log = logging.getLogger("stalwart.agent")
 START_GRACE_S = 15.0     # importing torch on a loaded machine, on top of the checks' own bound
@@ -27,7 +32,43 @@ class Diagnoser:
                  emit: Callable[[dict], None]):
         self.machine_id, self.workdir, self.simgpu_path = machine_id, workdir, simgpu_path
         self.env, self.prefix, self.emit = env, prefix, emit
+        self._warm: subprocess.Popen | None = None
+        self._lock = threading.Lock()
 
+    # -- the warm checker ---------------------------------------------------------------------
+    def prewarm(self) -> None:
+        """Start the warm checker if none is alive. Call from a long-lived thread (the agent's
+        command thread): the process dies with the thread that forked it."""
+        with self._lock:
+            if self._warm is not None and self._warm.poll() is None:
+                return
+            d = os.path.join(self.workdir, "diag")
+            os.makedirs(d, exist_ok=True)
+            argv = (self.prefix() or []) + [sys.executable, "-m", "stalwart.diag.worker", "--serve"]
+            with open(os.path.join(d, "warm.log"), "ab") as log_f:
+                self._warm = subprocess.Popen(argv, env=self.env({}), cwd=self.workdir,
+                                              stdin=subprocess.PIPE, stdout=log_f,
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=_die_with_parent)
+
+    def warm_pid(self) -> int | None:
+        with self._lock:
+            return self._warm.pid if self._warm is not None and self._warm.poll() is None else None
+
+    def stop(self) -> None:
+        """Kill the warm checker (the job is over, or the agent leaves)."""
+        with self._lock:
+            warm, self._warm = self._warm, None
+        if warm is not None and warm.poll() is None:
+            kill_tree(warm.pid)
+            warm.wait()
+
+    def _take_warm(self) -> subprocess.Popen | None:
+        with self._lock:
+            warm, self._warm = self._warm, None
+        return warm if warm is not None and warm.poll() is None else None
+
+    # -- a diagnose command ---------------------------------------------------------------------
     def run(self, cmd: dict) -> None:
         """Run the checks of `cmd` (a `diagnose` command) and emit one `diag_result` event."""
         t0 = time.time()
@@ -35,8 +76,7 @@ class Diagnoser:
         os.makedirs(d, exist_ok=True)
         bound = float(cmd.get("timeout_s", 20.0))
         n = int(cmd.get("local_world", 1))
-        env = self.env(cmd)
-        procs, outs = [], []
+        files = []
         for lr in range(n):
             plan = {"machine": self.machine_id, "local_rank": lr, "local_world": n, "device": lr,
                     "simgpu": self.simgpu_path, "checks": list(cmd.get("checks", [])),
@@ -46,24 +86,29 @@ class Diagnoser:
             with open(plan_path, "w") as f:
                 json.dump(plan, f)
             open(out, "w").close()
-            argv = (self.prefix() or []) + [sys.executable, "-m", "stalwart.diag.worker", plan_path, out]
-            log_f = open(os.path.join(d, f"diag{lr}.log"), "wb")
-            procs.append(subprocess.Popen(argv, env=env, cwd=self.workdir, stdout=log_f,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-            log_f.close()
-            outs.append(out)
+            files.append((plan_path, out, os.path.join(d, f"diag{lr}.log")))
+        warm = self._take_warm()
+        if warm is not None:
+            try:
+                warm.stdin.write((json.dumps({"plans": files, "env": cmd.get("env", {})}) + "\n").encode())
+                warm.stdin.close()
+                procs = [warm]
+            except OSError:      # it died just now: start cold
+                warm = None
+        if warm is None:
+            procs = [self._cold(plan_path, out, log_path, cmd) for plan_path, out, log_path in files]
         rounds = max(1, len(cmd.get("inter", [])))
         deadline = t0 + START_GRACE_S + bound * (2 + rounds)
         killed = []
-        for lr, p in enumerate(procs):
+        for i, p in enumerate(procs):
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 kill_tree(p.pid)
                 p.wait()
-                killed.append(lr)
+                killed.extend(range(n) if warm is not None else [i])
         results = []
-        for out in outs:
+        for _, out, _ in files:
             with open(out) as f:
                 for line in f:
                     try:
@@ -71,4 +116,10 @@ class Diagnoser:
                     except ValueError:
                         pass    # the line a killed process was writing
         self.emit({"type": "diag_result", "id": cmd["id"], "results": results, "killed": killed,
-                   "seconds": round(time.time() - t0, 3)})
+                   "warm": warm is not None, "seconds": round(time.time() - t0, 3)})
+
+    def _cold(self, plan_path: str, out: str, log_path: str, cmd: dict) -> subprocess.Popen:
+        argv = (self.prefix() or []) + [sys.executable, "-m", "stalwart.diag.worker", plan_path, out]
+        with open(log_path, "wb") as log_f:
+            return subprocess.Popen(argv, env=self.env(cmd), cwd=self.workdir, stdout=log_f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)

@@ -28,6 +28,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def _exited(proc: subprocess.Popen) -> bool:
+    """Has the process ended (reaped or not)? `Popen.poll()` cannot tell while another thread
+    waits on it (it then answers None), so ask the kernel without reaping (WNOWAIT)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 def tail(path: str, nbytes: int = 8192) -> str:
     """The last `nbytes` of a text file ('' if missing)."""
     try:
@@ -154,7 +165,9 @@ class WorkerSet:
         with self._lock:
             workers, self.workers = self.workers, []
         for w in workers:
-            w.expected_exit = True
+            # one that already died on its own (its exit may still be on its way) was no stop's doing
+            if not _exited(w.proc):
+                w.expected_exit = True
         threads = []
         for w in workers:
             t = threading.Thread(target=kill_tree, args=(w.proc.pid, grace_s), daemon=True)

@@ -452,6 +452,13 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
     def _check_stopped(self, now: float) -> None:
         inc = self.incident
         limit = inc["stop_sent"] + 10.0 + self.spec.policy.heartbeat_s * self.spec.policy.missed_beats
+        hb = self.spec.policy.heartbeat_s
+        for m in policy.silent_during_stop(inc["awaiting"], {m: self.ctl.last_heard(m) for m in inc["awaiting"]},
+                                           now, hb):
+            inc["awaiting"].discard(m)
+            inc["lost"].add(m)
+            log.warning("job %s: %s silent for %d heartbeats after the stop: lost", self.job_id, m,
+                        policy.SILENT_BEATS)
         explained = policy.cause_in_hand(inc["planned"], tuple(inc["exits"]), tuple(inc["alerts"]),
                                          tuple(inc["lost"]))
         if (inc["awaiting"] and now < limit) or \

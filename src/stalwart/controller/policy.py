@@ -15,6 +15,7 @@ The ladder implemented so far (DESIGN.md "Fault handling"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,21 @@ def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
                   and now - a.t <= snap.network_alert_window_s]
         return len(window) >= snap.network_alert_count
     return False
+
+
+SILENT_BEATS = 2
+
+
+def silent_during_stop(awaiting: Iterable[str], last_heard: Mapping[str, float | None], now: float,
+                       heartbeat_s: float, beats: int = SILENT_BEATS) -> list[str]:
+    """Machines asked to stop that have sent nothing for `beats` heartbeat intervals: lost.
+
+    Outside an incident a machine is lost after `missed_beats` silent intervals; while one is
+    open the evidence already points at a failure and every live agent answers the stop at once
+    (its heartbeats go on meanwhile), so a shorter silence is enough to act on.
+    """
+    return sorted(m for m in awaiting
+                  if last_heard.get(m) is None or now - last_heard[m] >= beats * heartbeat_s)
 
 
 def cause_in_hand(planned: bool, exits: tuple[Exit, ...], alerts: tuple[Alert, ...],

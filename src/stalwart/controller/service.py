@@ -99,6 +99,12 @@ class Controller:
                 if runner is not None:
                     runner.post("machine_lost", machine=m["id"])
 
+    def last_heard(self, machine: str) -> float | None:
+        """When the machine's agent last sent anything (a heartbeat or events)."""
+        with self._lock:
+            m = self._machines.get(machine)
+            return m["last_beat"] if m else None
+
     def machine_alive(self, machine: str) -> bool:
         with self._lock:
             m = self._machines.get(machine)

@@ -189,9 +189,50 @@ class Runner:
             self.emit(res, started, **extra)
 
 
+def serve(stdin) -> int:
+    """Warm mode (``--serve``): import torch and the checks once, then wait for one request line
+    ``{"plans": [[PLAN_JSON, RESULTS_JSONL, LOG], ...], "env": {...}}`` and fork one checker per
+    plan (each logs to its LOG). Exits when every checker has; 0 also when stdin closes unused.
+
+    The agent keeps one such process per machine between failures, so stop-time checks do not
+    wait for `import torch` in every checker. Nothing before the fork runs a torch operation
+    (no thread pools, no device context), so the forked checkers start clean.
+    """
+    import torch  # noqa: F401  (the point: paid before the failure)
+
+    from stalwart.diag import checks  # noqa: F401
+    line = stdin.readline()
+    if not line.strip():
+        return 0
+    req = json.loads(line)
+    os.environ.update({k: str(v) for k, v in (req.get("env") or {}).items()})
+    children = []
+    for plan_path, out, log in req["plans"]:
+        pid = os.fork()
+        if pid == 0:
+            code = 2
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = main([plan_path, out])
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return serve(sys.stdin)
     if len(argv) != 2:
-        print("usage: python -m stalwart.diag.worker PLAN_JSON RESULTS_JSONL", file=sys.stderr)
+        print("usage: python -m stalwart.diag.worker PLAN_JSON RESULTS_JSONL\n"
+              "       python -m stalwart.diag.worker --serve   (warm: plans come on stdin)",
+              file=sys.stderr)
         return 2
     try:
         plan = load_plan(argv[0])
