@@ -95,6 +95,8 @@ def test_version_that_keeps_crashing_is_rolled_back_after_the_reattempt(tmp_path
     s = gpt_spec(machines=2, gpus=1, steps=120)
     s["command"] = [sys.executable, "train.py", "--layers", "2", "--log-every", "0"]
     s["code_dir"] = code(tmp_path, "v1")
+    # applied within 2 s (warm or not): the job is short, and this test is about the rollback
+    s["policy"]["hot_update_prewarm_s"] = 2.0
     script = Script([(20, {"code": code(tmp_path, "aborts", ABORTS), "mode": "urgent"})])
     rep = run_job(tmp_path / "state", s, during=script, timeout=380)
     assert rep["state"] == "succeeded", rep.get("reason")
