@@ -267,17 +267,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({c: results[c]}), flush=True)
     print(f"\nfault after {a.crash_step} of {a.steps} steps, durable checkpoint every {a.ckpt_every} "
           f"(stalwart also keeps one in memory every step)")
-    head = f"{'case':<30} {'fault->next step (s)':>21} {'fault->caught up (s)':>21} {'steps lost':>11}"
+    head = f"{'case':<44} {'fault->next step (s)':>21} {'fault->caught up (s)':>21} {'steps lost':>11}"
     print(head + "\n" + "-" * len(head))
     for c, r in results.items():
         what, peer, ours = CASES[c]
         for name, x in ((f"{what}: {peer}", r["torchrun"]), (f"{what}: {ours}", r["stalwart"])):
-            print(f"{name[:30]:<30} {_fmt(x['fault_to_next_step_s']):>21} "
+            print(f"{name[:44]:<44} {_fmt(x['fault_to_next_step_s']):>21} "
                   f"{_fmt(x['fault_to_caught_up_s']):>21} {_fmt(x['steps_lost']):>11}")
         t, s = r["torchrun"], r["stalwart"]
         for key in ("fault_to_next_step_s", "fault_to_caught_up_s"):
             if t.get(key) and s.get(key):
-                print(f"{'':<30} ratio {key}: {t[key] / s[key]:.2f}x (target >= 5x)")
+                print(f"{'':<44} ratio {key}: {t[key] / s[key]:.2f}x (target >= 5x)")
     return 0
 
 
