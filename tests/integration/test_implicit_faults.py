@@ -67,10 +67,11 @@ def test_nan_gradients_single_out_the_machine(tmp_path):
 @pytest.mark.skipif(not cgroup_available()[0], reason=f"cgroups unavailable: {cgroup_available()[1]}")
 @pytest.mark.timeout(300)
 def test_cpu_throttled_machine_is_found_by_fail_slow_rounds(tmp_path):
-    s = spec("cpu-throttle@step=20,machine=2,fraction=0.1")
-    # enough steps after the fault for the rounds (up to 2 x 5 rounds, 2 s apart) at the
-    # throttled pace; the steps after the eviction run at full speed
-    s["steps"] = 200
+    # the fault comes once the job is past its start-up (spares warming up beside the first steps
+    # slow every machine on a small host) and has its 20-step throughput baseline; then enough
+    # steps for the rounds (up to 2 x 5 rounds, 2 s apart) at the throttled pace
+    s = spec("cpu-throttle@step=50,machine=2,fraction=0.1")
+    s["steps"] = 230
     s["policy"].update(failslow_period_s=2.0, hang_timeout_floor_s=30.0)
     rep = run_job(tmp_path, s, timeout=280)
     assert rep["state"] == "succeeded", rep.get("reason")

@@ -29,3 +29,24 @@ def test_exited_on_a_zombie_without_reaping_it():
         time.sleep(0.01)
     assert _exited(p) and p.returncode is None     # dead, not reaped
     assert p.wait(timeout=5) == 0                   # the status is still there for the watcher
+
+
+def test_renice_sets_every_thread_of_a_process(tmp_path):
+    import sys
+    from stalwart.agent.workers import renice
+    # a child with a second thread, both started at niceness 5
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=lambda: os.nice(5))
+    try:
+        deadline = time.time() + 10
+        while len(os.listdir(f"/proc/{p.pid}/task")) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        tids = [int(t) for t in os.listdir(f"/proc/{p.pid}/task")]
+        assert len(tids) == 2 and all(os.getpriority(os.PRIO_PROCESS, t) == 5 for t in tids)
+        target = 7 if os.geteuid() != 0 else 0         # only root may lower a niceness
+        assert renice(p.pid, target)
+        assert all(os.getpriority(os.PRIO_PROCESS, t) == target for t in tids)
+    finally:
+        p.kill()
+        p.wait()
+    assert not renice(p.pid, 0)                        # gone: says so, does not raise

@@ -22,7 +22,7 @@ from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
 from stalwart.agent.probes.kmsg import KmsgProbe
 from stalwart.agent.probes.nic import NicProbe
-from stalwart.agent.workers import Worker, WorkerSet, kill_tree
+from stalwart.agent.workers import Worker, WorkerSet, kill_tree, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -131,6 +131,9 @@ class Agent:
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self._start_socket_server()
+        if self.keep_warm and not warm_nice():
+            log.info("not root: warm workers wait at normal priority (giving an activated one its "
+                     "priority back needs root)")
         self.monitor.start()
         self.metrics.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
@@ -393,6 +396,8 @@ class Agent:
             with self._lock:
                 conn = self._conns[worker.proc.pid]
                 self._standby_ready.remove(worker.proc.pid)
+            if warm_nice():
+                renice(worker.proc.pid, 0)      # it trains now: back to normal priority
             conn.send({"type": "activate", "env": env})
             worker.rank, worker.run = w["rank"], self._run
         self.workers.adopt(chosen)
@@ -405,7 +410,7 @@ class Agent:
         self._warm_key = warm_key(cmd)
         self.warm.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
                         [None] * n, None, cmd.get("cwd"), f"warm{int(time.time() * 1000) % 10**9}",
-                        prefix=self._prefix())
+                        prefix=self._prefix(), nice=warm_nice())
 
     def _prewarm(self, cmd: dict) -> None:
         self.workers.stop()
@@ -418,9 +423,12 @@ class Agent:
         spares make way, and `spares_ready` says when the new ones wait at the barrier, so the
         controller stops the run only once the restart can be warm."""
         self._refill_at = None
+        n = int(cmd.get("count", self.gpus))
         if self._warm_key != warm_key(cmd):
             self.warm.stop()
-            self._spawn_warm(cmd, int(cmd.get("count", self.gpus)))
+            self._spawn_warm(cmd, n)
+        elif len(self.warm.workers) < n:      # asked again after a restart took some of them
+            self._spawn_warm(cmd, n - len(self.warm.workers))
         self._spares_for = cmd.get("cwd")
         self._report_spares()
 

@@ -28,6 +28,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def warm_nice() -> int:
+    """Niceness of warm workers while they wait: they yield the CPU to training. Only as root: an
+    activated worker must get its priority back, and only root may lower a niceness."""
+    return 10 if os.geteuid() == 0 else 0
+
+
+def renice(pid: int, value: int = 0) -> bool:
+    """Set the niceness of every thread of `pid` (Linux nice values are per thread)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _exited(proc: subprocess.Popen) -> bool:
     """Has the process ended (reaped or not)? `Popen.poll()` cannot tell while another thread
     waits on it (it then answers None), so ask the kernel without reaping (WNOWAIT)."""
@@ -108,8 +124,14 @@ class WorkerSet:
         self._lock = threading.Lock()
 
     def spawn(self, command: list[str], envs: list[dict[str, str]], ranks: list[int | None],
-              run: int | None, cwd: str | None, tag: str, prefix: list[str] | None = None) -> None:
-        """Start one process per entry of `envs` (each a complete environment)."""
+              run: int | None, cwd: str | None, tag: str, prefix: list[str] | None = None,
+              nice: int = 0) -> None:
+        """Start one process per entry of `envs` (each a complete environment), at `nice`."""
+        def pre_exec() -> None:
+            _die_with_parent()
+            if nice:
+                os.nice(nice)
+
         os.makedirs(self.log_dir, exist_ok=True)
         with self._lock:
             for i, (env, rank) in enumerate(zip(envs, ranks)):
@@ -119,7 +141,7 @@ class WorkerSet:
                 with open(out_path, "ab") as out, open(err_path, "ab") as err:
                     proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
                                             stderr=err, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=pre_exec)
                 w = Worker(local_rank=i, rank=rank, proc=proc, out_path=out_path, err_path=err_path,
                            run=run)
                 self.workers.append(w)
