@@ -387,6 +387,8 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
             self.avail.replace_held(machine, tier, {int(r): v for r, v in held.items()})
         if self.incident is not None and ev.get("run") == self.run_seq:
             self.incident["awaiting"].discard(machine)
+            if self.state == "recovering" and not self.incident["awaiting"]:
+                self._check_stopped(time.time())    # the last one: no need to wait for a tick
 
     def _agent_health(self, machine: str, ev: dict) -> None:
         alert = policy.Alert(machine=machine, kind=ev["kind"], severity=ev["severity"],
