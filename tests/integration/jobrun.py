@@ -49,6 +49,16 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
         cluster.stop()
 
 
+def events(state_dir, kind: str) -> list[dict]:
+    """The data of job 1's events of `kind`, from the state dir's store."""
+    from stalwart.controller.store import Store
+    store = Store(f"sqlite:///{state_dir}/stalwart.db")
+    try:
+        return [e["data"] for e in store.events(1) if e["kind"] == kind]
+    finally:
+        store.close()
+
+
 def losses(report: dict) -> dict[int, float]:
     return {int(k): v for k, v in report["losses"].items()}
 

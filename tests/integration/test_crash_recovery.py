@@ -2,7 +2,7 @@
 replaced by a standby."""
 import pytest
 
-from jobrun import gpt_spec, losses, run_job
+from jobrun import events, gpt_spec, losses, run_job
 
 
 @pytest.mark.timeout(400)
@@ -58,15 +58,6 @@ def test_machine_down_without_standby_fails_clearly(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["incidents"][0]["symptom"] == "machine_lost"
     page = (tmp_path / "r.html").read_text()
     assert "<table>" in page and "machine_lost" in page and "ETTR" in page
-
-
-def events(state_dir, kind):
-    from stalwart.controller.store import Store
-    store = Store(f"sqlite:///{state_dir}/stalwart.db")
-    try:
-        return [e["data"] for e in store.events(1) if e["kind"] == kind]
-    finally:
-        store.close()
 
 
 @pytest.mark.timeout(300)

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from jobrun import gpt_spec, run_job
+from jobrun import events, gpt_spec, run_job
 
 GOOD = '''
 import sys
@@ -65,15 +65,6 @@ def statuses(state_dir):
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         return [(v["id"], v["status"]) for v in Versions(store).list(1)]
-    finally:
-        store.close()
-
-
-def events(state_dir, kind):
-    from stalwart.controller.store import Store
-    store = Store(f"sqlite:///{state_dir}/stalwart.db")
-    try:
-        return [e["data"] for e in store.events(1) if e["kind"] == kind]
     finally:
         store.close()
 

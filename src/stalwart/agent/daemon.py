@@ -499,22 +499,24 @@ class Agent:
         if w is None or w.expected_exit or w.failure_reported:
             return
         w.failure_reported = True
-        self.monitor.sweep()   # a dead GPU is reported before the crash it caused
-        self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
-                   "code": None, "signal": None, "expected": False, "early": True, "pid": pid,
-                   "log_tail": w.log_tail() + "\n" + str(msg.get("traceback") or "")})
+        self._report_exit(w, None, False, "\n" + str(msg.get("traceback") or ""), early=True)
 
     def _on_worker_exit(self, w: Worker) -> None:
         if w.failure_reported:
             return             # reported when its SDK said it was failing
-        expected = w.expected_exit     # as it was at the exit: a stop may come during the sweep
-        if not expected and w.exit_code != 0:
-            self.monitor.sweep()   # a dead GPU is reported before the crash it caused
-        code = w.exit_code
+        # `expected` as it was at the exit: a stop may come during the sweep
+        self._report_exit(w, w.exit_code, w.expected_exit)
+
+    def _report_exit(self, w: Worker, code: int | None, expected: bool, more_log: str = "",
+                     **extra) -> None:
+        """One `worker_exit` event (code None: failing, not gone yet); for a failure, after a
+        sweep of the probes, so that a dead GPU is reported before the crash it caused."""
+        if not expected and code != 0:
+            self.monitor.sweep()
         sig = -code if code is not None and code < 0 else None
         self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
-                   "code": code, "signal": sig, "expected": expected,
-                   "log_tail": "" if expected else w.log_tail(), "pid": w.proc.pid})
+                   "code": code, "signal": sig, "expected": expected, "pid": w.proc.pid,
+                   "log_tail": "" if expected else w.log_tail() + more_log, **extra})
 
 
 def socket_peer_pid(conn: socket.socket) -> int:

@@ -20,10 +20,11 @@ import threading
 import time
 from typing import Callable
 
-from stalwart.agent.workers import _die_with_parent, kill_tree
+from stalwart.agent.workers import die_with_parent, kill_tree
 
 log = logging.getLogger("stalwart.agent")
 START_GRACE_S = 15.0     # importing torch on a loaded machine, on top of the checks' own bound
+CHECKER = [sys.executable, "-m", "stalwart.diag.worker"]
 
 
 class Diagnoser:
@@ -44,12 +45,12 @@ class Diagnoser:
                 return
             d = os.path.join(self.workdir, "diag")
             os.makedirs(d, exist_ok=True)
-            argv = (self.prefix() or []) + [sys.executable, "-m", "stalwart.diag.worker", "--serve"]
+            argv = (self.prefix() or []) + CHECKER + ["--serve"]
             with open(os.path.join(d, "warm.log"), "ab") as log_f:
                 self._warm = subprocess.Popen(argv, env=self.env({}), cwd=self.workdir,
                                               stdin=subprocess.PIPE, stdout=log_f,
                                               stderr=subprocess.STDOUT, start_new_session=True,
-                                              preexec_fn=_die_with_parent)
+                                              preexec_fn=die_with_parent)
 
     def warm_pid(self) -> int | None:
         with self._lock:
@@ -57,9 +58,8 @@ class Diagnoser:
 
     def stop(self) -> None:
         """Kill the warm checker (the job is over, or the agent leaves)."""
-        with self._lock:
-            warm, self._warm = self._warm, None
-        if warm is not None and warm.poll() is None:
+        warm = self._take_warm()
+        if warm is not None:
             kill_tree(warm.pid)
             warm.wait()
 
@@ -119,7 +119,7 @@ class Diagnoser:
                    "warm": warm is not None, "seconds": round(time.time() - t0, 3)})
 
     def _cold(self, plan_path: str, out: str, log_path: str, cmd: dict) -> subprocess.Popen:
-        argv = (self.prefix() or []) + [sys.executable, "-m", "stalwart.diag.worker", plan_path, out]
+        argv = (self.prefix() or []) + CHECKER + [plan_path, out]
         with open(log_path, "wb") as log_f:
             return subprocess.Popen(argv, env=self.env(cmd), cwd=self.workdir, stdout=log_f,
                                     stderr=subprocess.STDOUT, start_new_session=True)

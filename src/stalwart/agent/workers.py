@@ -18,7 +18,7 @@ from typing import Callable
 import psutil
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the parent dies (so no worker outlives its
     agent). Linux ties this to the forking *thread*: spawn only from long-lived threads."""
     try:
@@ -128,7 +128,7 @@ class WorkerSet:
               nice: int = 0) -> None:
         """Start one process per entry of `envs` (each a complete environment), at `nice`."""
         def pre_exec() -> None:
-            _die_with_parent()
+            die_with_parent()
             if nice:
                 os.nice(nice)
 

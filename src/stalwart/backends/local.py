@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from stalwart.agent.workers import _die_with_parent, kill_tree
+from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.client import Client, ControllerUnreachable
 
 
@@ -51,7 +51,7 @@ class LocalCluster:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             # die with whoever started the cluster (a killed `stalwart run` or test leaves nothing)
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=env, preexec_fn=_die_with_parent)
+                                 start_new_session=True, env=env, preexec_fn=die_with_parent)
         self._record_pids(p.pid)
         return p
 
