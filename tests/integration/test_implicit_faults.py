@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jobrun import gpt_spec, run_job
+from jobrun import events, gpt_spec, run_job
 from stalwart.chaos.cgroup import available as cgroup_available
 
 
@@ -75,6 +75,9 @@ def test_cpu_throttled_machine_is_found_by_fail_slow_rounds(tmp_path):
     s["policy"].update(failslow_period_s=2.0, hang_timeout_floor_s=30.0)
     rep = run_job(tmp_path, s, timeout=280)
     assert rep["state"] == "succeeded", rep.get("reason")
+    rounds = [(k, d) for k in ("failslow_suspected", "failslow_round", "failslow_cleared")
+              for d in events(tmp_path, k)]
+    assert len(rep["incidents"]) == 1, rounds
     [inc] = rep["incidents"]
     assert (inc["symptom"], inc["category"], inc["machines_evicted"]) == ("fail_slow", "implicit", ["m2"]), inc
     assert inc["detection_s"] is not None and inc["localized_at"] - inc["injected_at"] < 60, inc

@@ -50,3 +50,27 @@ def test_renice_sets_every_thread_of_a_process(tmp_path):
         p.kill()
         p.wait()
     assert not renice(p.pid, 0)                        # gone: says so, does not raise
+
+
+def test_a_fatal_signal_pending_counts_as_dying_and_the_stop_does_not_claim_the_exit(tmp_path):
+    """A worker hit by a fatal signal a moment before a stop (not yet acted on: here the worker
+    blocks it) keeps its crash: the stop marks only the workers it ends itself."""
+    import sys
+    from stalwart.agent.workers import WorkerSet, ended_on_its_own
+    code = ("import signal, sys, time; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGABRT}); "
+            "print('ready', flush=True); time.sleep(30)")
+    exits = []
+    ws = WorkerSet(str(tmp_path), exits.append)
+    ws.spawn([sys.executable, "-c", code], [dict(os.environ)] * 2, [0, 1], run=1, cwd=None, tag="t")
+    crashed, healthy = ws.workers
+    deadline = time.time() + 20
+    while not all("ready" in w.log_tail() for w in ws.workers) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
+    os.kill(crashed.proc.pid, signal.SIGABRT)          # pending: blocked
+    assert ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
+    ws.stop(grace_s=0.0)
+    deadline = time.time() + 10
+    while len(exits) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert {w.rank: w.expected_exit for w in exits} == {0: False, 1: True}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from stalwart.analyzer.failslow import (FailSlowRounds, domains, flag_round, slow_ranks,
-                                        throughput_drop)
+from stalwart.analyzer.failslow import (FailSlowRounds, compute_outliers, domains, flag_round,
+                                        healthy_pace, slow_ranks, steady_outliers, throughput_drop)
 from stalwart.topology import Topology
 
 TOPO = Topology(machines=16, gpus_per_machine=2, tp=2, pp=4, dp=4)
@@ -116,3 +116,59 @@ def test_slow_ranks_refuses_bad_input():
         slow_ranks({0: 1.0}, {1: 0.5})
     with pytest.raises(ValueError, match="wait <= step"):
         slow_ranks({0: 1.0, 1: 1.0, 2: 1.0}, {0: 2.0, 1: 0.0, 2: 0.0})
+
+
+# per-rank compute seconds of a dp=4 job, one row per fail-slow round, measured on a 2-core host
+# with rank 2's machine held to 10% of a CPU (tests/integration/test_implicit_faults.py): rank 2 is
+# never 3x the job's median, but slower than its peers in every round (others now and then)
+THROTTLED = [{0: 0.0319, 1: 0.0625, 2: 0.0765, 3: 0.0489}, {0: 0.0197, 1: 0.0323, 2: 0.0802, 3: 0.0205},
+             {0: 0.0582, 1: 0.0304, 2: 0.0761, 3: 0.0216}, {0: 0.034, 1: 0.0292, 2: 0.0575, 3: 0.0219},
+             {0: 0.0257, 1: 0.0276, 2: 0.0483, 3: 0.0171}]
+DP4 = {r: [0, 1, 2, 3] for r in range(4)}
+
+
+def test_compute_outliers_single_out_the_starved_rank_against_its_peers():
+    flagged = [compute_outliers(row, DP4) for row in THROTTLED]
+    assert all(2 in f for f in flagged) and sum(f != [2] for f in flagged) == 2
+    assert steady_outliers([{f"m{r}" for r in f} for f in flagged], 5) == (["m2"], 5)
+    healthy = {0: 0.031, 1: 0.0338, 2: 0.0401, 3: 0.0392}        # the same job before the fault
+    assert compute_outliers(healthy, DP4) == []
+    # slower by the ratio but by less than the noise floor: not slow
+    assert compute_outliers({0: 0.002, 1: 0.002, 2: 0.005}, {r: [0, 1, 2] for r in range(3)}) == []
+    # peers are the ranks doing the same work: a pipeline stage twice as slow as another is not slow
+    two_stages = {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.2}
+    assert compute_outliers(two_stages, {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}) == []
+    assert compute_outliers({0: 0.1, 1: 0.3}, {0: [0, 1], 1: [0, 1]}) == [1]  # two peers: the slower
+    assert compute_outliers({0: 0.1}, {0: [0]}) == []                         # nobody to compare with
+    with pytest.raises(ValueError, match="ratio"):
+        compute_outliers({}, {}, ratio=1.0)
+
+
+def test_steady_outliers_need_four_of_five_rounds():
+    rounds = [{"m2"}, {"m2", "m0"}, {"m2"}, set(), {"m2"}]
+    assert steady_outliers(rounds, 5) == (["m2"], 4)
+    assert steady_outliers(rounds[:4], 5) == ([], 3)
+    assert steady_outliers([{"m0"}, {"m1"}, {"m0", "m1"}, {"m0", "m1"}, {"m0", "m1"}], 5) == (["m0", "m1"], 4)
+    assert steady_outliers([{"m9"}] * 3 + rounds, 5) == (["m2"], 4)   # only the last n rounds count
+    assert steady_outliers([], 5) == ([], 0)
+    with pytest.raises(ValueError):
+        steady_outliers(rounds, 0)
+
+
+def test_a_slowdown_during_a_quiet_period_is_caught_against_the_healthy_pace():
+    fast, slow = [0.10] * 30, [0.20] * 30
+    times = fast + slow
+    # the steps before the recent ones are already slow: the plain window sees no drop ...
+    assert not throughput_drop(times, baseline_n=20, recent_n=5)
+    # ... the fastest pace seen while nobody looked does
+    ref = None
+    for i in range(1, len(fast) + 1):
+        ref = healthy_pace(ref, times[:i], baseline_n=20)
+    assert ref == pytest.approx(0.10)
+    for i in range(len(fast) + 1, len(times) + 1):
+        ref = healthy_pace(ref, times[:i], baseline_n=20)
+    assert ref == pytest.approx(0.10)                     # slow windows never raise it
+    assert throughput_drop(times, baseline_n=20, recent_n=5, reference_s=ref)
+    assert healthy_pace(None, [0.1] * 19, baseline_n=20) is None
+    with pytest.raises(ValueError, match="reference_s"):
+        throughput_drop(times, reference_s=0.0)

@@ -453,6 +453,7 @@ class Agent:
     def _stop_workers(self, run: int | None, grace_s: float) -> None:
         self._refill_at = None
         self.chaos.cleanup()   # thaw first: a frozen process cannot die
+        log.info("stopping the workers of run %s", run)
         self.workers.stop(grace_s)
         if run is None:        # the job is over (or this machine left it): no spares either
             self.warm.stop()
@@ -514,6 +515,8 @@ class Agent:
         if not expected and code != 0:
             self.monitor.sweep()
         sig = -code if code is not None and code < 0 else None
+        log.info("rank %s (pid %d) %s with code %s%s", w.rank, w.proc.pid,
+                 "is failing" if code is None else "exited", code, " (stopped)" if expected else "")
         self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
                    "code": code, "signal": sig, "expected": expected, "pid": w.proc.pid,
                    "log_tail": "" if expected else w.log_tail() + more_log, **extra})

@@ -55,6 +55,36 @@ def _exited(proc: subprocess.Popen) -> bool:
         return True
 
 
+PF_EXITING = 0x4                    # /proc/PID/stat flags: the process has begun to exit
+_FATAL = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+
+
+def _dying(pid: int) -> bool:
+    """Is the process on its way out of its own accord: a fatal signal pending, or its exit begun?
+
+    A SIGKILLed worker with a large address space takes tens of milliseconds to become a zombie,
+    and its sockets close before that: its peers fail, the controller stops the run, and the stop
+    must not take the crash for its own doing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        if flags & PF_EXITING:
+            return True
+        pending = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")):
+                    pending |= int(line.split()[1], 16)
+        return any(pending & (1 << (int(s) - 1)) for s in _FATAL)
+    except (OSError, ValueError, IndexError):
+        return False        # gone already (then `_exited` says so) or unreadable
+
+
+def ended_on_its_own(proc: subprocess.Popen) -> bool:
+    """Has the process ended, or begun to end, without anyone stopping it?"""
+    return _exited(proc) or _dying(proc.pid)
+
+
 def tail(path: str, nbytes: int = 8192) -> str:
     """The last `nbytes` of a text file ('' if missing)."""
     try:
@@ -187,8 +217,9 @@ class WorkerSet:
         with self._lock:
             workers, self.workers = self.workers, []
         for w in workers:
-            # one that already died on its own (its exit may still be on its way) was no stop's doing
-            if not _exited(w.proc):
+            # one that died, or is dying, on its own (its exit may still be on its way) was no
+            # stop's doing
+            if not ended_on_its_own(w.proc):
                 w.expected_exit = True
         threads = []
         for w in workers:

@@ -17,6 +17,7 @@ times, and :func:`slow_ranks` from per-rank compute/wait split.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from statistics import median
@@ -104,12 +105,13 @@ class FailSlowRounds:
 
 
 def throughput_drop(step_times: Sequence[float], baseline_n: int = 20, recent_n: int = 5,
-                    drop: float = 0.3) -> bool:
+                    drop: float = 0.3, reference_s: float | None = None) -> bool:
     """True when the last ``recent_n`` steps run at < (1 - drop) of the baseline throughput.
 
     Baseline: median step time of the ``baseline_n`` steps just before the recent
-    ones; recent: median of the last ``recent_n``.  Medians ignore a lone slow
-    step (a checkpoint, a GC pause).  False until enough steps exist.
+    ones, or ``reference_s`` (a healthy pace seen earlier, see :func:`healthy_pace`)
+    when that is faster; recent: median of the last ``recent_n``.  Medians ignore a
+    lone slow step (a checkpoint, a GC pause).  False until enough steps exist.
     """
     if baseline_n < 1 or recent_n < 1:
         raise ValueError(f"baseline_n and recent_n must be >= 1 (got {baseline_n}, {recent_n})")
@@ -121,7 +123,47 @@ def throughput_drop(step_times: Sequence[float], baseline_n: int = 20, recent_n:
         return False
     recent = median(step_times[-recent_n:])
     base = median(step_times[-(baseline_n + recent_n):-recent_n])
+    if reference_s is not None:
+        if reference_s <= 0:
+            raise ValueError(f"reference_s must be positive, got {reference_s}")
+        base = min(base, reference_s)
     return 1.0 / recent < (1.0 - drop) / base
+
+
+def healthy_pace(reference_s: float | None, step_times: Sequence[float], baseline_n: int = 20) -> float | None:
+    """The fastest ``baseline_n``-step median step time seen so far: ``reference_s`` updated with
+    the latest window (None until a window is full).
+
+    Kept across a quiet period, it lets a machine that slowed down while nobody looked be found
+    later, when the steps just before the recent ones are already slow."""
+    if len(step_times) < baseline_n:
+        return reference_s
+    window = median(step_times[-baseline_n:])
+    return window if reference_s is None else min(reference_s, window)
+
+
+def compute_outliers(compute: Mapping[int, float], peers: Mapping[int, Sequence[int]],
+                     ratio: float = 1.5, floor_s: float = 0.01) -> list[int]:
+    """Ranks that compute slower than the ranks doing the same work.
+
+    ``compute``: each rank's compute time per step (before its collectives);
+    ``peers[r]``: the ranks doing r's work (its data-parallel peers).  A rank is
+    slow when its compute is at least ``ratio`` x the median of its peers' and
+    exceeds it by ``floor_s`` (timer noise).  A starved rank is slow in its
+    collectives too, so the compute/wait split of :func:`slow_ranks` can miss it;
+    against its own peers its compute stands out.
+    """
+    if ratio <= 1:
+        raise ValueError(f"ratio must be > 1, got {ratio}")
+    slow = []
+    for r, c in compute.items():
+        others = [compute[p] for p in peers.get(r, ()) if p != r and p in compute]
+        if not others:
+            continue
+        med = median(others)
+        if c >= ratio * med and c - med > floor_s:
+            slow.append(r)
+    return sorted(slow)
 
 
 def slow_ranks(per_rank_step_time: Mapping[int, float], per_rank_wait_time: Mapping[int, float],
@@ -150,3 +192,16 @@ def slow_ranks(per_rank_step_time: Mapping[int, float], per_rank_wait_time: Mapp
         return []
     return sorted(r for r in compute
                   if compute[r] >= compute_ratio * med_c and per_rank_wait_time[r] <= wait_ratio * med_w)
+
+
+def steady_outliers(history: Sequence[set[str]], n: int, share: float = 0.8) -> tuple[list[str], int]:
+    """The machines flagged most often in the last ``n`` rounds of ``history`` (one set of flagged
+    machines per round) when that is at least ``share`` of ``n`` rounds, and how often.
+    ``([], count)`` when none is flagged that steadily."""
+    if n < 1 or not 0 < share <= 1:
+        raise ValueError(f"need n >= 1 and 0 < share <= 1 (got {n}, {share})")
+    counts = Counter(m for flagged in history[-n:] for m in flagged)
+    top = max(counts.values(), default=0)
+    if top < math.ceil(share * n - 1e-9):
+        return [], top
+    return sorted(m for m, c in counts.items() if c == top), top

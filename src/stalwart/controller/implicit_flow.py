@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import math
 import time
-
-from collections import Counter
-
 from statistics import median
 
-from stalwart.analyzer.failslow import FailSlowRounds, slow_ranks, throughput_drop
+from stalwart.analyzer.failslow import (FailSlowRounds, compute_outliers, healthy_pace, slow_ranks,
+                                        steady_outliers, throughput_drop)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -20,7 +18,8 @@ from stalwart.controller.peerwatch import PeerWatch
 
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
-SLOW_COMPUTE_RATIO = 3.0        # a rank computing this many times the median is slow
+SLOW_COMPUTE_RATIO = 1.5        # a rank computing this many times its data-parallel peers is slow
+SLOW_STAGE_RATIO = 3.0          # without data-parallel peers: this many times the job's median
 BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, and the recent ones
 
 
@@ -81,14 +80,20 @@ class ImplicitFlow:
         if dur <= 0:
             return
         self.step_durs = (self.step_durs + [dur])[-200:]
-        if self.failslow is not None or now < self.failslow_quiet_until:
+        if self.failslow is not None:
+            return
+        self.failslow_ref_s = healthy_pace(self.failslow_ref_s, self.step_durs[:-RECENT_N], BASELINE_N)
+        if now < self.failslow_quiet_until:
             return
         p = self.spec.policy
-        if throughput_drop(self.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop):
+        if throughput_drop(self.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop,
+                           reference_s=self.failslow_ref_s):
+            base = median(self.step_durs[-(BASELINE_N + RECENT_N):-RECENT_N])
             self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "flagged": [],
-                             "done": 0, "next": now, "wait": set(), "stacks": {}, "started": now,
-                             "baseline_s": median(self.step_durs[-(BASELINE_N + RECENT_N):-RECENT_N])}
-            self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur})
+                             "by_compute": [], "done": 0, "next": now, "wait": set(), "stacks": {},
+                             "started": now, "baseline_s": min(base, self.failslow_ref_s or base)}
+            self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur,
+                                              "baseline_s": round(self.failslow["baseline_s"], 4)})
 
     def _failslow_tick(self, now: float) -> None:
         fs = self.failslow
@@ -102,8 +107,9 @@ class ImplicitFlow:
                 self.ctl.send(m, {"type": "trace", "run": self.run_seq})
 
     def _slow_by_compute(self) -> list[int]:
-        """Ranks computing slowly while their peers wait on them, over the recent steps (the SDK
-        reports each rank's step time and its compute part, before the collectives)."""
+        """Ranks computing slowly, over the recent steps (the SDK reports each rank's step time and
+        its compute part, before the collectives): against their data-parallel peers, which do the
+        same work, or without any, against the job (pipeline stages differ: a wider margin)."""
         step, compute = {}, {}
         for r in range(self.world):
             pairs = [t[r] for t in self.rank_times if r in t and t[r][0] and t[r][1] is not None]
@@ -111,12 +117,13 @@ class ImplicitFlow:
                 step[r] = median(p[0] for p in pairs)
                 compute[r] = min(step[r], median(p[1] for p in pairs))
         self.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
-        if len(step) < max(3, self.world):
+        if len(step) < self.world:
             return []
-        # A starved rank is slow in everything, its collectives included, so the compute/wait split
-        # of analyzer.failslow.slow_ranks can miss it; its compute time alone stands out.
-        med = median(compute.values())
-        slow = [r for r, c in compute.items() if c >= SLOW_COMPUTE_RATIO * med and c - med > 0.01]
+        if self.topo.size("dp") > 1:
+            slow = compute_outliers(compute, {r: self.topo.group("dp", r) for r in compute},
+                                    ratio=SLOW_COMPUTE_RATIO)
+        else:
+            slow = compute_outliers(compute, {r: list(compute) for r in compute}, ratio=SLOW_STAGE_RATIO)
         return sorted(set(slow) | set(slow_ranks(step, {r: step[r] - compute[r] for r in step})))
 
     def _failslow_round(self, now: float) -> None:
@@ -131,6 +138,7 @@ class ImplicitFlow:
                                       "compute_s": getattr(self, "failslow_compute", {})})
         fs["rounds"].add_round(outliers, self.topo, now)
         fs["flagged"].append({self.slots[i] for i in self.topo.machines_of(outliers)} if outliers else set())
+        fs["by_compute"].append({self.slots[i] for i in self.topo.machines_of(by_compute)})
         fs["done"] += 1
         fs["next"] = now + self.spec.policy.failslow_period_s
         p = self.spec.policy
@@ -142,7 +150,10 @@ class ImplicitFlow:
         self.failslow = None
         self.failslow_quiet_until = now + 30.0     # at most one set of rounds per 30 s
         if not machines:
-            self.event("failslow_cleared", {"run": self.run_seq, "rounds": fs["done"]})
+            slow = self._still_slow(fs)
+            if slow:                  # slower, with nobody to blame: this is the job's pace now
+                self.failslow_ref_s = None
+            self.event("failslow_cleared", {"run": self.run_seq, "rounds": fs["done"], "still_slow": slow})
             return
         if len(machines) > len(self._snapshot().standby_ready):
             # a slow job still trains: never trade it for a failed one
@@ -156,17 +167,18 @@ class ImplicitFlow:
 
     def _failslow_verdict(self, fs: dict) -> tuple[list[str], str]:
         """The machines to evict after the last `failslow_rounds` rounds, and why ([] if none):
-        the most-flagged parallel group when it is at most half the job, else the machines flagged
-        in at least 80% of those rounds."""
-        n = self.spec.policy.failslow_rounds
+        the machines computing slower than their peers in at least 80% of those rounds (a direct
+        measurement); else, from the stacks, the most-flagged parallel group when it is at most half
+        the job, else the machines flagged in at least 80% of the rounds."""
+        n, half = self.spec.policy.failslow_rounds, max(1, self.spec.machines // 2)
+        machines, seen = steady_outliers(fs["by_compute"], n)
+        if machines and len(machines) <= half:
+            return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
         verdict = fs["rounds"].verdict()
-        if verdict and len(verdict[1]) <= max(1, self.spec.machines // 2):
+        if verdict and len(verdict[1]) <= half:
             return [self.slots[i] for i in verdict[1]], f"{verdict[0]} group flagged most often over {n} rounds"
-        counts = Counter(m for flagged in fs["flagged"][-n:] for m in flagged)
-        top = max(counts.values(), default=0)
-        need = -(-4 * n // 5)
-        return sorted(m for m, c in counts.items() if c == top and c >= need), \
-            f"flagged in {top} of the last {n} rounds"
+        machines, seen = steady_outliers(fs["flagged"], n)
+        return machines, f"flagged in {seen} of the last {n} rounds"
 
     def _still_slow(self, fs: dict) -> bool:
         """Whether the recent steps still run below the throughput seen before the rounds began."""

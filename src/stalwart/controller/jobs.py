@@ -87,6 +87,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
         self.rank_times: list[dict] = []       # recent steps: rank -> (step s, compute s)
         self.failslow: dict | None = None      # fail-slow rounds in progress
         self.failslow_quiet_until = 0.0
+        self.failslow_ref_s: float | None = None   # the fastest 20-step pace of this run (fail-slow)
         self.grad_hist: list[float] = []
         self.diag: dict | None = None          # stop-time checks in progress (diagnose_flow)
         self.replay: dict | None = None        # dual-phase replay in progress (replay_flow)
@@ -238,7 +239,7 @@ class JobRunner(ImplicitFlow, HotUpdateFlow, DiagnoseFlow, ReplayFlow, PoolFlow)
                                    "machines": list(self.slots)}, t=now)
         self.state, self.run_started_at = "running", now
         self.hang = HangWatch(self.spec.policy, ranks=range(self.world), started_at=now)
-        self.step_durs, self.failslow, self.rank_times = [], None, []
+        self.step_durs, self.failslow, self.rank_times, self.failslow_ref_s = [], None, [], None
         self._new_peerwatch(now)
         self.pending_steps.clear()
         self.done_ranks.clear()
