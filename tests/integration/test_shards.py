@@ -226,6 +226,25 @@ def test_killed_mid_copy_never_leaves_a_complete_looking_bad_slot(tmp_shm):
 
 
 @pytest.mark.timeout(60)
+def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held_one(tmp_shm):
+    """On a busy machine the writer can lap the durable copy: the slot of the chosen step already
+    holds a later one. The durable tier then gets the oldest newer step still held, not nothing."""
+    own, backup, durable = (os.path.join(tmp_shm, d) for d in ("own", "backup", "durable"))
+    with MemCheckpointer(own, rank=0, slots=2) as ck, ShardStore(own, backup, durable) as store:
+        for step in range(4):                       # slots now hold steps 2 and 3
+            ck.snapshot({"w": torch.full((256,), float(step))}, step)
+        ck.wait()
+        with pytest.raises(FileNotFoundError, match="rank 0 step 1"):
+            store.persist(0, 1).result(timeout=30)
+        url = store.persist(0, 1, or_newer=True).result(timeout=30)
+        assert url.endswith("rank00000.step000000000002.hdr")
+        assert torch.equal(memckpt.load(url, 0)[1]["w"], torch.full((256,), 2.0))
+        assert store.steps("durable") == {0: [2]}
+        with pytest.raises(FileNotFoundError, match="nor a newer one"):
+            store.persist(0, 3 + 1, or_newer=True).result(timeout=30)
+
+
+@pytest.mark.timeout(60)
 def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
     """Steps 0-3 land in the slots between two scans: step 1 and 3 (every=2) must both be made
     durable, not only the newest step; only the newest goes to the backup peer."""

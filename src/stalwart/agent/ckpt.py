@@ -105,7 +105,7 @@ class CkptManager:
             # the rank's slots still hold the last few steps
             for s, _ in new:
                 if (s + 1) % every == 0:
-                    fut = store.persist(rank, s)
+                    fut = store.persist(rank, s, or_newer=True)
                     fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
 
     def _pushed(self, fut, rank: int, step: int, backup: dict) -> None:
@@ -122,6 +122,11 @@ class CkptManager:
         except Exception as e:
             log.warning("durable copy of rank %s step %s failed: %s", rank, step, e)
             return
+        made = memckpt.parse_name(url.rsplit("/", 1)[-1])
+        if made is not None and made[2] != step:
+            log.info("rank %s step %s was overwritten before its durable copy; step %s made durable "
+                     "instead", rank, step, made[2])
+            step = made[2]
         hdr = memckpt.read_header(url) if os.path.exists(url) else None
         self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "durable", "location": url,
                    "checksum": f"{hdr['checksum']:08x}" if hdr else ""})

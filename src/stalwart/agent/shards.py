@@ -266,18 +266,33 @@ class ShardStore:
         return receive_shard(self.backup_dir, hdr, chunks, keep=self.keep_backup)
 
     # ------------------------------------------------------------------ persist (durable tier)
-    def persist(self, rank: int, step: int) -> Future:
+    def persist(self, rank: int, step: int, or_newer: bool = False) -> Future:
         """Copy (rank, step) from own or backup to the durable tier in the background.
 
         Returns a Future resolving to the durable header URL. The copy is staged in memory and
         checked (CRC, and that an own slot was not overwritten meanwhile) before upload; data goes
-        to a temp name then is renamed, and the header is written last the same way.
+        to a temp name then is renamed, and the header is written last the same way. With
+        `or_newer`, a step whose slot was overwritten before the copy began is replaced by the
+        oldest newer step still held (a busy machine then makes a later step durable, not none).
         """
         if self._fs is None:
             raise ValueError("persist needs a durable_dir")
-        return self._pool.submit(self._persist, rank, step)
+        return self._pool.submit(self._persist, rank, step, or_newer)
 
-    def _stage(self, rank: int, step: int) -> tuple[dict, bytes]:
+    def _stage(self, rank: int, step: int, or_newer: bool = False) -> tuple[dict, bytes]:
+        try:
+            return self._stage_exact(rank, step)
+        except FileNotFoundError:
+            if not or_newer:
+                raise
+        for s in sorted(s for r, s, _ in self._local_shards("own") if r == rank and s > step):
+            try:
+                return self._stage_exact(rank, s)
+            except FileNotFoundError:      # overwritten meanwhile too: try the next one
+                continue
+        raise FileNotFoundError(f"rank {rank}: neither step {step} nor a newer one is held")
+
+    def _stage_exact(self, rank: int, step: int) -> tuple[dict, bytes]:
         for tier in ("own", "backup"):
             for r, s, path in self._local_shards(tier):
                 if (r, s) != (rank, step):
@@ -294,9 +309,9 @@ class ShardStore:
                 return hdr, data
         raise FileNotFoundError(f"rank {rank} step {step} is in neither the own nor the backup tier")
 
-    def _persist(self, rank: int, step: int) -> str:
-        hdr, data = self._stage(rank, step)
-        base = self._root.rstrip("/") + "/" + _name(rank, step)
+    def _persist(self, rank: int, step: int, or_newer: bool = False) -> str:
+        hdr, data = self._stage(rank, step, or_newer)
+        base = self._root.rstrip("/") + "/" + _name(rank, int(hdr["step"]))
         tag = uuid.uuid4().hex
         with self._fs.open(f"{base}.data.tmp.{tag}", "wb") as f:
             mv = memoryview(data)
