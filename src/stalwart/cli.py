@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 
 from stalwart.chaos import catalogue
@@ -47,16 +48,23 @@ def cmd_controller(a) -> int:
             f.write(str(srv.port))
         os.replace(tmp, a.port_file)
     logging.getLogger("stalwart").info("controller listening on %s:%s", host, srv.port)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop["now"]:
-            time.sleep(0.2)
+        while not stop.wait(0.05):
+            pass
     except KeyboardInterrupt:
         pass
+    t = time.time()
     srv.stop()
     ctl.close()
-    return 0
+    logging.getLogger("stalwart").info("controller stopped in %.2fs", time.time() - t)
+    # everything is closed (the database included): skip the interpreter's teardown of torch
+    # (~0.7 s), which every stop of a cluster would otherwise wait for
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_agent(a) -> int:

@@ -141,7 +141,9 @@ class ApiServer:
         self.httpd = ThreadingHTTPServer((host, port), make_handler(Api(ctl)))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="api", daemon=True)
+        # a short poll interval: shutdown() waits for the loop to look (0.5 s by default)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name="api", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
