@@ -3,7 +3,8 @@
 import pytest
 
 from stalwart.analyzer.failslow import (FailSlowRounds, compute_outliers, domains, flag_round,
-                                        healthy_pace, slow_ranks, steady_outliers, throughput_drop)
+                                        healthy_pace, slow_ranks, steady_outliers, throughput_drop,
+                                        trimmed_mean)
 from stalwart.topology import Topology
 
 TOPO = Topology(machines=16, gpus_per_machine=2, tp=2, pp=4, dp=4)
@@ -172,3 +173,15 @@ def test_a_slowdown_during_a_quiet_period_is_caught_against_the_healthy_pace():
     assert healthy_pace(None, [0.1] * 19, baseline_n=20) is None
     with pytest.raises(ValueError, match="reference_s"):
         throughput_drop(times, reference_s=0.0)
+
+
+def test_trimmed_mean_follows_a_rank_slow_every_other_step_and_ignores_a_lone_pause():
+    from statistics import median
+    throttled = [0.006, 0.085] * 5 + [0.006]          # more lucky steps than slow ones
+    assert median(throttled) == 0.006                 # the median sees nothing
+    assert trimmed_mean(throttled) > 0.04
+    healthy = [0.012] * 9 + [1.5]                      # one GC pause
+    assert trimmed_mean(healthy) == pytest.approx(0.012)
+    assert trimmed_mean([0.1, 0.3]) == pytest.approx(0.2)   # too few values to trim
+    with pytest.raises(ValueError):
+        trimmed_mean([])

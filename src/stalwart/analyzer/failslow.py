@@ -142,6 +142,20 @@ def healthy_pace(reference_s: float | None, step_times: Sequence[float], baselin
     return window if reference_s is None else min(reference_s, window)
 
 
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """Mean without the highest and lowest ``cut`` share of the values (at least one each from 5
+    values on). A rank held to a CPU quota is slow in some steps and not in others: a median
+    flips between the two, a mean does not; the trim drops a lone pause (GC, a checkpoint)."""
+    if not values:
+        raise ValueError("no values")
+    if not 0 <= cut < 0.5:
+        raise ValueError(f"cut must be in [0, 0.5), got {cut}")
+    xs = sorted(values)
+    k = max(1, int(len(xs) * cut)) if len(xs) >= 5 else 0
+    kept = xs[k:len(xs) - k]
+    return sum(kept) / len(kept)
+
+
 def compute_outliers(compute: Mapping[int, float], peers: Mapping[int, Sequence[int]],
                      ratio: float = 1.5, floor_s: float = 0.01) -> list[int]:
     """Ranks that compute slower than the ranks doing the same work.

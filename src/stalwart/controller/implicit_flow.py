@@ -10,7 +10,7 @@ import time
 from statistics import median
 
 from stalwart.analyzer.failslow import (FailSlowRounds, compute_outliers, healthy_pace, slow_ranks,
-                                        steady_outliers, throughput_drop)
+                                        steady_outliers, throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -21,6 +21,7 @@ TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
 SLOW_COMPUTE_RATIO = 1.5        # a rank computing this many times its data-parallel peers is slow
 SLOW_STAGE_RATIO = 3.0          # without data-parallel peers: this many times the job's median
 BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, and the recent ones
+RANK_TIMES_N = 20               # fail-slow: recent steps whose per-rank times a round compares
 
 
 class ImplicitFlow:
@@ -76,7 +77,7 @@ class ImplicitFlow:
     # -- fail-slow: throughput decline -> repeated stack aggregation -> the most-flagged machines
     def _watch_throughput(self, dur: float, now: float, times: dict) -> None:
         """Called per committed step; starts fail-slow rounds when throughput drops."""
-        self.rank_times = (self.rank_times + [times])[-10:]
+        self.rank_times = (self.rank_times + [times])[-RANK_TIMES_N:]
         if dur <= 0:
             return
         self.step_durs = (self.step_durs + [dur])[-200:]
@@ -114,8 +115,8 @@ class ImplicitFlow:
         for r in range(self.world):
             pairs = [t[r] for t in self.rank_times if r in t and t[r][0] and t[r][1] is not None]
             if pairs:
-                step[r] = median(p[0] for p in pairs)
-                compute[r] = min(step[r], median(p[1] for p in pairs))
+                step[r] = trimmed_mean([p[0] for p in pairs])
+                compute[r] = min(step[r], trimmed_mean([p[1] for p in pairs]))
         self.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
         if len(step) < self.world:
             return []
@@ -145,8 +146,11 @@ class ImplicitFlow:
         if fs["done"] < p.failslow_rounds:
             return
         machines, why = self._failslow_verdict(fs)
-        if not machines and fs["done"] < 2 * p.failslow_rounds and self._still_slow(fs):
-            return      # no verdict yet but the job is still slow: the window of rounds slides on
+        if not machines and fs["done"] < 2 * p.failslow_rounds and \
+                (self._still_slow(fs) or fs["by_compute"][-1]):
+            # no verdict yet, but the job is still slow or a rank still computes slower than its
+            # peers (a slowdown near the threshold): the window of rounds slides on
+            return
         self.failslow = None
         self.failslow_quiet_until = now + 30.0     # at most one set of rounds per 30 s
         if not machines:
