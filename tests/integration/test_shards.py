@@ -241,7 +241,7 @@ def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held
         assert torch.equal(memckpt.load(url, 0)[1]["w"], torch.full((256,), 2.0))
         assert store.steps("durable") == {0: [2]}
         with pytest.raises(FileNotFoundError, match="nor a newer one"):
-            store.persist(0, 3 + 1, or_newer=True).result(timeout=30)
+            store.persist(0, 4, or_newer=True).result(timeout=30)
 
 
 @pytest.mark.timeout(60)

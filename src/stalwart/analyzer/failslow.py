@@ -122,12 +122,21 @@ def throughput_drop(step_times: Sequence[float], baseline_n: int = 20, recent_n:
     if len(step_times) < baseline_n + recent_n:
         return False
     recent = median(step_times[-recent_n:])
+    return 1.0 / recent < (1.0 - drop) / baseline_pace(step_times, baseline_n, recent_n, reference_s)
+
+
+def baseline_pace(step_times: Sequence[float], baseline_n: int = 20, recent_n: int = 5,
+                  reference_s: float | None = None) -> float:
+    """The step time :func:`throughput_drop` compares against: the median of the ``baseline_n``
+    steps before the last ``recent_n``, or ``reference_s`` when that is faster."""
+    if len(step_times) < baseline_n + recent_n:
+        raise ValueError(f"need {baseline_n + recent_n} step times, got {len(step_times)}")
     base = median(step_times[-(baseline_n + recent_n):-recent_n])
-    if reference_s is not None:
-        if reference_s <= 0:
-            raise ValueError(f"reference_s must be positive, got {reference_s}")
-        base = min(base, reference_s)
-    return 1.0 / recent < (1.0 - drop) / base
+    if reference_s is None:
+        return base
+    if reference_s <= 0:
+        raise ValueError(f"reference_s must be positive, got {reference_s}")
+    return min(base, reference_s)
 
 
 def healthy_pace(reference_s: float | None, step_times: Sequence[float], baseline_n: int = 20) -> float | None:

@@ -9,8 +9,8 @@ import math
 import time
 from statistics import median
 
-from stalwart.analyzer.failslow import (FailSlowRounds, compute_outliers, healthy_pace, slow_ranks,
-                                        steady_outliers, throughput_drop, trimmed_mean)
+from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, healthy_pace,
+                                        slow_ranks, steady_outliers, throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -89,10 +89,10 @@ class ImplicitFlow:
         p = self.spec.policy
         if throughput_drop(self.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop,
                            reference_s=self.failslow_ref_s):
-            base = median(self.step_durs[-(BASELINE_N + RECENT_N):-RECENT_N])
             self.failslow = {"rounds": FailSlowRounds(rounds=p.failslow_rounds), "flagged": [],
                              "by_compute": [], "done": 0, "next": now, "wait": set(), "stacks": {},
-                             "started": now, "baseline_s": min(base, self.failslow_ref_s or base)}
+                             "started": now, "baseline_s": baseline_pace(self.step_durs, BASELINE_N,
+                                                                         RECENT_N, self.failslow_ref_s)}
             self.event("failslow_suspected", {"run": self.run_seq, "recent_step_s": dur,
                                               "baseline_s": round(self.failslow["baseline_s"], 4)})
 
