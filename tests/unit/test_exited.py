@@ -63,13 +63,15 @@ def test_a_fatal_signal_pending_counts_as_dying_and_the_stop_does_not_claim_the_
     ws = WorkerSet(str(tmp_path), exits.append)
     ws.spawn([sys.executable, "-c", code], [dict(os.environ)] * 2, [0, 1], run=1, cwd=None, tag="t")
     crashed, healthy = ws.workers
-    deadline = time.time() + 20
-    while not all("ready" in w.log_tail() for w in ws.workers) and time.time() < deadline:
-        time.sleep(0.01)
-    assert not ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
-    os.kill(crashed.proc.pid, signal.SIGABRT)          # pending: blocked
-    assert ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
-    ws.stop(grace_s=0.0)
+    try:
+        deadline = time.time() + 20
+        while not all("ready" in w.log_tail() for w in ws.workers) and time.time() < deadline:
+            time.sleep(0.01)
+        assert not ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
+        os.kill(crashed.proc.pid, signal.SIGABRT)          # pending: blocked
+        assert ended_on_its_own(crashed.proc) and not ended_on_its_own(healthy.proc)
+    finally:
+        ws.stop(grace_s=0.0)                               # also when an assertion failed
     deadline = time.time() + 10
     while len(exits) < 2 and time.time() < deadline:
         time.sleep(0.01)
