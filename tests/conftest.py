@@ -2,3 +2,4 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "unit"))

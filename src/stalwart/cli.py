@@ -13,6 +13,7 @@ import time
 
 from stalwart.chaos import catalogue
 from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.errors import StalwartError
 
 DEFAULT_STATE = ".stalwart"
 
@@ -39,7 +40,7 @@ def cmd_controller(a) -> int:
     if not port.isdigit():
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
     ctl = Controller(a.db, a.state_dir, store_host=a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1"),
-                     heartbeat_s=a.heartbeat, missed_beats=a.missed_beats)
+                     heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port))
     srv.start()
     if a.port_file:
@@ -72,7 +73,7 @@ def cmd_agent(a) -> int:
     _setup_logging(a.log_level)
     agent = Agent(a.controller, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
                   address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
-                  kmsg=a.kmsg)
+                  kmsg=a.kmsg, controller_file=a.controller_file)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
         agent.serve_forever()
@@ -147,14 +148,15 @@ def cmd_run(a) -> int:
     print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
           f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
     rep = None
+    job = None
+    cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
     try:
-        url = cluster.start()
-        client = Client(url)
-        job = client.post("/api/jobs", {"spec": spec.to_dict()})["job"]
+        cluster.start()
+        job = Client(cluster.url).post("/api/jobs", {"spec": spec.to_dict()})["job"]
         print(f"stalwart: job {job} submitted: {' '.join(spec.command)}", flush=True)
         prog = Progress()
         while True:
-            st = client.get(f"/api/jobs/{job}")
+            st = _poll(cluster, f"/api/jobs/{job}")
             prog.update(st)
             if st["state"] != "running":
                 rep = st
@@ -163,11 +165,29 @@ def cmd_run(a) -> int:
         prog.close()
     except KeyboardInterrupt:
         print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
+        if job is not None:
+            try:
+                Client(cluster.url, timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
+            except (ControllerUnreachable, ApiError):
+                pass
         return 130
     finally:
         cluster.stop()
     print(summary(rep))
     return 0 if rep["state"] == "succeeded" else 1
+
+
+def _poll(cluster, path: str, patience_s: float = 90.0) -> dict:
+    """GET from the cluster's controller, riding out a controller restart (its supervisor brings
+    it back, maybe on another port)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return Client(cluster.url, timeout=10).get(path)
+        except ControllerUnreachable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 # -- status / report / inject / machines -------------------------------------------------------
@@ -336,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port-file", help="write the bound port here once listening")
     c.add_argument("--heartbeat", type=float, default=1.0)
     c.add_argument("--missed-beats", type=int, default=3)
+    c.add_argument("--abandon-running", action="store_true",
+                   help="fail jobs an earlier controller left running instead of taking them over "
+                        "(their machines are gone: a fresh local cluster)")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
@@ -348,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
     g.add_argument("--kmsg", help="kernel log to follow (default: a per-machine file the chaos tool writes;"
                                   " /dev/kmsg on a real machine)")
+    g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
+                                             "address from when it is unreachable (it may restart elsewhere)")
     g.set_defaults(fn=cmd_agent)
 
     r = sub.add_parser("run", help="run a job on a local cluster", epilog=_chaos_help(),
@@ -425,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (UserError, ValueError, catalogue.ChaosError, ControllerUnreachable) as e:
+    except (UserError, ValueError, StalwartError, ControllerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ApiError as e:

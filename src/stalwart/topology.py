@@ -72,8 +72,11 @@ class Topology:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def _key(self) -> tuple[int, ...]:
+    def key(self) -> tuple[int, ...]:
+        """The layout as plain numbers (machines, gpus per machine, then every kind's size)."""
         return (self.machines, self.gpus_per_machine) + tuple(self._sizes[k] for k in KINDS)
+
+    _key = key
 
     def describe(self) -> str:
         """One-line human summary, e.g. ``"tp=2 pp=2 dp=2 (4 machines x 2)"``."""

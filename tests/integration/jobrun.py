@@ -5,7 +5,7 @@ import sys
 import time
 
 from stalwart.backends.local import LocalCluster
-from stalwart.client import Client
+from stalwart.client import Client, ControllerUnreachable
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -25,7 +25,8 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
     """Start a cluster sized for `spec` (plus `spare` idle machines), run the job to the end, stop
     everything, return the report.
 
-    `during(client, job_id, status)` is called on every poll (to inject faults mid-run).
+    `during(client, job_id, status)` is called on every poll (to inject faults mid-run); the
+    cluster is `client.cluster`. Polls ride out a controller restart.
     """
     js = JobSpec.from_dict(spec)
     total = js.machines + standby_count(js) + spare
@@ -33,16 +34,24 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
                            heartbeat_s=js.policy.heartbeat_s, missed_beats=js.policy.missed_beats,
                            db_url=db_url)
     try:
-        client = Client(cluster.start())
-        job = client.post("/api/jobs", {"spec": js.to_dict()})["job"]
-        deadline = time.time() + timeout
+        cluster.start()
+        job = Client(cluster.url).post("/api/jobs", {"spec": js.to_dict()})["job"]
+        deadline = time.monotonic() + timeout
         while True:
-            st = client.get(f"/api/jobs/{job}")
+            client = Client(cluster.url)
+            client.cluster = cluster          # type: ignore[attr-defined]
+            try:
+                st = client.get(f"/api/jobs/{job}")
+            except ControllerUnreachable:     # restarting: its supervisor brings it back
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
             if st["state"] != "running":
                 return st
             if during is not None:
                 during(client, job, st)
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"job did not finish within {timeout}s: {st.get('live')}")
             time.sleep(0.2)
     finally:
@@ -65,8 +74,8 @@ def losses(report: dict) -> dict[int, float]:
 
 def wait_for(cond, timeout: float = 60.0, every: float = 0.05) -> bool:
     """Poll `cond` until it is true (True) or `timeout` passes (False)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if cond():
             return True
         time.sleep(every)

@@ -8,7 +8,7 @@ import pytest
 from jobrun import gpt_spec, run_job
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller.implicit import to_process_stacks
-from stalwart.controller.implicit_flow import ABNORMAL_STATES
+from stalwart.controller.job.flows.implicit import ABNORMAL_STATES
 from stalwart.controller.store import Store
 from stalwart.topology import Topology
 

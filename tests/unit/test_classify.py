@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.agent.classify import MAX_DETAIL, classify
+from stalwart.analyzer.classify import MAX_DETAIL, classify
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 CODE = "/tmp/glooexp/code"  # where the real fixture scripts lived

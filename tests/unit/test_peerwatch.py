@@ -31,13 +31,13 @@ def run_from(w, t, odd_from=None, odd=None, until=None):
 
 
 def test_a_hot_machine_is_a_suspect_after_the_continuity():
-    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
+    w = PeerWatch.create([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
     t, m = run(w, odd_from=20, odd="m2")
     assert m == "m2" and 30 <= t <= 35
 
 
 def test_rows_before_the_warm_up_ends_are_ignored():
-    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10,
+    w = PeerWatch.create([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10,
                   not_before=math.inf)
     for t in range(40):                  # m1 is odd throughout a warm-up that never ends
         feed(w, float(t), "m1")
@@ -50,19 +50,19 @@ def test_rows_before_the_warm_up_ends_are_ignored():
 
 
 def test_healthy_noisy_peers_raise_nothing():
-    w = PeerWatch([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
+    w = PeerWatch.create([["m0", "m1", "m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=10)
     assert run(w, until=120) is None
 
 
 def test_stages_are_compared_separately_and_small_stages_not_at_all():
     # the last stage of a pipeline is "different" by design; two machines per stage cannot vote
-    w = PeerWatch([["m0", "m1"], ["m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=5)
+    w = PeerWatch.create([["m0", "m1"], ["m2", "m3"]], period_s=1.0, lookback_s=30, continuity_s=5)
     assert w.groups == []
     assert run(w, odd_from=0, odd="m3") is None
 
 
 def test_a_machine_missing_a_metric_is_not_an_outlier_for_it():
-    w = PeerWatch([["m0", "m1", "m2"]], period_s=1.0, lookback_s=20, continuity_s=5)
+    w = PeerWatch.create([["m0", "m1", "m2"]], period_s=1.0, lookback_s=20, continuity_s=5)
     for t in range(30):
         for m in ("m0", "m1", "m2"):
             w.add(m, t, {"cpu": 1.0} if m == "m1" else {"cpu": 1.0, "net_mbps": 100.0})

@@ -11,9 +11,9 @@ import sqlalchemy as sa
 
 from stalwart.controller import versions as V
 from stalwart.controller.store import Store
+from stalwart.controller.snapshot import remove_tree, snapshot, tree_hash
 from stalwart.controller.versions import (Versions, after_failure, current_version, due_update, to_prewarm,
-                                          is_due, is_healthy, last_stable_version, remove_tree,
-                                          rollback_reason, snapshot, tree_hash)
+                                          is_due, is_healthy, last_stable_version, rollback_reason)
 
 T = 1_700_000_000.0
 DAY = 86400.0
@@ -63,7 +63,7 @@ def test_hash_is_stable_across_copies_and_ignores_caches(dirs, tmp_path):
     write(other, {"pkg/__pycache__/model.cpython-311.pyc": b"\0junk", ".git/HEAD": "ref\n",
                   "stale.pyc": b"x"})
     assert tree_hash(code) == tree_hash(str(other))
-    h, path = snapshot(code, state)
+    h, path, _ = snapshot(code, state)
     assert h == tree_hash(code) == tree_hash(path)
     assert path == os.path.join(state, "versions", h)
     assert not os.path.exists(os.path.join(path, "pkg", "__pycache__"))
@@ -81,8 +81,8 @@ def test_hash_sees_content_and_names(dirs, tmp_path):
 
 def test_snapshot_identical_content_is_reused(dirs):
     code, state = dirs
-    h1, p1 = snapshot(code, state)
-    h2, p2 = snapshot(code, state)
+    h1, p1, _ = snapshot(code, state)
+    h2, p2, _ = snapshot(code, state)
     assert (h1, p1) == (h2, p2)
     assert sorted(os.listdir(os.path.join(state, "versions"))) == [h1]     # no temp dir left
 
@@ -90,7 +90,7 @@ def test_snapshot_identical_content_is_reused(dirs):
 def test_snapshot_is_read_only_and_independent_of_source(dirs):
     code, state = dirs
     os.chmod(os.path.join(code, "train.py"), 0o755)
-    h, path = snapshot(code, state)
+    h, path, _ = snapshot(code, state)
     for dirpath, _, files in os.walk(path):
         assert not os.stat(dirpath).st_mode & 0o222
         for f in files:
@@ -109,7 +109,7 @@ def test_snapshot_keeps_symlinks_as_links(dirs):
     code, state = dirs
     os.symlink("pkg/model.py", os.path.join(code, "alias.py"))
     os.symlink("pkg", os.path.join(code, "pkgdir"))
-    h, path = snapshot(code, state)
+    h, path, _ = snapshot(code, state)
     assert os.readlink(os.path.join(path, "alias.py")) == "pkg/model.py"
     assert os.readlink(os.path.join(path, "pkgdir")) == "pkg"
     assert tree_hash(path) == h
@@ -120,9 +120,9 @@ def test_snapshot_leaves_out_a_state_dir_inside_the_code_dir(dirs):
     state = os.path.join(code, ".stalwart")
     try:
         write(state, {"stalwart.db": "data"})
-        h, path = snapshot(code, state)
+        h, path, _ = snapshot(code, state)
         assert not os.path.exists(os.path.join(path, ".stalwart"))
-        h2, _ = snapshot(code, state)                    # the versions/ it now holds changes nothing
+        h2, _, _ = snapshot(code, state)                  # the versions/ it now holds changes nothing
         assert h2 == h
     finally:
         remove_tree(state)

@@ -1,22 +1,25 @@
-"""Which runs an agent's warm spare workers may serve (agent.daemon.warm_key)."""
-from stalwart.agent.daemon import warm_key
+"""Which runs an agent's warm spare workers may serve (protocol.RunSpec.warm_key)."""
+import msgspec
+
+from stalwart.protocol import Layout, RunSpec
 
 
-def cmd(**env):
-    base = {"WORLD_SIZE": 4, "STALWART_TP": 1, "STALWART_PP": 1, "STALWART_DP": 4,
-            "STALWART_MACHINES": 4, "STALWART_STEPS": 30, "STALWART_REPLAY": 0}
-    base.update(env)
-    return {"command": ["python", "-m", "job"], "cwd": "/code/v1", "env": base}
+def spec(**over) -> RunSpec:
+    base = RunSpec(job=1, run=None, command=["python", "-m", "job"], cwd="/code/v1", user_env={},
+                   layout=Layout(machines=4, gpus_per_machine=1, dp=4), steps=30, ckpt_every=10,
+                   ckpt_dir="/ck", mem_slots=4)
+    return msgspec.structs.replace(base, **over)
 
 
 def test_runs_of_the_same_job_share_spares():
-    assert warm_key(cmd(STALWART_RUN=3, MASTER_PORT=1234)) == warm_key(cmd(STALWART_RUN=4, MASTER_PORT=99))
-    assert warm_key(cmd(STALWART_DP=4)) == warm_key(cmd(STALWART_DP="4"))   # JSON may carry strings
+    assert spec(run=3, master=("h", 1234)).warm_key() == spec(run=4, master=("h", 99)).warm_key()
+    assert spec(restore_step=5).warm_key() == spec(restore_step=-1).warm_key()
 
 
 def test_a_replay_or_another_shape_or_version_never_gets_them():
-    job = warm_key(cmd())
-    assert warm_key(cmd(STALWART_REPLAY=1, STALWART_DP=2, WORLD_SIZE=2)) != job
-    assert warm_key(cmd(STALWART_DP=2)) != job
-    assert warm_key(dict(cmd(), cwd="/code/v2")) != job
-    assert warm_key(dict(cmd(), command=["python", "-m", "other"])) != job
+    job = spec().warm_key()
+    assert spec(replay=True, layout=Layout(machines=2, gpus_per_machine=1, dp=2)).warm_key() != job
+    assert spec(layout=Layout(machines=4, gpus_per_machine=1, dp=2, pp=2)).warm_key() != job
+    assert spec(cwd="/code/v2").warm_key() != job
+    assert spec(code_path="/versions/abc").warm_key() != job
+    assert spec(command=["python", "-m", "other"]).warm_key() != job

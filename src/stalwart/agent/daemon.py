@@ -6,18 +6,21 @@ job-level decision; it reports and obeys, and it re-registers when the controlle
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import queue
-import signal
 import socket
 import threading
 import time
 
+import msgspec
+
+from stalwart import protocol as p
 from stalwart.agent.ckpt import CkptManager, RestoreFailed, ckpt_root
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
+from stalwart.agent.outbox import Outbox
 from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
 from stalwart.agent.probes.kmsg import KmsgProbe
@@ -32,23 +35,14 @@ log = logging.getLogger("stalwart.agent")
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
-# What a worker may read before its activation (argument defaults, model shape): spares started for
-# one of these values are never handed ranks of a run with another.
-SHAPE_ENV = ("WORLD_SIZE", "STALWART_TP", "STALWART_PP", "STALWART_DP", "STALWART_CP", "STALWART_EP",
-             "STALWART_MACHINES", "STALWART_STEPS", "STALWART_REPLAY")
-
-
-def warm_key(cmd: dict) -> tuple:
-    """Which runs a warm worker started for `cmd` can serve: same command, directory and shape."""
-    env = cmd.get("env", {})
-    return (tuple(cmd["command"]), cmd.get("cwd"), tuple(str(env.get(k, "")) for k in SHAPE_ENV))
-
-
 class Agent:
     def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
-                 kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True):
+                 kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
+                 controller_file: str | None = None):
         self.client = Client(controller_url, timeout=10)
+        # where the controller's address is published (a restarted controller may get a new port)
+        self.controller_file = controller_file
         self.machine_id = machine_id
         self.workdir = os.path.abspath(workdir)
         self.address = address
@@ -64,14 +58,16 @@ class Agent:
         # restart (keep_warm), so a restart never waits for `import torch`.
         self.warm = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
         self._warm_key: tuple | None = None
-        self._refill_at: tuple[float, dict] | None = None   # when to top up the spares, for which run
+        self._refill_at: tuple[float, p.Start] | None = None   # when to top up the spares, for which run
         self._spares_for: str | None = None     # `spares` asked: report when those are all ready
-        self._events: queue.Queue = queue.Queue()
+        self._events = Outbox()
+        self._last_step: dict[int, int] = {}    # rank -> the last step its SDK reported
         self._stop = threading.Event()
         self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
         self._standby_ready: list[int] = []              # pids of warm workers at the barrier
         self._lock = threading.Lock()
         self._run: int | None = None
+        self._job: int | None = None
         self.registered = threading.Event()
         self.network = self._load_network(network_file)
         self.netns = None
@@ -90,7 +86,6 @@ class Agent:
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
                                       self.emit, period_s=heartbeat_s)
-        self._job: str | None = None
         self.diagnoser = Diagnoser(machine_id, self.workdir, self.simgpu_path, self._base_env,
                                    self._prefix, self.emit)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
@@ -153,12 +148,20 @@ class Agent:
     def shutdown(self) -> None:
         self._stop.set()
 
+    def registration(self) -> p.Registration:
+        """Who this agent is and what it runs now (a restarted controller adopts a live run)."""
+        ranks = {w.rank: w.proc.pid for w in self.workers.workers
+                 if w.rank is not None and w.proc.poll() is None}
+        with self._lock:
+            warm = len([pid for pid in self._standby_ready if pid in set(self.warm.pids())])
+        return p.Registration(address=self.address, gpus=self.gpus, hostname=socket.gethostname(),
+                              pid=os.getpid(), workdir=self.workdir, peer=tuple(self.ckpt.peer_addr),
+                              running_run=self._run if ranks else None, job=self._job, ranks=ranks,
+                              last_step={r: s for r, s in self._last_step.items() if r in ranks},
+                              inventory=self.ckpt.inventory(), warm=warm)
+
     def _register(self) -> None:
-        info = {"address": self.address, "gpus": self.gpus, "hostname": socket.gethostname(),
-                "pid": os.getpid(), "workdir": self.workdir, "running_run": self._run,
-                "peer": list(self.ckpt.peer_addr),
-                "workers": self.workers.pids()}
-        reply = self.client.post(f"/api/agents/{self.machine_id}/register", info)
+        reply = self.client.post(f"/api/agents/{self.machine_id}/register", p.encode(self.registration()))
         self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
         self.registered.set()
         log.info("registered with the controller as %s (%s)", self.machine_id, reply.get("role"))
@@ -171,7 +174,22 @@ class Agent:
             return True
         except (ControllerUnreachable, ApiError) as e:
             log.warning("%s; retrying", e)
+            self._find_controller()
             return False
+
+    def _find_controller(self) -> None:
+        """Re-read the controller's address where it is published (it may have restarted on
+        another port)."""
+        if not self.controller_file:
+            return
+        try:
+            with open(self.controller_file) as f:
+                url = json.load(f)["url"]
+        except (OSError, ValueError, KeyError):
+            return
+        if url != self.client.url:
+            log.info("controller moved to %s", url)
+            self.client = Client(url, timeout=10)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -203,32 +221,36 @@ class Agent:
                 self.registered.clear()
                 self._stop.wait(0.2)
                 continue
-            for cmd in reply.get("commands", []):
+            for raw in reply.get("commands", []):
                 try:
-                    self._execute(cmd)
+                    self._execute(p.decode_command(raw))
                 except Exception as e:  # report, never die on one bad command
-                    log.exception("command %s failed", cmd.get("type"))
-                    self.emit({"type": "command_failed", "command": cmd.get("type"),
-                               "kind": cmd.get("kind"), "error": str(e)})
+                    log.exception("command %s failed", raw.get("type"))
+                    self.emit({"type": "command_failed", "command": raw.get("type"),
+                               "kind": raw.get("kind"), "error": str(e)})
             if self._refill_at is not None and time.time() >= self._refill_at[0]:
                 _, run_cmd = self._refill_at
                 self._refill_at = None
                 self._refill(run_cmd)
 
     def _sender_loop(self) -> None:
+        """Deliver events in order; while the controller is away keep them (bounded, see Outbox).
+        A batch the controller refuses (4xx) is logged and dropped: sending it again cannot help."""
         while not self._stop.is_set():
-            batch = [self._events.get()]
-            while True:
-                try:
-                    batch.append(self._events.get_nowait())
-                except queue.Empty:
-                    break
-            while not self._stop.is_set():
-                try:
-                    self.client.post(f"/api/agents/{self.machine_id}/events", {"events": batch})
-                    break
-                except (ControllerUnreachable, ApiError):
+            batch = self._events.take(timeout=0.5)
+            if not batch:
+                continue
+            try:
+                self.client.post(f"/api/agents/{self.machine_id}/events", {"events": batch})
+            except ControllerUnreachable:
+                self._events.give_back(batch)
+                self._stop.wait(0.2)
+            except ApiError as e:
+                if e.status >= 500:
+                    self._events.give_back(batch)
                     self._stop.wait(0.2)
+                else:
+                    log.warning("controller refused %d event(s): %s", len(batch), e)
 
     def emit(self, event: dict) -> None:
         event.setdefault("t", time.time())
@@ -270,105 +292,116 @@ class Agent:
                 self._report_spares()
             if kind == "failing":
                 self._on_worker_failing(pid, msg)
+            if kind == "step" and isinstance(msg.get("rank"), int):
+                self._last_step[msg["rank"]] = int(msg.get("step", -1))
             if kind in FORWARDED:
                 msg["run"] = self._run
                 self.emit(msg)
 
     # -- commands -----------------------------------------------------------------------------
-    def _execute(self, cmd: dict) -> None:
-        kind = cmd["type"]
-        if kind in ("start", "activate"):
-            self._launch(cmd, wait_s=float(cmd.get("wait_s", 30)) if kind == "activate" else 2.0)
-        elif kind == "prewarm":
+    def _execute(self, cmd: p.Command) -> None:
+        if isinstance(cmd, p.Start):
+            self._launch(cmd)
+        elif isinstance(cmd, p.Prewarm):
             self._prewarm(cmd)
-        elif kind == "spares":
+        elif isinstance(cmd, p.Spares):
             self._spares(cmd)
-        elif kind == "stop":
-            self._stop_workers(cmd.get("run"), float(cmd.get("grace_s", 0.0)))
-        elif kind == "chaos":
+        elif isinstance(cmd, p.Stop):
+            self._stop_workers(cmd.run, cmd.grace_s)
+        elif isinstance(cmd, p.Chaos):
             self._chaos(cmd)
-        elif kind == "trace":
+        elif isinstance(cmd, p.Trace):
             self._trace(cmd)
-        elif kind == "diagnose":
+        elif isinstance(cmd, p.Diagnose):
             # Its own thread: the checks take seconds and a stop must still get through. The thread
             # waits for its processes, so they never outlive their parent thread (PDEATHSIG).
-            threading.Thread(target=self.diagnoser.run, args=(cmd,), name="diagnose", daemon=True).start()
-        elif kind == "shutdown":
+            threading.Thread(target=self.diagnoser.run, args=(p.encode(cmd),), name="diagnose",
+                             daemon=True).start()
+        elif isinstance(cmd, p.Shutdown):
             self.chaos.cleanup()
             self.workers.stop()
             self.warm.stop()
             self.diagnoser.stop()
             self.shutdown()
         else:
-            raise ValueError(f"unknown command {kind!r}")
+            raise ValueError(f"unknown command {cmd!r}")
 
     def _prefix(self) -> list[str] | None:
         return self.netns.exec_prefix() if self.netns is not None else None
 
-    def _base_env(self, cmd: dict) -> dict[str, str]:
+    def _base_env(self, extra: dict | None = None) -> dict[str, str]:
+        """The machine's own environment for a process it starts, plus `extra` (a diagnose
+        command's env, say)."""
         env = self.netns.env() if self.netns is not None else dict(os.environ)
-        env.update({k: str(v) for k, v in cmd.get("env", {}).items()})
-        env["STALWART_AGENT_SOCK"] = self.sock_path
-        env["STALWART_SIMGPU"] = self.simgpu_path
-        env["STALWART_MACHINE"] = self.machine_id
-        env["STALWART_SHM_DIR"] = self.ckpt.shm_dir
+        env.update({k: str(v) for k, v in ((extra or {}).get("env") or {}).items()})
+        env[p.Env.AGENT_SOCK] = self.sock_path
+        env[p.Env.SIMGPU] = self.simgpu_path
+        env[p.Env.MACHINE] = self.machine_id
+        env[p.Env.SHM_DIR] = self.ckpt.shm_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _prepare_run(self, cmd: dict) -> list[dict[str, str]] | None:
+    def _spec_env(self, spec: p.RunSpec) -> dict[str, str]:
+        """A worker's environment for a run spec (the machine's, the run's, the code version's)."""
+        env = self._base_env()
+        env.update(p.run_env(spec))
+        path = p.python_path(spec.code_path, env.get("PYTHONPATH"))
+        if path:
+            env["PYTHONPATH"] = path
+        return env
+
+    def _prepare_run(self, cmd: p.Start) -> list[dict[str, str]] | None:
         """Checkpoint set-up and restore shards for a run; the extra env of each worker, or None
         (reported as restore_failed) when a rank has no valid copy anywhere."""
-        job = str(cmd.get("env", {}).get("STALWART_JOB"))
-        if job != self._job:
+        if cmd.spec.job != self._job:
             self.ckpt.clear_own()
-            self._job = job
-        c = cmd.get("ckpt") or {}
-        self.ckpt.configure(c.get("durable_dir"), int(c.get("every", 10)), c.get("backup"))
+            self._job = cmd.spec.job
+        if cmd.ckpt is not None:
+            backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
+                if cmd.ckpt.backup is not None else None
+            self.ckpt.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
         extra = []
-        for w in cmd["workers"]:
-            env = {k: str(v) for k, v in w["env"].items()}
-            if w.get("restore"):
+        for w in cmd.workers:
+            env = p.rank_env(w)
+            if w.restore:
+                candidates = [msgspec.to_builtins(c) for c in w.restore]
                 try:
-                    tier, path, errors = self.ckpt.materialize(w["rank"], w["restore"])
+                    tier, path, errors = self.ckpt.materialize(w.rank, candidates)
                 except RestoreFailed as e:
-                    self.emit({"type": "restore_failed", "run": cmd["run"], "rank": w["rank"],
-                               "step": w["restore"][0]["step"], "error": str(e)})
+                    self.emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
+                               "step": w.restore[0].step, "error": str(e)})
                     return None
-                env.update(STALWART_RESTORE_PATH=path, STALWART_RESTORE_TIER=tier)
-                self.emit({"type": "restore_source", "run": cmd["run"], "rank": w["rank"],
-                           "step": w["restore"][0]["step"], "tier": tier, "skipped": errors})
+                env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
+                self.emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
+                           "step": w.restore[0].step, "tier": tier, "skipped": errors})
             extra.append(env)
         return extra
 
-    def _cold_start(self, cmd: dict, extra: list[dict[str, str]]) -> None:
-        base = self._base_env(cmd)
-        envs, ranks = [], []
-        for w, more in zip(cmd["workers"], extra):
-            env = dict(base)
-            env.update(more)
-            envs.append(env)
-            ranks.append(w["rank"])
-        self.workers.spawn(cmd["command"], envs, ranks, self._run, cmd.get("cwd"), f"run{self._run}",
-                           prefix=self._prefix())
+    def _cold_start(self, cmd: p.Start, extra: list[dict[str, str]]) -> None:
+        base = self._spec_env(cmd.spec)
+        envs = [dict(base, **more) for more in extra]
+        self.workers.spawn(cmd.spec.command, envs, [w.rank for w in cmd.workers], self._run, cmd.spec.cwd,
+                           f"run{self._run}", prefix=self._prefix())
 
-    def _launch(self, cmd: dict, wait_s: float) -> None:
+    def _launch(self, cmd: p.Start) -> None:
         """Start a run's workers: hand the ranks to warm workers when they are ready, else cold."""
         self.workers.stop()
+        self._last_step.clear()
         extra = self._prepare_run(cmd)
         if extra is None:
             return
-        self._run = cmd["run"]
-        n = len(cmd["workers"])
+        self._run = cmd.spec.run
+        n = len(cmd.workers)
         # A replay (stop-time diagnostics) is a throw-away run of another shape: it starts cold and
         # leaves the job's spares alone, for the run after it.
-        replay = str(cmd.get("env", {}).get("STALWART_REPLAY")) == "1"
+        replay = cmd.spec.replay
         ready: list[int] = []
-        if not replay and self._warm_key == warm_key(cmd) and self.warm.workers:
-            deadline = time.time() + wait_s
+        if not replay and self._warm_key == cmd.spec.warm_key() and self.warm.workers:
+            deadline = time.time() + cmd.wait_warm_s
             while True:
                 warm_pids = set(self.warm.pids())
                 with self._lock:
-                    ready = [p for p in self._standby_ready if p in self._conns and p in warm_pids]
+                    ready = [pid for pid in self._standby_ready if pid in self._conns and pid in warm_pids]
                 if len(ready) >= n or time.time() >= deadline:
                     break
                 time.sleep(0.02)
@@ -386,50 +419,47 @@ class Agent:
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
             self._refill_at = (time.time() + 5.0, cmd)   # after the run is through its start-up
 
-    def _hand_over(self, cmd: dict, extra: list[dict[str, str]], pids: list[int]) -> None:
+    def _hand_over(self, cmd: p.Start, extra: list[dict[str, str]], pids: list[int]) -> None:
         by_pid = {w.proc.pid: w for w in self.warm.workers}
-        chosen = sorted((by_pid[p] for p in pids), key=lambda w: w.local_rank)
+        chosen = sorted((by_pid[pid] for pid in pids), key=lambda w: w.local_rank)
         self.warm.release(chosen)
-        for worker, w, more in zip(chosen, cmd["workers"], extra):
-            env = {k: str(v) for k, v in cmd.get("env", {}).items()}
-            env.update(more)
+        run_env = p.run_env(cmd.spec)
+        for worker, w, more in zip(chosen, cmd.workers, extra):
+            env = dict(run_env, **more)
             with self._lock:
                 conn = self._conns[worker.proc.pid]
                 self._standby_ready.remove(worker.proc.pid)
             if warm_nice():
                 renice(worker.proc.pid, 0)      # it trains now: back to normal priority
             conn.send({"type": "activate", "env": env})
-            worker.rank, worker.run = w["rank"], self._run
+            worker.rank, worker.run = w.rank, self._run
         self.workers.adopt(chosen)
 
-    def _spawn_warm(self, cmd: dict, n: int) -> None:
-        base = self._base_env(cmd)
-        for k in ("STALWART_RUN", "MASTER_PORT", "RANK", "STALWART_RESTORE_STEP"):
-            base.pop(k, None)
-        base["STALWART_STANDBY"] = "1"
-        self._warm_key = warm_key(cmd)
-        self.warm.spawn(cmd["command"], [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
-                        [None] * n, None, cmd.get("cwd"), f"warm{int(time.time() * 1000) % 10**9}",
+    def _spawn_warm(self, spec: p.RunSpec, n: int) -> None:
+        base = self._spec_env(msgspec.structs.replace(spec, run=None, master=None))
+        base[p.Env.STANDBY] = "1"
+        self._warm_key = spec.warm_key()
+        self.warm.spawn(spec.command, [dict(base, LOCAL_RANK=str(i)) for i in range(n)],
+                        [None] * n, None, spec.cwd, f"warm{int(time.time() * 1000) % 10**9}",
                         prefix=self._prefix(), nice=warm_nice())
 
-    def _prewarm(self, cmd: dict) -> None:
+    def _prewarm(self, cmd: p.Prewarm) -> None:
         self.workers.stop()
         self.warm.stop()
-        self._spawn_warm(cmd, int(cmd.get("count", self.gpus)))
+        self._spawn_warm(cmd.spec, cmd.count)
         self.emit({"type": "prewarmed", "pids": self.warm.pids()})
 
-    def _spares(self, cmd: dict) -> None:
+    def _spares(self, cmd: p.Spares) -> None:
         """Spares for another command (a new code version) while the run goes on: the current
         spares make way, and `spares_ready` says when the new ones wait at the barrier, so the
         controller stops the run only once the restart can be warm."""
         self._refill_at = None
-        n = int(cmd.get("count", self.gpus))
-        if self._warm_key != warm_key(cmd):
+        if self._warm_key != cmd.spec.warm_key():
             self.warm.stop()
-            self._spawn_warm(cmd, n)
-        elif len(self.warm.workers) < n:      # asked again after a restart took some of them
-            self._spawn_warm(cmd, n - len(self.warm.workers))
-        self._spares_for = cmd.get("cwd")
+            self._spawn_warm(cmd.spec, cmd.count)
+        elif len(self.warm.workers) < cmd.count:      # asked again after a restart took some of them
+            self._spawn_warm(cmd.spec, cmd.count - len(self.warm.workers))
+        self._spares_for = cmd.spec.code_path or cmd.spec.cwd or ""
         self._report_spares()
 
     def _report_spares(self) -> None:
@@ -438,16 +468,16 @@ class Agent:
                 return
             if not set(self.warm.pids()) <= set(self._standby_ready):
                 return
-            cwd, self._spares_for = self._spares_for, None
-        self.emit({"type": "spares_ready", "cwd": cwd, "pids": self.warm.pids()})
+            key, self._spares_for = self._spares_for, None
+        self.emit({"type": "spares_ready", "key": key, "pids": self.warm.pids()})
 
-    def _refill(self, cmd: dict) -> None:
-        missing = len(cmd["workers"]) - len(self.warm.workers)
-        if self._warm_key not in (None, warm_key(cmd)) and self.warm.workers:
+    def _refill(self, cmd: p.Start) -> None:
+        missing = len(cmd.workers) - len(self.warm.workers)
+        if self._warm_key not in (None, cmd.spec.warm_key()) and self.warm.workers:
             return      # the spares wait for another command (a new code version)
-        if missing > 0 and self._run == cmd["run"]:
-            self._spawn_warm(cmd, missing)
-        if self._run == cmd["run"]:
+        if missing > 0 and self._run == cmd.spec.run:
+            self._spawn_warm(cmd.spec, missing)
+        if self._run == cmd.spec.run:
             self.diagnoser.prewarm()   # the stop-time checks of the next failure start warm too
 
     def _stop_workers(self, run: int | None, grace_s: float) -> None:
@@ -461,7 +491,9 @@ class Agent:
             self._warm_key = None
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
-    def _chaos(self, cmd: dict) -> None:
+    def _chaos(self, chaos: p.Chaos) -> None:
+        cmd = {"type": "chaos", "kind": chaos.kind, "rank": chaos.rank, "step": chaos.step,
+               "from_step": chaos.step, **chaos.params}
         if cmd["kind"] == "machine-down":
             self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
             time.sleep(0.05)  # let the sender thread carry the injection time out
@@ -473,7 +505,7 @@ class Agent:
         t = self.chaos.apply(cmd)
         self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
 
-    def _trace(self, cmd: dict) -> None:
+    def _trace(self, cmd: p.Trace) -> None:
         """Stacks of every training process of this machine (workers and their children), with
         each worker's process state: a stopped or frozen worker is itself evidence."""
         import psutil
@@ -481,7 +513,7 @@ class Agent:
         from stalwart.agent.tracer import capture
         pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None}
         try:
-            records = capture(pids, timeout_s=float(cmd.get("timeout_s", 5.0)), machine=self.machine_id)
+            records = capture(pids, timeout_s=cmd.timeout_s, machine=self.machine_id)
         except FileNotFoundError as e:      # py-spy missing: states alone still tell a lot
             records = [{"rank": r, "pid": p, "role": "worker", "machine": self.machine_id,
                         "threads": [], "error": str(e)} for r, p in pids.items()]
@@ -490,7 +522,7 @@ class Agent:
                 rec["status"] = psutil.Process(rec["pid"]).status()
             except psutil.Error:
                 rec["status"] = "gone"
-        self.emit({"type": "stacks", "run": cmd.get("run"), "records": records})
+        self.emit({"type": "stacks", "run": cmd.run, "records": records})
 
     # -- worker exits ----------------------------------------------------------------------------
     def _on_worker_failing(self, pid: int, msg: dict) -> None:

@@ -69,7 +69,9 @@ class FailSlowRounds:
 
     rounds: int = 5
     history: list[tuple[float, Domain | None]] = field(default_factory=list)
-    _topo: Any = field(default=None, repr=False)
+    # the layout the rounds were taken on (Topology's key), kept as plain data so the rounds can
+    # be saved with the job's state
+    topo_key: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounds, int) or self.rounds < 1:
@@ -77,11 +79,12 @@ class FailSlowRounds:
 
     def add_round(self, agg_outliers: Sequence[int], topo: Any, now: float) -> Domain | None:
         """Record one aggregation round's outliers at time ``now``; return the flagged domain."""
-        if self._topo is not None and topo != self._topo:
+        key = topo.key()
+        if self.topo_key is not None and tuple(self.topo_key) != key:
             raise ValueError("fail-slow rounds must all use the same topology")
         if self.history and now < self.history[-1][0]:
             raise ValueError(f"rounds must move forward in time ({now} < {self.history[-1][0]})")
-        self._topo = topo
+        self.topo_key = key
         flagged = flag_round(agg_outliers, topo)
         self.history.append((now, flagged))
         return flagged

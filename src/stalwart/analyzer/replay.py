@@ -17,20 +17,21 @@ one failing vertical group intersect in exactly one machine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 
 @dataclass(frozen=True)
 class ReplayPlan:
     """A dual-phase replay plan: ``phases[0]`` horizontal groups, ``phases[1]`` vertical."""
 
-    machines: tuple
+    machines: tuple[Any, ...]
     pp: int
     dp: int
     k: int
     m: int
     n: int
-    phases: tuple  # (horizontal_groups, vertical_groups); each a tuple of tuples
+    # (horizontal_groups, vertical_groups); each a tuple of tuples of machines
+    phases: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]
 
     @property
     def horizontal(self) -> tuple:

@@ -1,6 +1,9 @@
 """The embedded default backend: a controller and one agent per machine, all on this host.
 
-Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). As root, each
+Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). The cluster
+watches the controller it started and restarts it on the same database when it dies (on the same
+port when it can; agents re-read `controller.json` when the address changes), so a killed
+controller costs seconds, never the job. As root, each
 machine's workers live in their own network namespace with their own address on a bridge (the
 agent stays in the root namespace, like a management network), so NIC faults, slow links and
 partitions are real; without root, machines share loopback and network chaos says it is
@@ -11,13 +14,18 @@ next start) can remove what a crashed `stalwart run` left behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+from typing import Callable
 
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.client import Client, ControllerUnreachable
+
+log = logging.getLogger("stalwart.local")
 
 
 def _python() -> list[str]:
@@ -43,6 +51,15 @@ class LocalCluster:
         self.network_mode = network
         self.net = None                    # backends.netns.Network when machines have their own network
         self.network_file: str | None = None
+        self.store_host = "127.0.0.1"
+        self.controller_restarts = 0
+        self.on_controller_restart: Callable[[str], None] | None = None   # told what happened
+        self._stopping = threading.Event()
+        self._ctl_lock = threading.Lock()
+
+    @property
+    def controller_file(self) -> str:
+        return os.path.join(self.state_dir, "controller.json")
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
@@ -64,31 +81,69 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> str:
         os.makedirs(self.state_dir, exist_ok=True)
         cleanup_stale(self.state_dir)
-        store_host = self._start_network()
+        self.store_host = self._start_network()
+        self._stopping.clear()
+        # a fresh cluster: jobs an earlier one left in this state dir cannot be resumed
+        self._start_controller("127.0.0.1:0", timeout, extra=["--abandon-running"])
+        for i in range(self.n):
+            self.start_agent(f"m{i}")
+        self.wait_registered(timeout)
+        threading.Thread(target=self._supervise, name="controller-supervisor", daemon=True).start()
+        return self.url
+
+    def _start_controller(self, listen: str, timeout: float, extra: list[str] = ()) -> None:
         port_file = os.path.join(self.state_dir, "controller.port")
         if os.path.exists(port_file):
             os.unlink(port_file)
-        self.controller = self._spawn(
-            _python() + ["controller", "--db", self.db_url, "--listen", "127.0.0.1:0",
-                         "--state-dir", self.state_dir, "--port-file", port_file, "--store-host", store_host,
+        proc = self._spawn(
+            _python() + ["controller", "--db", self.db_url, "--listen", listen,
+                         "--state-dir", self.state_dir, "--port-file", port_file, "--store-host", self.store_host,
                          "--heartbeat", str(self.heartbeat_s), "--missed-beats", str(self.missed_beats),
-                         "--log-level", self.log_level], "controller.log")
-        deadline = time.time() + timeout
+                         "--log-level", self.log_level] + list(extra), "controller.log")
+        self.controller = proc
+        deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"the controller exited at start (code {self.controller.returncode});"
+            if proc.poll() is not None:
+                raise RuntimeError(f"the controller exited at start (code {proc.returncode});"
                                    f" see {self.state_dir}/logs/controller.log")
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise RuntimeError("the controller did not start within %.0fs" % timeout)
             time.sleep(0.05)
         with open(port_file) as f:
             self.url = f"http://127.0.0.1:{int(f.read().strip())}"
-        with open(os.path.join(self.state_dir, "controller.json"), "w") as f:
-            json.dump({"url": self.url, "pid": self.controller.pid}, f)
-        for i in range(self.n):
-            self.start_agent(f"m{i}")
-        self.wait_registered(timeout)
-        return self.url
+        tmp = self.controller_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"url": self.url, "pid": proc.pid}, f)
+        os.replace(tmp, self.controller_file)
+
+    def _supervise(self) -> None:
+        """Restart the controller when it dies (not when we stop it): same database, same port
+        when it is free, else a new one that the agents find in controller.json."""
+        while not self._stopping.wait(0.2):
+            with self._ctl_lock:
+                proc = self.controller
+                if proc is None or proc.poll() is None or self._stopping.is_set():
+                    continue
+                code, t0 = proc.returncode, time.monotonic()
+                port = (self.url or "").rsplit(":", 1)[-1]
+                try:
+                    try:
+                        self._start_controller(f"127.0.0.1:{port}", 60.0)
+                    except RuntimeError:          # the port was taken meanwhile
+                        self._start_controller("127.0.0.1:0", 60.0)
+                except RuntimeError as e:
+                    log.error("could not restart the controller: %s", e)
+                    if self.on_controller_restart:
+                        self.on_controller_restart(f"the controller died (code {code}) and could not be "
+                                                   f"restarted: {e}")
+                    return
+                self.controller_restarts += 1
+                why = f"signal {-code}" if code < 0 else f"exit code {code}"
+                msg = (f"the controller died ({why}); restarted in {time.monotonic() - t0:.1f}s at "
+                       f"{self.url} (pid {self.controller.pid})")
+                log.warning(msg)
+                if self.on_controller_restart:
+                    self.on_controller_restart(msg)
 
     def _start_network(self) -> str:
         """Create the machines' namespaces when wanted and possible; returns the store host."""
@@ -115,15 +170,16 @@ class LocalCluster:
     def start_agent(self, machine: str) -> None:
         extra = ["--network-file", self.network_file] if self.network_file else []
         self.agents[machine] = self._spawn(
-            _python() + ["agent", "--controller", self.url, "--machine-id", machine] + extra + [
+            _python() + ["agent", "--controller", self.url, "--machine-id", machine,
+                         "--controller-file", self.controller_file] + extra + [
                          "--workdir", os.path.join(self.state_dir, "machines", machine),
                          "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s),
                          "--log-level", self.log_level], f"agent-{machine}.log")
 
     def wait_registered(self, timeout: float) -> None:
         client = Client(self.url)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
                 alive = {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
             except ControllerUnreachable:
@@ -136,10 +192,12 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every process this cluster started (agents with their workers, then the controller)."""
+        self._stopping.set()
         for p in list(self.agents.values()):
             kill_tree(p.pid)
-        if self.controller is not None:
-            kill_tree(self.controller.pid, grace_s=3.0)
+        with self._ctl_lock:
+            if self.controller is not None:
+                kill_tree(self.controller.pid, grace_s=3.0)
         for p in list(self.agents.values()) + ([self.controller] if self.controller else []):
             try:
                 p.wait(timeout=5)

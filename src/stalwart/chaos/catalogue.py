@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from stalwart.errors import InvalidRequest
+
 # kind -> (where it acts, what it does). `stalwart inject --help` and the README print this table.
 KINDS: dict[str, str] = {
     "crash": "SIGKILL one worker (the given rank, else the machine's first)",
@@ -36,7 +38,7 @@ ROOT_KINDS = {"nic-down": "network namespaces", "nic-flap": "network namespaces"
               "freeze": "the cgroup freezer", "cpu-throttle": "cgroup CPU quotas"}
 
 
-class ChaosError(ValueError):
+class ChaosError(InvalidRequest):
     """A chaos request that cannot be understood or cannot be applied."""
 
 

@@ -1,4 +1,8 @@
-"""The controller's HTTP/JSON API (agents and the CLI) and a small dashboard page."""
+"""The controller's HTTP/JSON API (agents and the CLI) and a small dashboard page.
+
+Errors: a `StalwartError` is answered with its status (400 invalid request, 404 not found, 409
+conflict) and its message; anything else is a bug: 500, logged with its traceback.
+"""
 from __future__ import annotations
 
 import json
@@ -8,11 +12,12 @@ import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stalwart.chaos.catalogue import ChaosError
 from stalwart.controller.report import render_html
 from stalwart.controller.service import Controller
+from stalwart.errors import InvalidRequest, NotFound, StalwartError
 
 log = logging.getLogger("stalwart.api")
+MAX_BODY = 8 << 20
 
 ROUTES: list[tuple[str, re.Pattern, str]] = [
     ("POST", re.compile(r"^/api/agents/([^/]+)/register$"), "agent_register"),
@@ -32,6 +37,18 @@ ROUTES: list[tuple[str, re.Pattern, str]] = [
 ]
 
 
+def _field(body: dict, name: str, kind: type | tuple[type, ...] = str, default=...):
+    """A request field of the expected type (InvalidRequest names it when it is missing or wrong)."""
+    if name not in body:
+        if default is ...:
+            raise InvalidRequest(f"missing field {name!r}")
+        return default
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InvalidRequest(f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
 class Api:
     """Route handlers: each takes (controller, path args, query, body) and returns JSON or HTML."""
 
@@ -45,31 +62,39 @@ class Api:
         return self.ctl.heartbeat(m, body)
 
     def agent_events(self, m, q, body):
-        self.ctl.agent_events(m, body.get("events", []))
+        self.ctl.agent_events(m, _field(body, "events", list, []))
         return {"ok": True}
 
     def agent_commands(self, m, q, body):
-        return {"commands": self.ctl.commands(m, float(q.get("wait", ["0"])[0]))}
+        try:
+            wait = float(q.get("wait", ["0"])[0])
+        except ValueError:
+            raise InvalidRequest("wait must be a number of seconds") from None
+        return {"commands": self.ctl.commands(m, wait)}
 
     def job_submit(self, q, body):
-        return {"job": self.ctl.submit(body.get("spec", body))}
+        spec = body.get("spec", body)
+        if not isinstance(spec, dict):
+            raise InvalidRequest("the job spec must be a JSON object")
+        return {"job": self.ctl.submit(spec)}
 
     def job_status(self, job, q, body):
         return self.ctl.status(self.ctl.resolve_job(job))
 
     def job_inject(self, job, q, body):
-        return self.ctl.inject(self.ctl.resolve_job(job), body["chaos"])
+        return self.ctl.inject(self.ctl.resolve_job(job), _field(body, "chaos"))
 
     def job_cancel(self, job, q, body):
-        self.ctl.cancel(self.ctl.resolve_job(job), body.get("reason", "cancelled by the user"))
+        self.ctl.cancel(self.ctl.resolve_job(job), _field(body, "reason", str, "cancelled by the user"))
         return {"ok": True}
 
     def job_update(self, job, q, body):
-        return self.ctl.register_version(self.ctl.resolve_job(job), body["code"], body.get("mode", "lazy"),
-                                         body.get("window_s"))
+        return self.ctl.register_version(self.ctl.resolve_job(job), _field(body, "code"),
+                                         _field(body, "mode", str, "lazy"),
+                                         _field(body, "window_s", (int, float, type(None)), None))
 
     def job_versions(self, job, q, body):
-        return {"versions": self.ctl.versions(self.ctl.resolve_job(job))}
+        return {"versions": self.ctl.list_versions(self.ctl.resolve_job(job))}
 
     def machines(self, q, body):
         return {"machines": self.ctl.machines()}
@@ -80,7 +105,7 @@ class Api:
     def dashboard(self, q, body):
         try:
             return render_html(self.ctl.status(self.ctl.resolve_job("latest")))
-        except LookupError:
+        except NotFound:
             return "<html><body><h1>stalwart</h1><p>no job yet</p></body></html>"
 
 
@@ -96,20 +121,23 @@ def make_handler(api: Api):
             query = urllib.parse.parse_qs(url.query)
             body = {}
             n = int(self.headers.get("Content-Length") or 0)
+            if n > MAX_BODY:
+                self.close_connection = True
+                return self._reply(413, {"error": f"request body over {MAX_BODY} bytes"})
             if n:
                 try:
                     body = json.loads(self.rfile.read(n))
                 except ValueError:
                     return self._reply(400, {"error": "request body is not JSON"})
+                if not isinstance(body, dict):
+                    return self._reply(400, {"error": "request body must be a JSON object"})
             for meth, pat, name in ROUTES:
                 m = pat.match(url.path)
                 if m and meth == method:
                     try:
                         out = getattr(api, name)(*m.groups(), query, body)
-                    except LookupError as e:
-                        return self._reply(404, {"error": str(e).strip("'\"")})
-                    except (ValueError, ChaosError, KeyError, TypeError) as e:
-                        return self._reply(400, {"error": str(e).strip("'\"")})
+                    except StalwartError as e:
+                        return self._reply(e.status, {"error": str(e).strip("'\"")})
                     except Exception as e:
                         log.exception("%s %s failed", method, url.path)
                         return self._reply(500, {"error": f"internal error: {e}"})

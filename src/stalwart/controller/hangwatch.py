@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+
+from stalwart.spec import Policy
 
 DEFAULT_WARMUP_FACTOR = 10.0
 DEFAULT_WINDOW = 20
@@ -112,16 +113,17 @@ class HangWatch:
     window: recent intervals kept per rank for calibration (>= 1).
     """
 
-    policy: Any
+    policy: Policy
     ranks: Iterable[int] = ()
     started_at: float | None = None
     warmup_factor: float = DEFAULT_WARMUP_FACTOR
     window: int = DEFAULT_WINDOW
     _state: dict[int, _RankState] = field(default_factory=dict, init=False, repr=False)
-    _recent: dict[int, deque] = field(default_factory=dict, init=False, repr=False)
+    _recent: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _warmup_max: float = field(default=0.0, init=False, repr=False)
     _calibrated: bool = field(default=False, init=False, repr=False)
     _latched: HangVerdict | None = field(default=None, init=False, repr=False)
+    _resumed_at: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_floor_s", "hang_safety_factor", "hang_warmup_steps"):
@@ -137,7 +139,7 @@ class HangWatch:
         if self.started_at is not None:
             self.started_at = _time("started_at", self.started_at)
         for r in list(self.ranks):
-            self._state[_rank(r)] = _RankState()
+            self._state.setdefault(_rank(r), _RankState())   # kept when loaded from a saved state
         self.ranks = tuple(sorted(self._state))
 
     # ------------------------------------------------------------------ events
@@ -169,7 +171,9 @@ class HangWatch:
             interval = t - st.step_t
             st.reports += 1
             if st.reports > self.policy.hang_warmup_steps:
-                self._recent.setdefault(rank, deque(maxlen=self.window)).append(interval)
+                recent = self._recent.setdefault(rank, [])
+                recent.append(interval)
+                del recent[:-self.window]
                 self._calibrated = True
             else:
                 self._warmup_max = max(self._warmup_max, interval)
@@ -188,6 +192,12 @@ class HangWatch:
             st.activity_t = t
             if st.step is None or not self._calibrated:
                 self._latched = None
+
+    def resume(self, t: float) -> None:
+        """Nobody could watch the ranks until `t` (the controller was away): count `t` as every
+        rank's last progress, without touching the step history reports keep arriving for."""
+        self._resumed_at = _time("t", t)
+        self._latched = None
 
     # --------------------------------------------------------------- timeouts
     @property
@@ -212,12 +222,13 @@ class HangWatch:
     def _progress(self, st: _RankState) -> tuple[float | None, float]:
         """(last progress time, timeout that applies to it) for one rank."""
         if st.step is None:
-            times = [x for x in (st.activity_t, self.started_at) if x is not None]
+            times = [x for x in (st.activity_t, self.started_at, self._resumed_at) if x is not None]
             return (max(times) if times else None), self.warmup_timeout()
         if not self._calibrated:
-            times = [x for x in (st.step_t, st.activity_t) if x is not None]
+            times = [x for x in (st.step_t, st.activity_t, self._resumed_at) if x is not None]
             return max(times), self.timeout()
-        return st.step_t, self.timeout()
+        times = [x for x in (st.step_t, self._resumed_at) if x is not None]
+        return max(times), self.timeout()
 
     # ------------------------------------------------------------------ check
     def check(self, now: float) -> HangVerdict | None:

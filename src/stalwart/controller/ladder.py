@@ -8,7 +8,7 @@ their results mean, and which rung comes next (papers.md §1.5.2-1.5.3).
     NaN, no culprit    -> bitwise alignment test (when enabled), then the same ladder
 
 Everything here works on plain data (incident dicts as the store returns them, check results as the
-agents report them); `diagnose_flow` does the talking.
+agents report them); the job core's `job/flows/diagnosis.py` does the talking.
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ priority wins:
 
 1. ``productive``     - intervals of *kept* step executions;
 2. ``lost_progress``  - intervals of step executions that a later run redid;
+2b. ``control_plane`` - the controller's absence: from its predecessor's last sign of life to
+                        the end of the new one's reconciliation (``control_plane_down`` and
+                        ``control_plane_reconciled`` events); steps that went on meanwhile stay
+                        productive;
 3. incident phases    - ``detection`` / ``localization`` / ``failover`` (or ``hot_update``
                         for planned incidents); between two incidents the one *opened
                         earlier* wins, so when a second incident opens during the first
@@ -45,7 +49,8 @@ import math
 from bisect import bisect_left, bisect_right
 from dataclasses import asdict, dataclass
 
-BUCKETS = ("detection", "localization", "failover", "lost_progress", "hot_update", "startup", "other")
+BUCKETS = ("detection", "localization", "failover", "lost_progress", "control_plane", "hot_update", "startup",
+           "other")
 PHASES = ("detection", "localization", "failover")
 PRODUCTIVE = "productive"
 _LABELS = (PRODUCTIVE,) + BUCKETS
@@ -54,6 +59,7 @@ _NS = 1_000_000_000
 # Priority keys of the sweep: smaller tuples win.
 _K_PRODUCTIVE = (0,)
 _K_LOST = (1,)
+_K_CONTROL = (1, 1)
 _K_STARTUP = (3,)
 
 
@@ -175,8 +181,10 @@ def _wall_bounds(events: list[dict], now: float) -> tuple[float, float]:
 
 
 def _parse(events: list[dict], start: float, end: float):
-    """Runs (id -> start ns), step executions and incidents from events in [start, end]."""
+    """Runs (id -> start ns), step executions, incidents and control-plane gaps (down -> back) from
+    events in [start, end]."""
     rel = lambda t: round((t - start) * _NS)  # noqa: E731 - tiny local converter
+    gaps: dict[float, list[int]] = {}
     run_start: dict[int, int] = {}
     run_rank: dict[int, int] = {}
     execs: list[_Exec] = []
@@ -206,6 +214,13 @@ def _parse(events: list[dict], start: float, end: float):
             injected = None if inj is None else rel(_num(inj, "incident_opened injected_at"))
             incidents[ident] = _Incident(ident, len(incidents), str(data.get("symptom", "")),
                                          bool(data.get("planned", False)), rel(t), injected)
+        elif kind == "control_plane_down":
+            down = _num(data.get("down_at"), "control_plane_down down_at")
+            gaps[down] = [rel(down), rel(_num(data.get("up_at"), "control_plane_down up_at"))]
+        elif kind == "control_plane_reconciled":
+            down = _num(data.get("down_at"), "control_plane_reconciled down_at")
+            if down in gaps:
+                gaps[down][1] = max(gaps[down][1], rel(t))
         elif kind == "incident_localized":
             ident = _int(data, "incident", kind)
             if ident not in incidents:
@@ -215,7 +230,7 @@ def _parse(events: list[dict], start: float, end: float):
             inj = data.get("injected_at")   # the injection time is often known only by now
             if inj is not None and incidents[ident].injected is None:
                 incidents[ident].injected = rel(_num(inj, "incident_localized injected_at"))
-    return run_start, run_rank, execs, list(incidents.values())
+    return run_start, run_rank, execs, list(incidents.values()), [tuple(g) for g in gaps.values()]
 
 
 def _split_kept(execs: list[_Exec]) -> tuple[list[_Exec], list[_Exec]]:
@@ -299,7 +314,7 @@ def _sweep(intervals: list[tuple[int, int, tuple]], wall: int) -> list[tuple[int
 def _build(events: list[dict], now: float) -> _Built:
     start, end = _wall_bounds(events, now)
     wall = round((end - start) * _NS)
-    run_start, _, execs, incidents = _parse(events, start, end)
+    run_start, _, execs, incidents, gaps = _parse(events, start, end)
     kept, lost = _split_kept(execs)
     kept_by_lo = sorted(kept, key=lambda ex: (ex.lo, ex.hi))
     kept_los = [ex.lo for ex in kept_by_lo]
@@ -307,6 +322,7 @@ def _build(events: list[dict], now: float) -> _Built:
 
     intervals: list[tuple[int, int, tuple]] = [(ex.lo, ex.hi, _K_PRODUCTIVE) for ex in kept]
     intervals += [(ex.lo, ex.hi, _K_LOST) for ex in lost]
+    intervals += [(lo, hi, _K_CONTROL) for lo, hi in gaps]
     first_step = min((ex.lo for ex in execs), default=wall)
     intervals.append((0, first_step, _K_STARTUP))
     resumes: dict[int, _Exec | None] = {}
@@ -325,6 +341,8 @@ def _build(events: list[dict], now: float) -> _Built:
             label = PRODUCTIVE
         elif key == _K_LOST:
             label = "lost_progress"
+        elif key == _K_CONTROL:
+            label = "control_plane"
         elif key == _K_STARTUP:
             label = "startup"
         else:

@@ -10,6 +10,8 @@ Pure apart from its own buffers: every method takes `now`/`t`.
 from __future__ import annotations
 
 import math
+import sys
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -24,24 +26,42 @@ WINDOW = 8
 REL_FLOOR = 0.25
 
 
+@dataclass
 class PeerWatch:
-    def __init__(self, peers: Sequence[Sequence[str]], period_s: float, lookback_s: float,
-                 continuity_s: float, not_before: float = -math.inf):
-        self.groups = [list(g) for g in peers if len(g) >= 3]
-        self.period_s = period_s
-        self.lookback = max(WINDOW, int(lookback_s / period_s))
-        self.rows: dict[str, dict[int, dict[str, float]]] = {m: {} for g in self.groups for m in g}
-        self.conts = [Continuity(continuity_s=continuity_s, grace_s=max(10.0, 4 * period_s))
-                      for _ in self.groups]
-        # rows before this time are ignored: a run's start (imports, first allocations, the first
-        # steps) differs between machines for reasons that say nothing about their health; the job
-        # runner creates the watch with not_before=inf and calls `start` after the warm-up steps
-        self.not_before = not_before
+    """Rows per machine in time buckets and one continuity tracker per stage (plain data, so the
+    watch is saved with the job's state)."""
+    groups: list[list[str]]
+    period_s: float
+    lookback: int
+    rows: dict[str, dict[int, dict[str, float]]]
+    conts: list[Continuity]
+    # rows before this time are ignored: a run's start (imports, first allocations, the first
+    # steps) differs between machines for reasons that say nothing about their health; the job
+    # runner creates the watch unstarted (None) and calls `start` after the warm-up steps
+    since: float | None = None
+
+    @classmethod
+    def create(cls, peers: Sequence[Sequence[str]], period_s: float, lookback_s: float,
+               continuity_s: float, not_before: float | None = -math.inf) -> "PeerWatch":
+        """A watch over `peers` (groups of machines doing the same work; a group needs at least
+        3 machines to have an outlier). `not_before` None (or inf): unstarted."""
+        groups = [list(g) for g in peers if len(g) >= 3]
+        return cls(groups=groups, period_s=period_s, lookback=max(WINDOW, int(lookback_s / period_s)),
+                   rows={m: {} for g in groups for m in g},
+                   conts=[Continuity(continuity_s=continuity_s, grace_s=max(10.0, 4 * period_s))
+                          for _ in groups],
+                   since=None if not_before is None or not_before == math.inf
+                   else max(not_before, -sys.float_info.max))   # finite: the state is JSON
+
+    @property
+    def not_before(self) -> float:
+        """Rows before this time are ignored (inf while unstarted)."""
+        return math.inf if self.since is None else self.since
 
     def start(self, t: float) -> None:
         """Accept rows from time `t` on, unless already started."""
-        if self.not_before == math.inf:
-            self.not_before = t
+        if self.since is None:
+            self.since = t
 
     def add(self, machine: str, t: float, values: Mapping[str, float]) -> None:
         """A metric row of `machine` at time `t` (later values of a bucket overwrite earlier)."""

@@ -70,8 +70,10 @@ class Evidence:
     implicit_reason: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolution:
+    """How an incident is resolved. Frozen: a later rung (checks, replay, rollback) makes a new one
+    with `dataclasses.replace`, so a decision is never changed behind its maker's back."""
     symptom: str
     category: str
     cause: str
@@ -187,28 +189,37 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
                           fail_reason=f"no progress across {snap.restarts_without_progress} restarts; "
                                       f"last failure: {cause}")
     if evict:
-        if len(evict) > len(snap.standby_ready):
+        short = standby_shortfall(evict, len(snap.standby_ready))
+        if short is not None:
             return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                              evict=evict, mechanism="fail",
-                              fail_reason=f"{len(evict)} machine(s) evicted ({', '.join(evict)}) but "
-                                          f"only {len(snap.standby_ready)} standby machine(s) ready; "
-                                          f"add standbys with --standby N")
+                              evict=evict, mechanism="fail", fail_reason=short)
         return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
                           evict=evict, mechanism="evict_restart")
     return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
                       mechanism="reattempt")
 
 
+def describe_exit(rank: int | None, machine: str, code: int | None, signal: int | None,
+                  detail: str = "") -> str:
+    """One worker's exit in words: "rank 3 on m1 killed by SIGKILL (...)"."""
+    how = "killed by SIGKILL" if signal == 9 else f"killed by signal {signal}" if signal else \
+        "failed with an exception" if code is None else f"exit code {code}"
+    who = f"rank {rank}" if rank is not None else "a worker"
+    return f"{who} on {machine} {how}" + (f" ({detail})" if detail else "")
+
+
 def _describe_exits(exits: list[Exit]) -> str:
-    parts = []
-    for e in exits[:3]:
-        how = f"killed by signal {e.signal}" if e.signal else \
-            "failed with an exception" if e.code is None else f"exit code {e.code}"
-        if e.signal == 9:
-            how = "killed by SIGKILL"
-        who = f"rank {e.rank}" if e.rank is not None else "a worker"
-        parts.append(f"{who} on {e.machine} {how}" + (f" ({e.detail})" if e.detail else ""))
-    return "; ".join(parts)
+    return "; ".join(describe_exit(e.rank, e.machine, e.code, e.signal, e.detail) for e in exits[:3])
+
+
+def standby_shortfall(evict: list[str], standby_ready: int) -> str | None:
+    """The one rule for evicting more machines than there are ready standbys: why it cannot be
+    done now (None when it can). Callers confirm an uncertain guess with a stop-time check
+    first, and fail only when machines that certainly are broken outnumber the standbys."""
+    if len(evict) <= standby_ready:
+        return None
+    return (f"{len(evict)} machine(s) evicted ({', '.join(evict)}) but only {standby_ready} "
+            f"standby machine(s) ready; add standbys with --standby N")
 
 
 def replacement_plan(active: tuple[str, ...], evict: list[str],

@@ -1,5 +1,5 @@
-"""The warm standby pool: its size, the P99 of Binomial(machines, daily failure rate)
-(papers.md §1.7.2), and its refill in the job runner from idle machines of the backend."""
+"""The warm standby pool's size: the P99 of Binomial(machines, daily failure rate) (papers.md
+§1.7.2). The job core keeps the pool at this size (`job/flows/pool.py`)."""
 from __future__ import annotations
 
 from scipy.stats import binom
@@ -19,27 +19,3 @@ def standby_count(spec) -> int:
     if spec.standby == "auto":
         return max(1, p99_standbys(spec.machines, spec.policy.daily_failure_rate))
     return int(spec.standby)
-
-
-REFILL_EVERY_S = 1.0
-
-
-class PoolFlow:
-    """A mixin of `JobRunner` (jobs.py): keep the standby pool at its size while the job runs by
-    taking idle machines (a spare of the local backend, any agent that registers later), warming
-    their workers at once so the next failover does not wait for `import torch`."""
-
-    def _refill_pool(self, now: float) -> None:
-        if now < getattr(self, "pool_next", 0.0):
-            return
-        self.pool_next = now + REFILL_EVERY_S
-        want = standby_count(self.spec)
-        self.standby = [m for m in self.standby if self.ctl.machine_alive(m)]
-        short = want - len(self.standby)
-        if short <= 0:
-            return
-        for m in self.ctl.free_machines()[:short]:
-            self.standby.append(m)
-            self.ctl.set_machine(m, state="standby", job_id=self.job_id)
-            self._prewarm(m)
-            self.event("standby_added", {"machine": m, "pool": len(self.standby), "want": want}, t=now)

@@ -32,13 +32,16 @@ class Rendezvous:
         return store.port
 
     def open_scratch(self, job_id: int, name: str) -> int:
-        """A store for stop-time diagnostics or a replay of the job (its users pick their own key
-        prefixes); it never displaces the stores of the job's runs. Returns its port."""
-        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=300))
+        """The store of stop-time diagnostics or a replay of the job named `name`, opened on first
+        use (its users pick their own key prefixes); it never displaces the stores of the job's
+        runs. Returns its port."""
         with self._lock:
-            self._scratch[(job_id, name)] = store
-        return store.port
+            store = self._scratch.get((job_id, name))
+            if store is None:
+                store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=300))
+                self._scratch[(job_id, name)] = store
+            return store.port
 
     def close_scratch(self, job_id: int, name: str) -> None:
         with self._lock:

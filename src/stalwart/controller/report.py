@@ -51,6 +51,16 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict:
     machines = [{"id": m["id"], "state": m["state"], "address": m["address"], "reason": m["reason"]}
                 for m in store.machines() if m["job_id"] == job_id or m["state"] == "evicted"]
     spec = job["spec"]
+    gaps = [{"down_at": _rel(e["data"]["down_at"], t0), "up_at": _rel(e["data"]["up_at"], t0)}
+            for e in events if e["kind"] == "control_plane_down"]
+    for e in events:
+        if e["kind"] == "control_plane_reconciled":
+            for g in gaps:
+                if g["down_at"] == _rel(e["data"]["down_at"], t0):
+                    g["reconciled_at"] = _rel(e["t"], t0)
+    for g in gaps:
+        end_at = g.get("reconciled_at") or g["up_at"]
+        g["seconds"] = round(end_at - g["down_at"], 3)
     by_mech: dict[str, int] = {}
     for i in incidents:
         by_mech[i["mechanism"] or "open"] = by_mech.get(i["mechanism"] or "open", 0) + 1
@@ -63,6 +73,7 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict:
         "unproductive_s": {k: round(v, 3) for k, v in led.unproductive.items()},
         "steps_lost": led.steps_lost, "incidents": incidents, "incidents_by_mechanism": by_mech,
         "machines": machines, "runs": runs, "losses": {str(k): v for k, v in losses.items()},
+        "control_plane": gaps,
         "layout": {k: spec.get(k) for k in ("machines", "gpus_per_machine", "tp", "pp", "dp")},
     }
 

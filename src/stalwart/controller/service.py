@@ -1,4 +1,10 @@
-"""The controller: machines, command queues, jobs, the heartbeat monitor. The HTTP API is in api.py."""
+"""The controller: machines, command queues, jobs, the heartbeat monitor. The HTTP API is in api.py;
+each job's logic is its runner (`controller/job/`).
+
+Restart-safe: jobs a previous controller left running are taken over (their saved state loaded,
+their agents heard again, see `job/flows/reconcile.py`), unless it is started with
+`abandon_running` (a fresh local cluster: the old one's machines are gone with it).
+"""
 from __future__ import annotations
 
 import logging
@@ -7,72 +13,145 @@ import re
 import threading
 import time
 
+import msgspec
+
+from stalwart import protocol
 from stalwart.chaos import catalogue
-from stalwart.controller.jobs import TERMINAL, JobRunner
+from stalwart.controller import snapshot, versions
+from stalwart.controller.job import state as S
+from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
+                                            VersionRegistered)
+from stalwart.controller.job.runner import JobRunner
 from stalwart.controller.pool import standby_count
 from stalwart.controller.rendezvous import Rendezvous
 from stalwart.controller.report import build_report
+from stalwart.controller.restore import Availability
 from stalwart.controller.store import Store
+from stalwart.errors import Conflict, InvalidRequest, NotFound
 from stalwart.spec import JobSpec
 
 log = logging.getLogger("stalwart.controller")
+RUNNING_STATES = ("pending", "waiting", "running", "recovering", "tracing", "diagnosing", "replaying")
+ALIVE_EVERY_S = 1.0
 
 
 def natural_key(s: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
+class MachineView:
+    """The controller's registry as the job cores see it (`ClusterView`)."""
+
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+
+    def alive(self, machine: str) -> bool:
+        return self.ctl.machine_alive(machine)
+
+    def last_heard(self, machine: str) -> float | None:
+        return self.ctl.last_heard(machine)
+
+    def free(self) -> list[str]:
+        return self.ctl.free_machines()
+
+
 class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
-                 heartbeat_s: float = 1.0, missed_beats: int = 3):
-        self.store = Store(db_url)
+                 heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
+                 backend=None):
         self.state_dir = os.path.abspath(state_dir)
-        os.makedirs(self.state_dir, exist_ok=True)
+        snapshot.mark_state_dir(self.state_dir)
+        self.store = Store(db_url)
+        self.versions = versions.Versions(self.store)
         self.store_host = store_host
         self.heartbeat_s = heartbeat_s
         self.missed_beats = missed_beats
+        self.backend = backend
         self.rendezvous = Rendezvous()
+        self.view = MachineView(self)
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
-        self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False) for m in self.store.machines()}
+        self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False, last_beat=None)
+                                           for m in self.store.machines()}
         self._queues: dict[str, list[dict]] = {}
+        self._wake: dict[str, threading.Condition] = {}
         self.jobs: dict[int, JobRunner] = {}
         self._stop = threading.Event()
-        self._interrupted_jobs()
+        down_at = float(self.store.get_meta("alive_at") or time.time())
+        self.store.set_meta("alive_at", repr(time.time()))
+        if abandon_running:
+            self._abandon()
+        else:
+            self._take_over(down_at)
         threading.Thread(target=self._monitor, name="heartbeat-monitor", daemon=True).start()
 
-    def _interrupted_jobs(self) -> None:
-        """Jobs a previous controller left running cannot be resumed mid-run: say so in the store."""
-        for j in self.store.jobs_in_state(["pending", "running", "waiting", "recovering"]):
-            self.store.update_job(j["id"], state="failed", finished_at=time.time(),
-                                  reason="the controller restarted while the job was running")
+    # -- a restart ----------------------------------------------------------------------------------
+    def _abandon(self) -> None:
+        """A fresh cluster: jobs an earlier one ran cannot be resumed, its machines are gone."""
+        now = time.time()
+        for j in self.store.jobs_in_state(RUNNING_STATES):
+            self.store.update_job(j["id"], state="failed", finished_at=now,
+                                  reason="the cluster that ran it stopped (a new local cluster started)")
+        for m in self._machines.values():
+            if m["state"] != "idle" or m.get("job_id") is not None:
+                m.update(state="idle", job_id=None, reason=None)
+                self.store.upsert_machine(m["id"], state="idle", job_id=None, reason=None)
+
+    def _take_over(self, down_at: float) -> None:
+        """Load every job a previous controller left running and reconcile it with its agents."""
+        up_at = time.time()
+        for j in self.store.jobs_in_state(RUNNING_STATES):
+            raw = self.store.load_state(j["id"])
+            try:
+                spec = JobSpec.from_dict(j["spec"])
+                st = S.loads(raw) if raw is not None else None
+            except ValueError as e:
+                st, why = None, str(e)
+            else:
+                why = "its saved state is missing"
+            if st is None:
+                self.store.update_job(j["id"], state="failed", finished_at=up_at,
+                                      reason=f"the controller restarted and could not resume the job: {why}")
+                continue
+            runner = JobRunner(self, spec, st)
+            self.jobs[st.job_id] = runner
+            runner.post(Resumed(down_at=down_at, up_at=up_at))
+            runner.start()
+            log.info("job %s taken over in phase %s (controller down since %.1fs)", st.job_id,
+                     st.phase.value, up_at - down_at)
 
     def close(self) -> None:
+        """Stop serving. Jobs are left as they are: the next controller on this store takes them
+        over (cancel a job through the API to end it)."""
         self._stop.set()
-        for r in list(self.jobs.values()):
-            r.post("cancel", reason="controller shutting down")
-        for r in list(self.jobs.values()):
-            r.thread.join(timeout=10)
+        with self._lock:
+            for cond in self._wake.values():
+                with cond:
+                    cond.notify_all()
         self.rendezvous.close()
         self.store.close()
 
     # -- machines ---------------------------------------------------------------------------------
-    def register(self, machine: str, info: dict) -> dict:
+    def register(self, machine: str, body: dict) -> dict:
+        try:
+            reg = msgspec.convert(body, protocol.Registration, strict=False)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(f"registration of {machine}: {e}") from None
         now = time.time()
         with self._lock:
             m = self._machines.get(machine)
             state = m["state"] if m and m["state"] in ("active", "standby", "evicted") else "idle"
-            if m and m["state"] in ("active", "standby") and not info.get("running_run") \
-                    and not info.get("workers"):
-                state = m["state"]
-            rec = {"id": machine, "state": state, "address": info.get("address"), "info": info,
+            rec = {"id": machine, "state": state, "address": reg.address, "info": protocol.encode(reg),
                    "registered_at": now, "last_beat": now, "alive": True,
                    "job_id": m.get("job_id") if m else None, "reason": m.get("reason") if m else None}
             self._machines[machine] = rec
             self._queues.setdefault(machine, [])
-        self.store.upsert_machine(machine, state=state, address=rec["address"], info=info,
+            self._wake.setdefault(machine, threading.Condition(self._lock))
+        self.store.upsert_machine(machine, state=state, address=reg.address, info=rec["info"],
                                   registered_at=now, last_beat=now, job_id=rec["job_id"])
-        log.info("machine %s registered (%s, %s)", machine, rec["address"], state)
+        log.info("machine %s registered (%s, %s)", machine, reg.address, state)
+        runner = self.jobs.get(rec["job_id"])
+        if runner is not None:
+            runner.post(AgentBack(machine=machine, reg=reg))
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "role": state}
 
     def heartbeat(self, machine: str, body: dict) -> dict:
@@ -84,8 +163,12 @@ class Controller:
         return {"ok": True}
 
     def _monitor(self) -> None:
+        next_alive = 0.0
         while not self._stop.wait(0.1):
             now = time.time()
+            if now >= next_alive:           # the next controller learns when this one went away
+                self.store.set_meta("alive_at", repr(now))
+                next_alive = now + ALIVE_EVERY_S
             lost = []
             with self._lock:
                 for m in self._machines.values():
@@ -97,7 +180,7 @@ class Controller:
                 self.store.upsert_machine(m["id"], last_beat=m["last_beat"])
                 runner = self.jobs.get(m.get("job_id"))
                 if runner is not None:
-                    runner.post("machine_lost", machine=m["id"])
+                    runner.post(MachineLost(machine=m["id"]))
 
     def last_heard(self, machine: str) -> float | None:
         """When the machine's agent last sent anything (a heartbeat or events)."""
@@ -115,10 +198,28 @@ class Controller:
             m = self._machines.get(machine)
             return m["state"] if m else None
 
-    def set_machine(self, machine: str, **values) -> None:
+    def assign_machine(self, machine: str, state: str, job_id: int, reason: str | None = None,
+                       incident: int | None = None) -> None:
+        """A job core gave a machine a role (its store row was written with the decision)."""
         with self._lock:
-            self._machines.setdefault(machine, {"id": machine, "alive": False}).update(values)
-        self.store.upsert_machine(machine, **values)
+            rec = self._machines.setdefault(machine, {"id": machine, "alive": False, "last_beat": None})
+            rec.update(state=state, reason=reason, job_id=None if state == "idle" else job_id)
+        if state == "evicted" and self.backend is not None:
+            try:
+                self.backend.evict(machine, f"stalwart: job {job_id} incident {incident}: {reason}")
+            except Exception:       # the cluster keeps its own view; the job goes on
+                log.exception("the backend could not evict %s", machine)
+
+    def job_finished(self, job_id: int, machines: list[str]) -> None:
+        """A job ended: its machines go back to the free pool, its stores close."""
+        with self._lock:
+            mine = [m for m in machines if self._machines.get(m, {}).get("state") in ("active", "standby")
+                    and self._machines[m].get("job_id") == job_id]
+            for m in mine:
+                self._machines[m].update(state="idle", job_id=None)
+        for m in mine:
+            self.store.upsert_machine(m, state="idle", job_id=None)
+        self.rendezvous.close_job(job_id)
 
     def peer_addr(self, machine: str | None) -> list | None:
         """Where a machine's agent serves checkpoint shards to its peers."""
@@ -137,19 +238,21 @@ class Controller:
                     for m in sorted(self._machines.values(), key=lambda m: natural_key(m["id"]))]
 
     # -- commands to agents -------------------------------------------------------------------------
-    def send(self, machine: str, cmd: dict) -> None:
-        with self._cond:
-            self._queues.setdefault(machine, []).append(cmd)
-            self._cond.notify_all()
+    def send(self, machine: str, cmd: protocol.Command) -> None:
+        with self._lock:
+            self._queues.setdefault(machine, []).append(protocol.encode(cmd))
+            cond = self._wake.setdefault(machine, threading.Condition(self._lock))
+            cond.notify_all()           # only the agent the command is for wakes up
 
     def commands(self, machine: str, wait: float) -> list[dict]:
-        deadline = time.time() + min(wait, 30.0)
-        with self._cond:
+        deadline = time.monotonic() + min(wait, 30.0)
+        with self._lock:
+            cond = self._wake.setdefault(machine, threading.Condition(self._lock))
             while not self._queues.get(machine) and not self._stop.is_set():
-                left = deadline - time.time()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     return []
-                self._cond.wait(left)
+                cond.wait(left)
             cmds, self._queues[machine] = self._queues.get(machine, []), []
             return cmds
 
@@ -160,45 +263,70 @@ class Controller:
             if m is not None:
                 m["last_beat"] = time.time()
         runner = self.jobs.get(job_id)
-        for ev in events:
-            if ev.get("type") == "started" and m is not None:
-                pass
-            if runner is not None:
-                runner.post("agent_event", machine=machine, ev=ev)
+        if runner is None:
+            return
+        for raw in events:
+            try:
+                ev = protocol.decode_event(raw)
+            except msgspec.ValidationError as e:
+                log.warning("event from %s ignored: %s", machine, e)
+                continue
+            if ev is not None:
+                runner.post(AgentEvent(machine=machine, event=ev))
 
     # -- jobs ---------------------------------------------------------------------------------------
     def ckpt_dir(self, job_id: int) -> str:
         return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")
 
     def submit(self, spec_dict: dict) -> int:
-        spec = JobSpec.from_dict(spec_dict)
-        for c in spec.chaos:
-            cs = catalogue.parse(c)
-            catalogue.validate_against(cs, spec.machines + standby_count(spec),
-                                       spec.gpus_per_machine, spec.machines)
-        if any(r.state not in TERMINAL for r in self.jobs.values()):
-            raise ValueError("a job is already running on this controller")
-        job_id = self.store.create_job(spec.name, spec.to_dict(), time.time())
-        runner = JobRunner(self, job_id, spec)
+        try:
+            spec = JobSpec.from_dict(spec_dict)
+            chaos = [catalogue.parse(c) for c in spec.chaos]
+            for c in chaos:
+                catalogue.validate_against(c, spec.machines + standby_count(spec), spec.gpus_per_machine,
+                                           spec.machines)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if any(not r.terminal for r in self.jobs.values()):
+            raise Conflict("a job is already running on this controller")
+        now = time.time()
+        off = snapshot.versionable(spec.code_dir, self.state_dir)
+        job_id = self.store.create_job(spec.name, spec.to_dict(), now)
+        st = S.JobState(job_id=job_id, created_at=now, versioning_off=off,
+                        chaos=[S.ChaosPlan(kind=c.kind, machine=c.machine, rank=c.rank, step=c.step,
+                                           params=dict(c.params)) for c in chaos],
+                        avail=Availability(memory={"own": max(2, spec.policy.mem_slots - 1), "backup": 2}))
+        st.code_path = spec.code_dir
+        if off is None:
+            try:
+                row = self.versions.register(job_id, spec.code_dir, self.state_dir, "lazy",
+                                             spec.policy.hot_update_window_s, now)
+            except ValueError as e:
+                self.store.update_job(job_id, state="failed", finished_at=now, reason=str(e))
+                raise InvalidRequest(f"cannot snapshot the code: {e}") from None
+            st.versions, st.version_id, st.code_path = [row], row["id"], row["path"]
+        else:
+            log.info("job %s: hot update off: %s", job_id, off)
+        self.store.commit(job_id, [("event", {"kind": "job_submitted", "data": {"spec": spec.to_dict()},
+                                              "t": now}),
+                                   ("job", {"state": "running"})], S.dumps(st))
+        runner = JobRunner(self, spec, st)
         self.jobs[job_id] = runner
         runner.start()
         return job_id
-
-    def job_finished(self, runner: JobRunner) -> None:
-        pass
 
     def resolve_job(self, job: str | int) -> int:
         if job in ("latest", "current"):
             row = self.store.latest_job()
             if row is None:
-                raise LookupError("no job has been submitted yet")
+                raise NotFound("no job has been submitted yet")
             return row["id"]
         try:
             job_id = int(job)
         except ValueError:
-            raise LookupError(f"no job {job!r}") from None
+            raise NotFound(f"no job {job!r}") from None
         if self.store.job(job_id) is None:
-            raise LookupError(f"no job {job_id}")
+            raise NotFound(f"no job {job_id}")
         return job_id
 
     def status(self, job_id: int) -> dict:
@@ -208,28 +336,41 @@ class Controller:
             rep["live"] = runner.live()
         return rep
 
-    def inject(self, job_id: int, text: str) -> dict:
+    def _running(self, job_id: int) -> JobRunner:
         runner = self.jobs.get(job_id)
-        if runner is None or runner.state in TERMINAL:
-            raise ValueError(f"job {job_id} is not running")
-        c = catalogue.parse(text)
-        catalogue.validate_against(c, len(self._machines), runner.G, runner.spec.machines)
-        runner.post("inject", spec=c.to_dict())
+        if runner is None or runner.terminal:
+            raise Conflict(f"job {job_id} is not running")
+        return runner
+
+    def inject(self, job_id: int, text: str) -> dict:
+        runner = self._running(job_id)
+        try:
+            c = catalogue.parse(text)
+            catalogue.validate_against(c, len(self._machines), runner.spec.gpus_per_machine,
+                                       runner.spec.machines)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        runner.post(Inject(kind=c.kind, machine=c.machine, rank=c.rank, params=dict(c.params)))
         return {"ok": True, "chaos": c.to_dict()}
 
     def register_version(self, job_id: int, code: str, mode: str, window_s: float | None) -> dict:
-        runner = self.jobs.get(job_id)
-        if runner is None or runner.state in TERMINAL:
-            raise ValueError(f"job {job_id} is not running")
-        if mode not in ("lazy", "urgent", "window"):
-            raise ValueError(f"mode must be lazy, urgent or window (got {mode!r})")
-        return runner.register_version(os.path.abspath(code), mode, window_s)
+        runner = self._running(job_id)
+        if mode not in versions.MODES:
+            raise InvalidRequest(f"mode must be lazy, urgent or window (got {mode!r})")
+        if runner.state.versioning_off:
+            raise Conflict(f"hot update is off for this job: {runner.state.versioning_off}")
+        try:
+            row = self.versions.register(job_id, os.path.abspath(code), self.state_dir, mode, window_s,
+                                         time.time())
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        runner.post(VersionRegistered(row=row))
+        return row
 
-    def versions(self, job_id: int) -> list[dict]:
-        from stalwart.controller.versions import Versions
-        return Versions(self.store).list(job_id)
+    def list_versions(self, job_id: int) -> list[dict]:
+        return self.versions.list(job_id)
 
     def cancel(self, job_id: int, reason: str = "cancelled by the user") -> None:
         runner = self.jobs.get(job_id)
         if runner is not None:
-            runner.post("cancel", reason=reason)
+            runner.post(Cancel(reason=reason))

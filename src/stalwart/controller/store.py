@@ -1,7 +1,10 @@
-"""The controller's store: every job, run, machine, incident, event and checkpoint, through SQLAlchemy.
+"""The controller's store: every job (and its live state), run, machine, incident, event and
+checkpoint, through SQLAlchemy.
 
 SQLite by default (a file in the state dir), PostgreSQL in production: one SQLAlchemy URL. The
 store is the only state that survives a controller restart, and `stalwart report` reads it directly.
+A job core's decision is written in one transaction (`commit`): its events, incident and run rows,
+machine roles and the job's saved state together.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ runs = sa.Table(
     sa.Column("machines", sa.Text, nullable=False),
     sa.Column("restore", sa.Text),
     sa.Column("reason", sa.Text),
+    sa.UniqueConstraint("job_id", "seq"),
 )
 machines = sa.Table(
     "machines", META,
@@ -50,8 +54,8 @@ machines = sa.Table(
 )
 incidents = sa.Table(
     "incidents", META,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), nullable=False),
+    sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), primary_key=True),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),     # per job: 1, 2, 3 ...
     sa.Column("run_seq", sa.Integer),
     sa.Column("symptom", sa.String(64), nullable=False),
     sa.Column("category", sa.String(32), nullable=False),
@@ -84,6 +88,19 @@ checkpoints = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
+job_state = sa.Table(
+    "job_state", META,
+    sa.Column("job_id", sa.Integer, sa.ForeignKey("jobs.id"), primary_key=True),
+    sa.Column("state", sa.LargeBinary, nullable=False),     # controller.job.state.dumps
+    sa.Column("saved_at", sa.Float, nullable=False),
+)
+meta = sa.Table(
+    "meta", META,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+SCHEMA = "2"
+
 JSON_FIELDS = {"spec", "machines", "restore", "info", "suspects", "evicted", "data"}
 
 
@@ -98,6 +115,10 @@ def _row(r) -> dict:
 def _enc(values: dict) -> dict:
     return {k: (json.dumps(v) if k in JSON_FIELDS and not isinstance(v, str) else v)
             for k, v in values.items()}
+
+
+class StoreSchemaError(RuntimeError):
+    """The database was made by another version of stalwart."""
 
 
 class Store:
@@ -116,8 +137,27 @@ class Store:
                 cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.close()
+        self._check_schema()
         META.create_all(self.engine)
+        with self.engine.begin() as c:
+            if c.execute(sa.select(meta.c.value).where(meta.c.key == "schema")).first() is None:
+                c.execute(meta.insert().values(key="schema", value=SCHEMA))
         self._lock = threading.RLock()
+
+    def _check_schema(self) -> None:
+        names = set(sa.inspect(self.engine).get_table_names())
+        if "jobs" not in names:
+            return
+        found = None
+        if "meta" in names:
+            with self.engine.connect() as c:
+                row = c.execute(sa.select(meta.c.value).where(meta.c.key == "schema")).first()
+                found = row[0] if row else None
+        if found != SCHEMA:
+            self.engine.dispose()
+            raise StoreSchemaError(f"the database {self.url} was made by another version of stalwart "
+                                   f"(schema {found or 1}, this one needs {SCHEMA}); use a new state dir "
+                                   f"(stalwart run --fresh) or a new database")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -136,6 +176,52 @@ class Store:
         with self.engine.connect() as c:
             return [_row(r) for r in c.execute(query)]
 
+    # -- one decision of a job core, in one transaction ------------------------------------------
+    def commit(self, job_id: int, ops: list[tuple[str, dict[str, Any]]], state: bytes | None) -> None:
+        """Apply a job's store operations and save its state, all or nothing. Operations:
+        event, incident_open, incident_update, run_create, run_update, version, checkpoint,
+        machine, job (see the executor)."""
+        with self._lock, self.engine.begin() as c:
+            for kind, v in ops:
+                self._op(c, job_id, kind, dict(v))
+            if state is not None:
+                c.execute(job_state.delete().where(job_state.c.job_id == job_id))
+                c.execute(job_state.insert().values(job_id=job_id, state=state, saved_at=time.time()))
+
+    def _op(self, c, job_id: int, kind: str, v: dict[str, Any]) -> None:
+        if kind == "event":
+            c.execute(events.insert().values(job_id=job_id, t=v["t"], kind=v["kind"], data=json.dumps(v["data"])))
+        elif kind == "incident_open":
+            c.execute(incidents.insert().values(job_id=job_id, **_enc(dict(v, suspects=[], evicted=[], data={}))))
+        elif kind == "incident_update":
+            ident = v.pop("id")
+            c.execute(incidents.update().where((incidents.c.job_id == job_id) & (incidents.c.id == ident))
+                      .values(**_enc(v)))
+        elif kind == "run_create":
+            c.execute(runs.insert().values(job_id=job_id, **_enc(v)))
+        elif kind == "run_update":
+            seq = v.pop("seq")
+            c.execute(runs.update().where((runs.c.job_id == job_id) & (runs.c.seq == seq)).values(**_enc(v)))
+        elif kind == "version":
+            table = META.tables["code_versions"]
+            ident = v.pop("id")
+            c.execute(table.update().where(table.c.id == ident).values(**v))
+        elif kind == "checkpoint":
+            key = ((checkpoints.c.job_id == job_id) & (checkpoints.c.step == v["step"])
+                   & (checkpoints.c.rank == v["rank"]) & (checkpoints.c.tier == v["tier"]))
+            c.execute(checkpoints.delete().where(key))
+            c.execute(checkpoints.insert().values(job_id=job_id, **v))
+        elif kind == "machine":
+            ident = v.pop("id")
+            if c.execute(sa.select(machines.c.id).where(machines.c.id == ident)).first():
+                c.execute(machines.update().where(machines.c.id == ident).values(**_enc(v)))
+            else:
+                c.execute(machines.insert().values(id=ident, **_enc(v)))
+        elif kind == "job":
+            c.execute(jobs.update().where(jobs.c.id == job_id).values(**_enc(v)))
+        else:
+            raise ValueError(f"unknown store operation {kind!r}")
+
     # -- jobs ----------------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict, now: float) -> int:
         return self._insert(jobs, name=name, spec=spec, state="pending", created_at=now)
@@ -152,40 +238,43 @@ class Store:
         return rows[0] if rows else None
 
     def jobs_in_state(self, states: Iterable[str]) -> list[dict]:
-        return self._select(sa.select(jobs).where(jobs.c.state.in_(list(states))))
+        return self._select(sa.select(jobs).where(jobs.c.state.in_(list(states))).order_by(jobs.c.id))
+
+    def save_state(self, job_id: int, state: bytes) -> None:
+        self.commit(job_id, [], state)
+
+    def load_state(self, job_id: int) -> bytes | None:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(job_state.c.state).where(job_state.c.job_id == job_id)).first()
+            return bytes(row[0]) if row else None
+
+    # -- the controller's own record -------------------------------------------------------------
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock, self.engine.begin() as c:
+            c.execute(meta.delete().where(meta.c.key == key))
+            c.execute(meta.insert().values(key=key, value=value))
+
+    def get_meta(self, key: str) -> str | None:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(meta.c.value).where(meta.c.key == key)).first()
+            return row[0] if row else None
 
     # -- runs ------------------------------------------------------------------------------------
-    def create_run(self, job_id: int, seq: int, start_step: int, started_at: float,
-                   machine_map: dict, restore: dict | None) -> int:
-        return self._insert(runs, job_id=job_id, seq=seq, start_step=start_step, started_at=started_at,
-                            machines=machine_map, restore=restore)
-
-    def update_run(self, run_id: int, **values) -> None:
-        self._update(runs, runs.c.id == run_id, **values)
-
     def runs(self, job_id: int) -> list[dict]:
         return self._select(sa.select(runs).where(runs.c.job_id == job_id).order_by(runs.c.seq))
 
     # -- machines --------------------------------------------------------------------------------
     def upsert_machine(self, machine_id: str, **values) -> None:
         with self._lock, self.engine.begin() as c:
-            exists = c.execute(sa.select(machines.c.id).where(machines.c.id == machine_id)).first()
-            if exists:
-                c.execute(machines.update().where(machines.c.id == machine_id).values(**_enc(values)))
-            else:
-                values.setdefault("state", "provisioning")
-                c.execute(machines.insert().values(id=machine_id, **_enc(values)))
+            if "state" not in values and not c.execute(
+                    sa.select(machines.c.id).where(machines.c.id == machine_id)).first():
+                values["state"] = "provisioning"
+            self._op(c, 0, "machine", dict(values, id=machine_id))
 
     def machines(self) -> list[dict]:
         return self._select(sa.select(machines).order_by(machines.c.id))
 
     # -- incidents -------------------------------------------------------------------------------
-    def create_incident(self, job_id: int, **values) -> int:
-        return self._insert(incidents, job_id=job_id, **values)
-
-    def update_incident(self, incident_id: int, **values) -> None:
-        self._update(incidents, incidents.c.id == incident_id, **values)
-
     def incidents(self, job_id: int) -> list[dict]:
         return self._select(sa.select(incidents).where(incidents.c.job_id == job_id)
                             .order_by(incidents.c.id))
@@ -202,16 +291,6 @@ class Store:
         return self._select(q.order_by(events.c.t, events.c.id))
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def add_checkpoint(self, job_id: int, step: int, rank: int, tier: str, location: str,
-                       checksum: str, now: float) -> None:
-        with self._lock, self.engine.begin() as c:
-            key = ((checkpoints.c.job_id == job_id) & (checkpoints.c.step == step)
-                   & (checkpoints.c.rank == rank) & (checkpoints.c.tier == tier))
-            c.execute(checkpoints.delete().where(key))
-            c.execute(checkpoints.insert().values(job_id=job_id, step=step, rank=rank, tier=tier,
-                                                  location=location, checksum=checksum,
-                                                  created_at=now))
-
     def checkpoints(self, job_id: int) -> list[dict]:
         return self._select(sa.select(checkpoints).where(checkpoints.c.job_id == job_id)
                             .order_by(checkpoints.c.step, checkpoints.c.rank))

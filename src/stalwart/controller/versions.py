@@ -27,15 +27,12 @@ The table is declared on ``stalwart.controller.store.META``: import this module 
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import stat
-import tempfile
 from typing import Any, Iterable, Mapping
 
 import sqlalchemy as sa
 
+from stalwart.controller.snapshot import snapshot
 from stalwart.controller.store import META
 
 STATUSES = ("stable", "pending", "urgent", "applied", "rolled-back", "failed", "superseded")
@@ -43,8 +40,6 @@ MODES = ("lazy", "urgent", "window")
 WAITING = ("pending", "urgent")
 RUNNING = ("applied", "stable")
 PROMOTE_AFTER_STEPS = 20
-IGNORED_DIRS = frozenset({"__pycache__", ".git"})
-IGNORED_SUFFIXES = (".pyc",)
 
 # status -> statuses it may move to with `mark`
 TRANSITIONS: dict[str, tuple[str, ...]] = {
@@ -72,160 +67,6 @@ code_versions = sa.Table(
     sa.Column("applied_step", sa.Integer),
     sa.Column("reason", sa.Text),
 )
-
-
-# -- snapshots (file system) ----------------------------------------------------------------------
-
-def _entries(root: str, exclude: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """(relative posix path, absolute path) of every file and symlink under root, sorted, ignored
-    names and the `exclude` directories (absolute paths) left out. Symlinks are kept as links
-    (never followed), so a link loop cannot hang us."""
-    skip = {os.path.abspath(e) for e in exclude}
-    out: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        keep = []
-        for d in dirnames:
-            full = os.path.join(dirpath, d)
-            if d in IGNORED_DIRS or full in skip:
-                continue
-            if os.path.islink(full):            # a symlinked directory: recorded as a link
-                filenames.append(d)
-            else:
-                keep.append(d)
-        dirnames[:] = keep
-        for f in filenames:
-            if f.endswith(IGNORED_SUFFIXES):
-                continue
-            full = os.path.join(dirpath, f)
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            out.append((rel, full))
-    out.sort()
-    return out
-
-
-def _file_digest(path: str) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.digest()
-
-
-def _entry_digest(full: str, rel: str) -> bytes:
-    """Digest of one entry's bytes: a regular file's content or a symlink's target text."""
-    st = os.lstat(full)
-    if stat.S_ISLNK(st.st_mode):
-        return hashlib.sha256(b"symlink\0" + os.readlink(full).encode()).digest()
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{rel} is neither a file nor a symlink; a code directory holds only those")
-    return _file_digest(full)
-
-
-def _check_dir(src_dir: str) -> str:
-    if not isinstance(src_dir, (str, os.PathLike)) or not str(src_dir):
-        raise ValueError(f"code directory must be a path (got {src_dir!r})")
-    src = os.path.abspath(os.path.expanduser(os.fspath(src_dir)))
-    if not os.path.exists(src):
-        raise ValueError(f"code directory {src} does not exist")
-    if not os.path.isdir(src):
-        raise ValueError(f"code directory {src} is not a directory")
-    return src
-
-
-def tree_hash(directory: str, exclude: Iterable[str] = ()) -> str:
-    """sha256 (hex) over the sorted relative paths and the bytes of every file under `directory`,
-    ignoring __pycache__, .git, *.pyc and the `exclude` directories; a symlink counts by its target
-    text. Equal for a source directory and its snapshot. ValueError for a missing or empty one."""
-    root = _check_dir(directory)
-    entries = _entries(root, exclude)
-    if not entries:
-        raise ValueError(f"code directory {root} holds no files (after ignoring __pycache__, .git, *.pyc)")
-    h = hashlib.sha256()
-    for rel, full in entries:
-        h.update(rel.encode() + b"\0" + _entry_digest(full, rel))
-    return h.hexdigest()
-
-
-def _make_read_only(root: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
-        for f in filenames:
-            full = os.path.join(dirpath, f)
-            if not os.path.islink(full):
-                mode = os.lstat(full).st_mode
-                os.chmod(full, 0o555 if mode & stat.S_IXUSR else 0o444)
-        for d in dirnames:
-            full = os.path.join(dirpath, d)
-            if not os.path.islink(full):
-                os.chmod(full, 0o555)
-    os.chmod(root, 0o555)
-
-
-def remove_tree(path: str) -> None:
-    """Delete a snapshot (or a half-made one), making its read-only directories writable first."""
-    if not os.path.lexists(path):
-        return
-    for dirpath, dirnames, _ in os.walk(path):
-        os.chmod(dirpath, 0o755)
-        for d in dirnames:
-            full = os.path.join(dirpath, d)
-            if not os.path.islink(full):
-                os.chmod(full, 0o755)
-    shutil.rmtree(path)
-
-
-def snapshot(src_dir: str, state_dir: str) -> tuple[str, str]:
-    """Copy `src_dir` into an immutable snapshot ``<state_dir>/versions/<hash>/`` (read-only files
-    and directories) and return ``(hash, path)``.
-
-    The copy is made in a temporary directory beside the target and renamed into place, so a
-    snapshot either exists whole or not at all; the hash is taken over the bytes actually copied.
-    A snapshot with the same hash is reused. A state dir inside the code dir (the default
-    ``.stalwart`` in the working directory) is left out of the snapshot. Raises ValueError for a
-    missing or empty directory."""
-    src = _check_dir(src_dir)
-    state = os.path.abspath(os.path.expanduser(os.fspath(state_dir)))
-    if state == src:
-        raise ValueError(f"state directory {state} is the code directory itself; use another one")
-    entries = _entries(src, exclude=(state,))
-    if not entries:
-        raise ValueError(f"code directory {src} holds no files (after ignoring __pycache__, .git, *.pyc)")
-    base = os.path.join(state, "versions")
-    os.makedirs(base, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=base)
-    try:
-        h = hashlib.sha256()
-        for rel, full in entries:
-            dst = os.path.join(tmp, *rel.split("/"))
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(full)
-                os.symlink(target, dst)
-                digest = hashlib.sha256(b"symlink\0" + target.encode()).digest()
-            elif stat.S_ISREG(st.st_mode):
-                fh = hashlib.sha256()
-                with open(full, "rb") as fin, open(dst, "wb") as fout:
-                    for chunk in iter(lambda: fin.read(1 << 20), b""):
-                        fh.update(chunk)
-                        fout.write(chunk)
-                os.chmod(dst, st.st_mode & 0o777)
-                digest = fh.digest()
-            else:
-                raise ValueError(f"{rel} is neither a file nor a symlink; a code directory holds only those")
-            h.update(rel.encode() + b"\0" + digest)
-        digest_hex = h.hexdigest()
-        final = os.path.join(base, digest_hex)
-        if os.path.isdir(final):
-            return digest_hex, final
-        _make_read_only(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isdir(final):        # not a concurrent snapshot of the same content
-                raise
-        return digest_hex, final
-    finally:
-        remove_tree(tmp)
 
 
 # -- pure decisions -------------------------------------------------------------------------------
@@ -338,6 +179,62 @@ def is_healthy(version: Mapping[str, Any] | None, step: int, n: int = PROMOTE_AF
     return step - version["applied_step"] >= n
 
 
+def marked(row: Mapping[str, Any], status: str, reason: str | None, now: float,
+           step: int | None = None) -> dict:
+    """`row` moved to `status` (only along ``TRANSITIONS``) with a reason; ``applied`` records
+    ``applied_at`` = now and ``applied_step`` = step. A new dict; ValueError for a bad move."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)} (got {status!r})")
+    old = row["status"]
+    if status not in TRANSITIONS[old]:
+        allowed = ", ".join(TRANSITIONS[old]) or "nothing (final)"
+        raise ValueError(f"code version {row['id']} is {old}; it can become {allowed}, not {status}")
+    out = dict(row, status=status, reason=reason)
+    if status == "applied":
+        out.update(applied_at=now, applied_step=step)
+    elif status == "urgent":
+        out.update(mode="urgent")
+    return out
+
+
+def applied_rows(rows: Iterable[Mapping[str, Any]], version_id: int, now: float, step: int | None,
+                 reason: str) -> list[dict]:
+    """The rows that change when a waiting version is applied: it (``applied``) and every older
+    waiting version (``superseded``: a snapshot is the whole code, the newer one holds them)."""
+    rows = _by_id(rows)
+    target = next((r for r in rows if r["id"] == version_id), None)
+    if target is None:
+        raise ValueError(f"no code version {version_id}")
+    out = [marked(target, "applied", reason, now, step)]
+    out += [marked(r, "superseded", f"superseded by version {version_id}", now)
+            for r in rows if r["id"] < version_id and r["status"] in WAITING]
+    return out
+
+
+def rolled_back_rows(rows: Iterable[Mapping[str, Any]], reason: str, now: float) -> tuple[dict, dict]:
+    """(the current version marked ``rolled-back``, the last stable version to run again).
+    ValueError when there is nothing to roll back to."""
+    rows = list(rows)
+    cur = current_version(rows)
+    if cur is None:
+        raise ValueError("no running code version to roll back")
+    target = last_stable_version([v for v in rows if v["id"] != cur["id"]])
+    if target is None:
+        raise ValueError("no stable code version to roll back to")
+    return marked(cur, "rolled-back", reason, now), dict(target)
+
+
+def promoted_row(rows: Iterable[Mapping[str, Any]], step: int, now: float,
+                 n: int = PROMOTE_AFTER_STEPS) -> dict | None:
+    """The current version marked ``stable`` once it has run `n` steps since it was applied, or
+    None when nothing changes."""
+    cur = current_version(list(rows))
+    if not is_healthy(cur, step, n):
+        return None
+    assert cur is not None
+    return marked(cur, "stable", f"{step - cur['applied_step']} steps completed since applied", now)
+
+
 # -- the store side -------------------------------------------------------------------------------
 
 class Versions:
@@ -389,7 +286,8 @@ class Versions:
             window_s = float(window_s)
         if mode == "window" and window_s is None:
             raise ValueError("mode 'window' needs window_s (seconds after which the version is applied)")
-        digest, path = snapshot(src_dir, state_dir)
+        digest, path, skipped = snapshot(src_dir, state_dir)
+        note = f"snapshot skipped {', '.join(skipped)}" if skipped else None
         source = os.path.abspath(os.path.expanduser(os.fspath(src_dir)))
         with self.engine.begin() as c:
             rows = [dict(r._mapping) for r in c.execute(
@@ -413,63 +311,54 @@ class Versions:
                           window_s=window_s, created_at=now)
             if first:
                 values.update(status="stable", applied_at=now, applied_step=0,
-                              reason="first version of the job")
+                              reason="; ".join(filter(None, ["first version of the job", note])))
             else:
-                values.update(status="urgent" if mode == "urgent" else "pending")
+                values.update(status="urgent" if mode == "urgent" else "pending", reason=note)
             res = c.execute(code_versions.insert().values(**values))
             vid = res.inserted_primary_key[0]
         return self.get(vid)  # type: ignore[return-value]
 
+    def save(self, row: Mapping[str, Any]) -> None:
+        """Write a row the job core changed (status, reason, applied_at, ...)."""
+        values = {k: v for k, v in row.items() if k != "id"}
+        with self.engine.begin() as c:
+            c.execute(code_versions.update().where(code_versions.c.id == row["id"]).values(**values))
+
     def mark(self, version_id: int, status: str, reason: str | None, now: float,
              step: int | None = None) -> dict:
-        """Move a version to `status` (only along ``TRANSITIONS``) with a reason; ``applied``
-        records ``applied_at`` = now and ``applied_step`` = step. Returns the updated row."""
-        if status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)} (got {status!r})")
-        with self.engine.begin() as c:
-            row = c.execute(sa.select(code_versions).where(code_versions.c.id == version_id)).first()
-            if row is None:
-                raise ValueError(f"no code version {version_id}")
-            old = row._mapping["status"]
-            if status not in TRANSITIONS[old]:
-                allowed = ", ".join(TRANSITIONS[old]) or "nothing (final)"
-                raise ValueError(f"code version {version_id} is {old}; it can become {allowed}, not {status}")
-            values: dict[str, Any] = {"status": status, "reason": reason}
-            if status == "applied":
-                values.update(applied_at=now, applied_step=step)
-            elif status == "urgent":
-                values.update(mode="urgent")
-            c.execute(code_versions.update().where(code_versions.c.id == version_id).values(**values))
-        return self.get(version_id)  # type: ignore[return-value]
+        """Move a version to `status` (see ``marked``) and save it. Returns the updated row."""
+        row = self.get(version_id)
+        if row is None:
+            raise ValueError(f"no code version {version_id}")
+        new = marked(row, status, reason, now, step)
+        self.save(new)
+        return new
 
     def apply(self, version_id: int, now: float, step: int | None = None,
               reason: str = "hot update") -> dict:
-        """Mark a waiting version ``applied`` (the workers restart on it at `step`) and every older
-        waiting version of the job ``superseded``. Returns the applied row."""
-        row = self.mark(version_id, "applied", reason, now, step=step)
-        for v in self.list(row["job_id"]):
-            if v["id"] < version_id and v["status"] in WAITING:
-                self.mark(v["id"], "superseded", f"superseded by version {version_id}", now)
-        return row
+        """Mark a waiting version ``applied`` and the older waiting ones ``superseded``."""
+        row = self.get(version_id)
+        if row is None:
+            raise ValueError(f"no code version {version_id}")
+        changed = applied_rows(self.list(row["job_id"]), version_id, now, step, reason)
+        for r in changed:
+            self.save(r)
+        return changed[0]
 
     def rollback(self, job_id: int, reason: str, now: float) -> dict:
-        """Mark the current version ``rolled-back`` with `reason`; return the last stable version,
-        which is current again. Raises ValueError when there is nothing to roll back to."""
-        cur = self.current(job_id)
-        if cur is None:
-            raise ValueError(f"job {job_id} has no running code version to roll back")
-        target = last_stable_version([v for v in self.list(job_id) if v["id"] != cur["id"]])
-        if target is None:
-            raise ValueError(f"job {job_id} has no stable code version to roll back to")
-        self.mark(cur["id"], "rolled-back", reason, now)
-        return dict(target)
+        """Mark the current version ``rolled-back``; return the last stable version, current again.
+        Raises ValueError when there is nothing to roll back to."""
+        try:
+            old, target = rolled_back_rows(self.list(job_id), reason, now)
+        except ValueError as e:
+            raise ValueError(f"job {job_id}: {e}") from None
+        self.save(old)
+        return target
 
     def promote_if_healthy(self, job_id: int, step: int, now: float,
                            n: int = PROMOTE_AFTER_STEPS) -> dict | None:
-        """Promote the current version to ``stable`` once it has run `n` steps since it was
-        applied; return the promoted row, or None when nothing changed."""
-        cur = self.current(job_id)
-        if not is_healthy(cur, step, n):
-            return None
-        return self.mark(cur["id"], "stable",  # type: ignore[index]
-                         f"{step - cur['applied_step']} steps completed since applied", now)
+        """Promote the current version to ``stable`` once it has run `n` steps since applied."""
+        row = promoted_row(self.list(job_id), step, now, n)
+        if row is not None:
+            self.save(row)
+        return row

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from stalwart.examples.data import VOCAB_SIZE, batch_for
 from stalwart.examples.model import GPTConfig, GPTStage, TPInfo
 from stalwart.examples.pipeline import StageLinks, gpipe_step
+from stalwart.protocol import Env
 from stalwart.topology import Topology
 
 
@@ -47,11 +48,11 @@ def parse_args(argv: Sequence[str] | None = None,
     """Parse the command line; --tp/--pp/--dp/--steps default to STALWART_TP/PP/DP/STEPS."""
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog="python -m stalwart.examples.gpt", description=__doc__)
-    p.add_argument("--tp", type=int, default=_env_int(env, "STALWART_TP", 1))
-    p.add_argument("--pp", type=int, default=_env_int(env, "STALWART_PP", 1))
-    p.add_argument("--dp", type=int, default=_env_int(env, "STALWART_DP", 0),
+    p.add_argument("--tp", type=int, default=_env_int(env, Env.TP, 1))
+    p.add_argument("--pp", type=int, default=_env_int(env, Env.PP, 1))
+    p.add_argument("--dp", type=int, default=_env_int(env, Env.DP, 0),
                    help="data-parallel size (default: world_size / (tp*pp))")
-    p.add_argument("--steps", type=int, default=_env_int(env, "STALWART_STEPS", 200))
+    p.add_argument("--steps", type=int, default=_env_int(env, Env.STEPS, 200))
     p.add_argument("--seed", type=int, default=None, help="default: the SDK's seed, else 1234")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)

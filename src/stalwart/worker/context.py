@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from stalwart.protocol import Env
 from stalwart.topology import Topology
 from stalwart.worker import durable, memckpt
 from stalwart.worker.link import AgentLink
@@ -48,19 +49,19 @@ class Context:
         self._chaos: dict[str, dict] = {}
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
-        self.link = AgentLink(os.environ.get("STALWART_AGENT_SOCK"), self._on_agent_message)
-        if os.environ.get("STALWART_STANDBY") == "1":
+        self.link = AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
+        if os.environ.get(Env.STANDBY) == "1":
             self._wait_for_activation()
         env = os.environ
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
-        self.run = _env_int("STALWART_RUN", None)
-        self.job = env.get("STALWART_JOB", "local")
+        self.run = _env_int(Env.RUN, None)
+        self.job = env.get(Env.JOB, "local")
         local_world = _env_int("LOCAL_WORLD_SIZE", self.world_size)
-        gpm = _env_int("STALWART_GPUS_PER_MACHINE", local_world)
-        machines = _env_int("STALWART_MACHINES", max(1, self.world_size // max(1, gpm)))
-        sizes = {k: _env_int(f"STALWART_{k.upper()}", None) for k in GROUP_KINDS}
+        gpm = _env_int(Env.GPUS_PER_MACHINE, local_world)
+        machines = _env_int(Env.MACHINES, max(1, self.world_size // max(1, gpm)))
+        sizes = {k: _env_int(getattr(Env, k.upper()), None) for k in GROUP_KINDS}
         given = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
         for k in GROUP_KINDS:  # the agent's layout wins: it is the job's layout
             if sizes[k] is None:
@@ -72,24 +73,24 @@ class Context:
         self.topology = Topology(machines, gpm, tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"],
                                  cp=sizes["cp"], ep=sizes["ep"])
         self.coords = self.topology.coords(self.rank)
-        self.seed = _env_int("STALWART_SEED", 0)
-        self.steps = _env_int("STALWART_STEPS", None)
-        self.ckpt_dir = env.get("STALWART_CKPT_DIR") or os.path.abspath("checkpoints")
-        self.ckpt_every = _env_int("STALWART_CKPT_EVERY", 10)
+        self.seed = _env_int(Env.SEED, 0)
+        self.steps = _env_int(Env.STEPS, None)
+        self.ckpt_dir = env.get(Env.CKPT_DIR) or os.path.abspath("checkpoints")
+        self.ckpt_every = _env_int(Env.CKPT_EVERY, 10)
         self.timeout_s = timeout_s
         # A dual-phase replay (stop-time diagnostics) trains a throw-away copy of the job: it must
         # never write the job's checkpoints nor restore from them.
-        self.replay = env.get("STALWART_REPLAY") == "1"
+        self.replay = env.get(Env.REPLAY) == "1"
         # ...on fewer layers where the job honours it (0: keep the job's own depth)
-        self.replay_layers = _env_int("STALWART_REPLAY_LAYERS", 0) if self.replay else 0
-        shm = None if self.replay else env.get("STALWART_SHM_DIR")
-        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int("STALWART_MEM_SLOTS", 2))) \
+        self.replay_layers = _env_int(Env.REPLAY_LAYERS, 0) if self.replay else 0
+        shm = None if self.replay else env.get(Env.SHM_DIR)
+        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2))) \
             if shm else None
-        self.cuda = torch.cuda.is_available() and env.get("STALWART_FORCE_CPU") != "1"
+        self.cuda = torch.cuda.is_available() and env.get(Env.FORCE_CPU) != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         if self.cuda:
             torch.cuda.set_device(self.device)
-        self.gpu = SimGpuView(None if self.cuda else env.get("STALWART_SIMGPU"), self.local_rank)
+        self.gpu = SimGpuView(None if self.cuda else env.get(Env.SIMGPU), self.local_rank)
         self._init_process_groups()
         self._step_t0 = time.time()
         self._compute_s = 0.0
@@ -105,7 +106,7 @@ class Context:
         self.link.send_now({"type": "standby_ready", "pid": os.getpid()})
         self._activation.wait()
         os.environ.update(self._activation_env)
-        os.environ.pop("STALWART_STANDBY", None)
+        os.environ.pop(Env.STANDBY, None)
 
     def _init_process_groups(self) -> None:
         backend = "nccl" if self.cuda else "gloo"
@@ -151,13 +152,13 @@ class Context:
         Under stalwart the controller names the step to restore (STALWART_RESTORE_STEP); under a
         plain launcher the newest complete durable checkpoint is used.
         """
-        path = os.environ.get("STALWART_RESTORE_PATH")
+        path = os.environ.get(Env.RESTORE_PATH)
         if path:   # the agent materialized this rank's shard (own memory, a peer's, or durable)
             step, state = memckpt.load(path, self.rank)
             self.link.send({"type": "restored", "rank": self.rank, "step": step,
-                            "tier": os.environ.get("STALWART_RESTORE_TIER", "?")})
+                            "tier": os.environ.get(Env.RESTORE_TIER, "?")})
             return step + 1, state
-        step = _env_int("STALWART_RESTORE_STEP", None)
+        step = _env_int(Env.RESTORE_STEP, None)
         if step is None and self.run is None:
             steps = durable.complete_steps(self.ckpt_dir, self.world_size)
             step = steps[-1] if steps else -1

@@ -1,0 +1,63 @@
+"""The agent's outgoing events while the controller is slow or away: bounded, never losing evidence.
+
+Events wait here until the sender thread delivers them. When the buffer is full (a controller
+restart taking long, say), the oldest *metrics* go first, then the oldest step reports; events
+that are evidence of a failure (worker exits, probe alerts, stacks, check results...) are never
+dropped. What was dropped is counted and reported with the next batch.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Deque
+
+DEFAULT_LIMIT = 20_000
+# What may be dropped, first to last; every other kind is evidence (`protocol.EVIDENCE`).
+DROP_ORDER = ("metrics", "step", "ckpt", "hello", "restored", "restore_source", "prewarmed", "standby_ready")
+
+
+class Outbox:
+    def __init__(self, limit: int = DEFAULT_LIMIT):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {limit})")
+        self.limit = limit
+        self._q: Deque[dict] = collections.deque()
+        self._cond = threading.Condition()
+        self.dropped: dict[str, int] = {}
+
+    def put(self, event: dict) -> None:
+        with self._cond:
+            self._q.append(event)
+            if len(self._q) > self.limit:
+                self._make_room()
+            self._cond.notify()
+
+    def _make_room(self) -> bool:
+        """Drop the oldest event of the most expendable kind there is; False when only evidence
+        is left (then the buffer goes over its limit rather than lose any: it is small and rare)."""
+        for kind in DROP_ORDER:
+            for i, ev in enumerate(self._q):
+                if ev.get("type") == kind:
+                    del self._q[i]
+                    self.dropped[kind] = self.dropped.get(kind, 0) + 1
+                    return True
+        return False
+
+    def take(self, timeout: float | None = None, max_batch: int = 500) -> list[dict]:
+        """Up to `max_batch` events, oldest first; waits up to `timeout` for the first one."""
+        with self._cond:
+            if not self._q:
+                self._cond.wait(timeout)
+            n = min(max_batch, len(self._q))
+            return [self._q.popleft() for _ in range(n)]
+
+    def give_back(self, batch: list[dict]) -> None:
+        """A batch that could not be delivered goes back to the front, in order."""
+        with self._cond:
+            self._q.extendleft(reversed(batch))
+            while len(self._q) > self.limit and self._make_room():
+                pass
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._q)

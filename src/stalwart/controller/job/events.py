@@ -1,0 +1,73 @@
+"""What reaches a job's core: agent events, a lost machine, an injection, a cancel, a new code
+version, an agent back after a controller restart, the restart itself, and the clock's tick; plus
+`ClusterView`, the read-only view of the machines the flows decide from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+from stalwart import protocol
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    machine: str
+    event: protocol.Event
+
+
+@dataclass(frozen=True)
+class MachineLost:
+    machine: str
+
+
+@dataclass(frozen=True)
+class Inject:
+    kind: str
+    machine: int
+    rank: int | None = None
+    params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    reason: str
+
+
+@dataclass(frozen=True)
+class VersionRegistered:
+    row: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AgentBack:
+    """An agent (re-)registered while this job holds its machine: what it runs now."""
+    machine: str
+    reg: protocol.Registration
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """This controller took the job over from one that died: its last sign of life and now."""
+    down_at: float
+    up_at: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+JobEvent = Union[AgentEvent, MachineLost, Inject, Cancel, VersionRegistered, AgentBack, Resumed, Tick]
+
+
+class ClusterView(Protocol):
+    """What the flows may ask about machines (the controller's registry, or a simulation)."""
+
+    def alive(self, machine: str) -> bool:
+        """Whether the machine's agent is heard from."""
+
+    def last_heard(self, machine: str) -> float | None:
+        """When its agent last sent anything."""
+
+    def free(self) -> list[str]:
+        """Idle machines no job holds, in a stable order."""

@@ -1,0 +1,166 @@
+"""The executor: the only part of the job core with side effects.
+
+It writes every store action of one decision, the machines' new roles and the job's state in one
+transaction (write-ahead: a controller killed after it finds the state that goes with what was
+sent), and only then sends the agents their commands, built here from the actions with the
+rendezvous ports and peer addresses the flows never see.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from stalwart import protocol as p
+from stalwart.controller.job import actions as a
+from stalwart.controller.job.state import JobState
+from stalwart.spec import JobSpec
+
+if TYPE_CHECKING:
+    from stalwart.controller.service import Controller
+
+log = logging.getLogger("stalwart.controller")
+WARM_WAIT_S = 30.0       # a machine with warm spares waits this long for them to be ready
+COLD_WAIT_S = 2.0
+
+
+class Executor:
+    def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
+        self.ctl, self.job_id, self.spec = ctl, job_id, spec
+        self.topo = spec.topology()
+        self.G = spec.gpus_per_machine
+
+    def perform(self, st: JobState, actions: list[a.Action], state_json: bytes | None) -> None:
+        """Store actions, machine roles and the state in one transaction; then the commands."""
+        ops: list[tuple[str, dict[str, Any]]] = []
+        sends: list[a.Action] = []
+        for act in actions:
+            op = self._store_op(act)
+            if op is not None:
+                ops.append(op)
+            if isinstance(act, a.AssignMachine):
+                ops.append(("machine", {"id": act.machine, "state": act.state, "reason": act.reason,
+                                        "job_id": None if act.state == "idle" else self.job_id}))
+            if isinstance(act, a.FinishJob):
+                ops.append(("job", {"state": act.state, "reason": act.reason, "finished_at": act.t}))
+            if not isinstance(act, a.STORE_ACTIONS):
+                sends.append(act)
+        if ops or state_json is not None:
+            self.ctl.store.commit(self.job_id, ops, state_json)
+        for act in sends:
+            self._act(st, act)
+
+    # -- the store ------------------------------------------------------------------------------
+    def _store_op(self, act: a.Action) -> tuple[str, dict[str, Any]] | None:
+        if isinstance(act, a.Record):
+            return "event", {"kind": act.kind, "data": act.data, "t": act.t}
+        if isinstance(act, a.OpenIncident):
+            return "incident_open", {"id": act.seq, "run_seq": act.run, "symptom": act.symptom,
+                                     "category": act.category, "detected_at": act.detected_at}
+        if isinstance(act, a.UpdateIncident):
+            return "incident_update", {"id": act.seq, **act.fields}
+        if isinstance(act, a.CreateRun):
+            return "run_create", {"seq": act.seq, "start_step": act.start_step, "started_at": act.started_at,
+                                  "machines": {str(i): m for i, m in enumerate(act.machines)},
+                                  "restore": {"step": act.restore_step} if act.restore_step >= 0 else None}
+        if isinstance(act, a.UpdateRun):
+            return "run_update", {"seq": act.seq, **act.fields}
+        if isinstance(act, a.SaveVersion):
+            return "version", dict(act.row)
+        if isinstance(act, a.AddCheckpoint):
+            return "checkpoint", {"step": act.step, "rank": act.rank, "tier": act.tier,
+                                  "location": act.location, "checksum": act.checksum, "created_at": act.t}
+        return None
+
+    # -- everything else ---------------------------------------------------------------------------
+    def _act(self, st: JobState, act: a.Action) -> None:
+        ctl = self.ctl
+        if isinstance(act, a.AssignMachine):
+            ctl.assign_machine(act.machine, act.state, self.job_id, act.reason, act.incident)
+        elif isinstance(act, a.FinishJob):
+            ctl.job_finished(self.job_id, act.machines)
+        elif isinstance(act, a.StartRun):
+            self._start_run(act)
+        elif isinstance(act, a.StopWorkers):
+            for m in act.machines:
+                ctl.send(m, p.Stop(run=act.run, grace_s=act.grace_s))
+        elif isinstance(act, a.Prewarm):
+            ctl.send(act.machine, p.Prewarm(spec=self.run_spec(None, act.code_path, act.version), count=self.G))
+        elif isinstance(act, a.PrepareSpares):
+            spec = self.run_spec(None, act.code_path, act.version)
+            for m in act.machines:
+                ctl.send(m, p.Spares(spec=spec, count=self.G))
+        elif isinstance(act, a.TraceStacks):
+            for m in act.machines:
+                ctl.send(m, p.Trace(run=act.run))
+        elif isinstance(act, a.RunChecks):
+            self._run_checks(act)
+        elif isinstance(act, a.StartReplayGroup):
+            self._start_replay_group(act)
+        elif isinstance(act, a.CloseScratch):
+            ctl.rendezvous.close_scratch(self.job_id, act.name)
+        elif isinstance(act, a.SendChaos):
+            ctl.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params))
+        else:
+            raise TypeError(f"the executor cannot perform {act!r}")
+
+    def run_spec(self, run: int | None, code_path: str | None, version: int | None, **over: Any) -> p.RunSpec:
+        s, t = self.spec, self.topo
+        layout = p.Layout(machines=s.machines, gpus_per_machine=self.G, tp=t.tp, pp=t.pp, dp=t.dp, cp=t.cp, ep=t.ep)
+        values: dict[str, Any] = dict(
+            job=self.job_id, run=run, command=list(s.command), cwd=code_path or s.code_dir,
+            user_env=dict(s.env), layout=layout, steps=s.steps, ckpt_every=s.ckpt_every,
+            ckpt_dir=self.ctl.ckpt_dir(self.job_id), mem_slots=s.policy.mem_slots, version=version,
+            code_path=code_path)
+        values.update(over)
+        return p.RunSpec(**values)
+
+    def _slot(self, run_index: int, rank: int, restore: list[p.RestoreSource] | None = None) -> p.WorkerSlot:
+        return p.WorkerSlot(rank=rank, local_rank=rank - run_index * self.G, group_rank=run_index,
+                            restore=restore or [])
+
+    def _start_run(self, act: a.StartRun) -> None:
+        ctl = self.ctl
+        port = ctl.rendezvous.open(self.job_id, act.run)
+        spec = self.run_spec(act.run, act.code_path, act.version, restore_step=act.restore_step,
+                             master=(ctl.store_host, port))
+        for i, m in enumerate(act.slots):
+            workers = []
+            for r in range(i * self.G, (i + 1) * self.G):
+                copies = [p.RestoreSource(tier=c.tier, step=c.step, holder=c.holder, location=c.location,
+                                          addr=self._addr(c.holder) if c.tier == "backup" else None)
+                          for c in act.restore.get(r, [])]
+                workers.append(self._slot(i, r, copies))
+            backup = None
+            if self.spec.machines > 1:
+                peer = act.slots[self.topo.backup_machine(i)]
+                addr = self._addr(peer)
+                backup = p.Backup(machine=peer, addr=addr) if addr else None
+            ckpt = p.CkptPlan(durable_dir=ctl.ckpt_dir(self.job_id), every=self.spec.ckpt_every, backup=backup)
+            ctl.send(m, p.Start(spec=spec, workers=workers, ckpt=ckpt,
+                                wait_warm_s=WARM_WAIT_S if m in act.warm else COLD_WAIT_S))
+
+    def _addr(self, machine: str | None) -> tuple[str, int] | None:
+        addr = self.ctl.peer_addr(machine) if machine else None
+        return (str(addr[0]), int(addr[1])) if addr else None
+
+    def _run_checks(self, act: a.RunChecks) -> None:
+        ctl = self.ctl
+        port = ctl.rendezvous.open_scratch(self.job_id, act.name)
+        for m in act.machines:
+            inter = [{"round": x.round, "peer": x.peer, "rank": x.rank, "port": port, "prefix": x.prefix}
+                     for x in act.inter.get(m, [])]
+            ctl.send(m, p.Diagnose(id=act.name, checks=list(act.checks), store_host=ctl.store_host,
+                                   local_world=self.G, intra={"port": port, "prefix": f"{act.name}/{m}/"},
+                                   inter=inter, timeout_s=act.timeout_s, env=dict(self.spec.env)))
+
+    def _start_replay_group(self, act: a.StartReplayGroup) -> None:
+        ctl = self.ctl
+        port = ctl.rendezvous.open_scratch(self.job_id, act.name)
+        t = self.topo
+        layout = p.Layout(machines=len(act.machines), gpus_per_machine=self.G, tp=t.tp, pp=t.pp, dp=act.dp,
+                          cp=t.cp, ep=t.ep)
+        spec = self.run_spec(act.run, act.code_path, act.version, layout=layout, steps=act.steps,
+                             replay=True, replay_layers=t.pp, restore_step=-1, master=(ctl.store_host, port))
+        for i, m in enumerate(act.machines):
+            workers = [self._slot(i, r) for r in range(i * self.G, (i + 1) * self.G)]
+            ctl.send(m, p.Start(spec=spec, workers=workers, ckpt=None, wait_warm_s=COLD_WAIT_S))

@@ -1,0 +1,152 @@
+"""Stop-time diagnostics: run the checks the ladder asks for on every machine, read their verdict,
+and pick the next rung (evict, reattempt, roll back, replay). The pure parts are `ladder` (which
+checks, what the results mean, which rung) and `stalwart.diag.pairs`; the agents run
+`stalwart.diag.worker` (agent/diagnose.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from stalwart import protocol
+from stalwart.controller import ladder, policy, versions
+from stalwart.controller.job.actions import CloseScratch, InterPair, RunChecks
+from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
+from stalwart.controller.job.state import (Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PairKey,
+                                           PastIncident)
+from stalwart.diag.pairs import pair_rounds
+
+if TYPE_CHECKING:
+    from stalwart.controller.job.core import JobCore
+
+DIAG_GRACE_S = 15.0      # start-up of the check processes (torch import) on top of their bounds
+# (the agent kills its check processes at START_GRACE_S + bound x (2 + rounds); we wait 5 s more)
+
+
+class DiagnosisFlow:
+    def __init__(self, ctx: Ctx, core: "JobCore"):
+        self.ctx, self.core = ctx, core
+
+    def maybe_diagnose(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions | None:
+        """Start stop-time checks when `res` found no machine to blame, or when its evictions are
+        a guess that outnumbers the ready standbys (a check confirms them first); None when no
+        check starts (the caller recovers at once)."""
+        p = self.ctx.policy
+        inc.resolution = res
+        if res.evict and not self._confirm(st, inc, res):
+            return None
+        if not res.evict and res.mechanism != "reattempt":
+            return None
+        checks = ladder.checks_for(res.symptom, res.category, len(st.slots), p.stop_time_checks,
+                                   p.alignment_test)
+        if inc.confirm and not checks:
+            return None
+        if not checks and not self.core.replay.possible(st)[0]:
+            return None
+        return self.start(st, inc, checks, now)
+
+    def _confirm(self, st: JobState, inc: Incident, res: policy.Resolution) -> bool:
+        """An implicit guess (a hang's over-eviction, a stack verdict) that would evict more
+        machines than there are ready standbys is confirmed by a check first instead of failing
+        the job on it (machine-certain evidence is never second-guessed)."""
+        short = policy.standby_shortfall(res.evict, len(self.ctx.ready_standbys(st)))
+        if short is None or not inc.implicit or inc.lost or not self.ctx.policy.stop_time_checks:
+            return False
+        inc.confirm = True
+        inc.resolution = dataclasses.replace(res, mechanism="reattempt", fail_reason=None,
+                                             cause=f"{res.cause}; {short}: confirming with stop-time checks")
+        return True
+
+    def start(self, st: JobState, inc: Incident, checks: list[str], now: float) -> Actions:
+        st.diag_seq += 1
+        name = f"job{st.job_id}-diag{st.diag_seq}"
+        pairs: list[PairKey] = []
+        inter: dict[str, list[InterPair]] = {m: [] for m in st.slots}
+        if "inter" in checks:
+            for r, round_pairs in enumerate(pair_rounds(len(st.slots))):
+                for i, j in round_pairs:
+                    a, b = st.slots[i], st.slots[j]
+                    pairs.append(PairKey(round=r, a=a, b=b, i=i, j=j))
+                    prefix = f"{name}/r{r}/{a}-{b}/"
+                    inter[a].append(InterPair(round=r, peer=b, rank=0, prefix=prefix))
+                    inter[b].append(InterPair(round=r, peer=a, rank=1, prefix=prefix))
+        bound = self.ctx.policy.diag_timeout_s
+        rounds = len({k.round for k in pairs}) or 1
+        st.diag = Diagnosis(name=name, checks=checks, pairs=pairs, wait=set(st.slots) if checks else set(),
+                            started=now, deadline=now + DIAG_GRACE_S + bound * (2 + rounds) + 5.0)
+        st.move(JobPhase.DIAGNOSING)
+        inc.move(IncidentPhase.LOCALIZING)
+        acts: Actions = [record("checks_started", now, incident=inc.seq, checks=checks)]
+        if checks:
+            acts.append(RunChecks(name=name, checks=checks, machines=sorted(st.diag.wait), inter=inter,
+                                  timeout_s=bound))
+            return acts
+        return acts + self.diagnosed(st, now)
+
+    def on_result(self, st: JobState, machine: str, ev: protocol.DiagResult, now: float) -> Actions:
+        d = st.diag
+        if d is None or ev.id != d.name or machine not in d.wait:
+            return []
+        keys = {(k.round, k.a, k.b) for k in d.pairs}
+        for r in ev.results:
+            r = dict(r, machine=machine)
+            if r.get("check") == "inter":
+                a, b = machine, r.get("peer")
+                if (r.get("round"), b, a) in keys:
+                    a, b = b, a
+                r["pair"] = [r.get("round"), a, b]
+            d.results.append(r)
+        d.wait.discard(machine)
+        return self.diagnosed(st, now) if not d.wait else []
+
+    def tick(self, st: JobState, now: float) -> Actions:
+        d = st.diag
+        if d is not None and d.wait and now > d.deadline:
+            return self.diagnosed(st, now)
+        return []
+
+    def diagnosed(self, st: JobState, now: float) -> Actions:
+        d, inc = st.diag, st.incident
+        assert d is not None and inc is not None and inc.resolution is not None
+        st.diag = None
+        res = inc.resolution
+        pair_index = {(k.round, k.a, k.b): (k.i, k.j) for k in d.pairs}
+        v = ladder.verdict(d.results, list(st.slots), pair_index, missing=sorted(d.wait))
+        ready = len(self.ctx.ready_standbys(st))
+        evict, why = ladder.evictions(v, ready)
+        took = round(now - d.started, 3)
+        inc.data["stop_time_checks"] = {"checks": d.checks, "seconds": took, "bad": v["bad"],
+                                        "links": v["links"], "pairs": v["pairs"], "results": d.results}
+        acts: Actions = [CloseScratch(name=d.name), save_data(inc),
+                         record("checks_done", now, incident=inc.seq, seconds=took, evict=evict)]
+        if evict:
+            res = dataclasses.replace(res, evict=evict, suspects=list(evict), mechanism="evict_restart",
+                                      cause=f"{res.cause}; stop-time checks: {why}")
+            short = policy.standby_shortfall(evict, ready)
+            if short is not None:
+                res = dataclasses.replace(res, mechanism="fail", fail_reason=f"stop-time checks: {short}")
+            return acts + self.core.failure.recover(st, inc, res, now)
+        if d.checks:
+            res = dataclasses.replace(
+                res, cause=f"{res.cause}; stop-time checks ({', '.join(d.checks)}) passed in {took:.1f}s")
+        if inc.confirm:
+            res = dataclasses.replace(res, evict=[], suspects=[], mechanism="reattempt",
+                                      cause=f"{res.cause}; no machine confirmed: evicting none")
+        previous = ladder.streak([dataclasses.asdict(h) for h in st.history], self.ctx.policy.ladder_window_s)
+        possible, why_not = self.core.replay.possible(st)
+        rung = ladder.next_rung(previous, possible)
+        rollback = None
+        if st.version_id is not None:
+            current = dataclasses.asdict(inc_summary(inc, res))
+            rollback = versions.rollback_reason(st.version(), [dataclasses.asdict(h) for h in st.history]
+                                                + [current], now + 1e-6)
+        if rung == "replay" and rollback is None:
+            return acts + self.core.replay.start(st, inc, res, now)
+        if previous and not possible:
+            res = dataclasses.replace(res, cause=f"{res.cause}; no dual-phase replay: {why_not}")
+        return acts + self.core.failure.recover(st, inc, res, now)
+
+
+def inc_summary(inc: Incident, res: policy.Resolution) -> PastIncident:
+    """The incident as the ladder and the rollback rule read it."""
+    return PastIncident(id=inc.seq, detected_at=inc.detected_at, symptom=res.symptom, category=res.category,
+                        mechanism=res.mechanism, evicted=list(res.evict), cause=res.cause)

@@ -1,0 +1,258 @@
+"""Incidents: open one, stop the run, gather evidence, localize, recover (evict, restart) or fail.
+
+Explicit failures (a worker's exit, a probe's alert, a lost machine) arrive here directly; the
+implicit ones (hang, NaN, fail-slow, peer outlier) are found by `implicit.py` and open their
+incident through `open`. Localization asks the pure `policy.resolve`; what it cannot pin on a
+machine goes to the stop-time checks (`diagnosis.py`) before the recovery.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from stalwart import protocol
+from stalwart.analyzer.classify import classify
+from stalwart.controller import policy, versions
+from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
+                                             TraceStacks, UpdateIncident, UpdateRun)
+from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.state import (Incident, IncidentPhase, JobPhase, JobState, PastIncident)
+
+if TYPE_CHECKING:
+    from stalwart.controller.job.core import JobCore
+
+log = logging.getLogger("stalwart.controller")
+IMPLICIT = ("hang", "nan", "loss_spike", "fail_slow", "peer_outlier")
+CONTROL_PLANE = "control_plane"     # a run the controller's restart cut short
+# Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
+# second network alert): localize no earlier than this after detection. Probes run every second.
+EVIDENCE_SETTLE_S = 1.5
+STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
+
+
+def detail_text(detail) -> str:
+    """A probe's detail as one readable line (its log text when it has one)."""
+    if isinstance(detail, dict):
+        if detail.get("text"):
+            return str(detail["text"])
+        return ", ".join(f"{k}={v}" for k, v in detail.items())
+    return str(detail or "")
+
+
+class FailureFlow:
+    def __init__(self, ctx: Ctx, core: "JobCore"):
+        self.ctx, self.core = ctx, core
+
+    # -- opening and stopping -------------------------------------------------------------------
+    def open(self, st: JobState, symptom: str, now: float, trace: bool = False) -> Actions:
+        """Open an incident and stop the run; with `trace`, first capture every machine's stacks.
+        Nothing happens while another incident is open (its evidence grows instead)."""
+        if st.incident is not None:
+            return []
+        implicit, planned = symptom in IMPLICIT, symptom == "hot_update"
+        st.incident_seq += 1
+        inc = Incident(seq=st.incident_seq, symptom=symptom, detected_at=now, implicit=implicit,
+                       planned=planned, run=st.run_seq, awaiting=set(st.slots))
+        st.incident = inc
+        category = ("implicit" if implicit else "manual" if planned
+                    else CONTROL_PLANE if symptom == CONTROL_PLANE else "explicit")
+        acts: Actions = [OpenIncident(seq=inc.seq, run=st.run_seq, symptom=symptom, category=category,
+                                      detected_at=now),
+                         record("incident_opened", now, incident=inc.seq, symptom=symptom,
+                                injected_at=None, planned=planned)]
+        if trace:
+            st.move(JobPhase.TRACING)
+            inc.move(IncidentPhase.TRACING)
+            inc.trace_wait, inc.trace_sent = set(st.slots), now
+            return acts + [TraceStacks(machines=list(st.slots), run=st.run_seq)]
+        return acts + self.stop_run(st, now)
+
+    def stop_run(self, st: JobState, now: float) -> Actions:
+        inc = st.incident
+        assert inc is not None
+        inc.stop_sent = now
+        inc.move(IncidentPhase.STOPPING)
+        st.move(JobPhase.RECOVERING)
+        log.info("job %s: incident %s; stopping run %s", st.job_id, inc.seq, st.run_seq)
+        return [StopWorkers(machines=list(st.slots), run=st.run_seq, grace_s=self.ctx.policy.stop_grace_s)]
+
+    def check_stopped(self, st: JobState, now: float) -> Actions:
+        """While stopping: machines silent for two beats are lost; once every machine stopped (or
+        the bound passed) and the evidence had its moment, localize."""
+        inc = st.incident
+        assert inc is not None and inc.stop_sent is not None
+        p = self.ctx.policy
+        limit = inc.stop_sent + STOP_GRACE_EXTRA_S + p.heartbeat_s * p.missed_beats
+        heard = {m: self.ctx.cluster.last_heard(m) for m in inc.awaiting}
+        for m in policy.silent_during_stop(inc.awaiting, heard, now, p.heartbeat_s):
+            inc.awaiting.discard(m)
+            inc.lost.add(m)
+            log.warning("job %s: %s silent for %d heartbeats after the stop: lost", st.job_id, m,
+                        policy.SILENT_BEATS)
+        explained = policy.cause_in_hand(inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits),
+                                         tuple(inc.alerts), tuple(inc.lost))
+        if (inc.awaiting and now < limit) or (not explained and now < inc.detected_at + EVIDENCE_SETTLE_S):
+            return []
+        inc.lost |= inc.awaiting          # alive but did not stop: cannot be trusted with ranks
+        inc.awaiting = set()
+        acts: Actions = [record("run_stopped", now, run=st.run_seq),
+                         UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done})]
+        return acts + self.localize(st, now)
+
+    # -- localizing and recovering ---------------------------------------------------------------
+    def localize(self, st: JobState, now: float) -> Actions:
+        inc = st.incident
+        assert inc is not None
+        if st.best_steps <= st.progress_at_run_start:
+            st.restarts_without_progress += 1
+        else:
+            st.restarts_without_progress = 0
+        if inc.planned:
+            return self.core.hotupdate.apply_planned(st, inc, now)
+        if inc.symptom == CONTROL_PLANE and not (inc.exits or inc.lost or inc.alerts):
+            res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
+                                    cause=inc.reason or "the controller restarted", mechanism="reattempt")
+            return self.recover(st, inc, res, now)
+        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=tuple(inc.alerts),
+                             implicit_symptom=inc.symptom if inc.implicit else None,
+                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason)
+        res = policy.resolve(self.ctx.snapshot(st), ev, now)
+        started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
+        if started is not None:
+            return started
+        return self.recover(st, inc, res, now)
+
+    def _injected_at(self, st: JobState, inc: Incident) -> float | None:
+        near = [t for t in st.chaos_applied if t <= inc.detected_at + 0.5 and inc.detected_at - t < 120]
+        return max(near) if near else None
+
+    def recover(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions:
+        """Record how the incident was localized and restart (or fail) accordingly."""
+        injected_at = self._injected_at(st, inc)
+        acts: Actions = [
+            UpdateIncident(seq=inc.seq, fields=dict(
+                symptom=res.symptom, category=res.category, cause=res.cause, suspects=res.suspects,
+                evicted=res.evict, mechanism=res.mechanism, localized_at=now, injected_at=injected_at)),
+            record("incident_localized", now, incident=inc.seq, injected_at=injected_at,
+                   mechanism=res.mechanism)]
+        st.incident = None
+        st.awaiting_resume.append(inc.seq)
+        past = PastIncident(id=inc.seq, detected_at=inc.detected_at, symptom=res.symptom,
+                            category=res.category, mechanism=res.mechanism, evicted=list(res.evict),
+                            cause=res.cause)
+        st.history.append(past)
+        if st.version_id is not None and res.mechanism in ("fail", "reattempt") and not res.evict:
+            why = versions.rollback_reason(st.version(), [dataclasses.asdict(h) for h in st.history],
+                                           now + 1e-6)
+            if why is not None:       # the new code is to blame: back to the last stable version
+                acts += self.core.hotupdate.rollback(st, why, now)
+                res = dataclasses.replace(res, mechanism="rollback", cause=f"{res.cause}; {why}")
+                past.mechanism, past.cause = res.mechanism, res.cause
+                acts += [UpdateIncident(seq=inc.seq, fields={"mechanism": "rollback", "cause": res.cause}),
+                         record("version_rolled_back", now, incident=inc.seq, to=st.version_id)]
+        if res.mechanism == "fail":
+            inc.move(IncidentPhase.FAILED)
+            return acts + self.finish(st, "failed", res.fail_reason, now)
+        inc.move(IncidentPhase.RESTARTING)
+        acts += self.replace_machines(st, inc, res, now)
+        if st.version_id is not None and res.mechanism != "rollback":
+            acts += self.core.hotupdate.apply_due_at_failure(st, inc, now)   # lazy updates ride along
+        return acts + self.core.run.restart(st, now)
+
+    def replace_machines(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions:
+        """Evicted machines leave; standbys take their slots (their memory is gone, too)."""
+        acts: Actions = []
+        plan = policy.replacement_plan(tuple(st.slots), res.evict, self.ctx.ready_standbys(st))
+        for m in set(inc.lost) | set(res.evict):
+            st.avail.drop_machine(m)      # its memory (own shards, peers' backups) is gone
+        for old, new in plan.items():
+            acts += [AssignMachine(machine=old, state="evicted", reason=res.cause, incident=inc.seq),
+                     StopWorkers(machines=[old], run=None)]
+            st.slots[st.slots.index(old)] = new
+            st.pool.standby.remove(new)
+            acts.append(AssignMachine(machine=new, state="active"))
+        return acts
+
+    # -- the end --------------------------------------------------------------------------------
+    def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
+        if st.terminal:
+            return []
+        st.move(JobPhase(state))
+        st.reason = reason
+        machines = list(st.slots) + list(st.pool.standby)
+        acts: Actions = [StopWorkers(machines=machines, run=None)]
+        if st.run is not None:
+            acts.append(UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done}))
+        acts += [record("job_finished", now, state=state, reason=reason),
+                 FinishJob(state=state, reason=reason, machines=machines, t=now)]
+        log.info("job %s %s%s", st.job_id, state, f": {reason}" if reason else "")
+        return acts
+
+    # -- evidence from agents and the controller -------------------------------------------------
+    def on_worker_exit(self, st: JobState, machine: str, ev: protocol.WorkerExit, now: float) -> Actions:
+        if ev.run != st.run_seq or ev.expected or ev.rank is None:
+            return []
+        if ev.code == 0:
+            if st.run is not None:
+                st.run.done_ranks.add(ev.rank)
+                if len(st.run.done_ranks) == self.ctx.world and st.phase == JobPhase.RUNNING:
+                    return self.finish(st, "succeeded", None, now)
+            return []
+        sym = classify(ev.log_tail or "", ev.code, ev.signal, st.code_path)
+        exit_ = policy.Exit(machine=machine, rank=ev.rank, code=ev.code, signal=ev.signal, symptom=sym.name,
+                            category=sym.category, secondary=sym.secondary,
+                            machine_certain=sym.machine_certain, user_code=sym.user_code,
+                            detail=sym.detail, t=ev.t, location=sym.location)
+        acts = self.open(st, exit_.symptom, now) if st.phase == JobPhase.RUNNING else []
+        if st.incident is not None:
+            st.incident.exits.append(exit_)
+        return acts
+
+    def on_health(self, st: JobState, machine: str, ev: protocol.Health, now: float) -> Actions:
+        alert = policy.Alert(machine=machine, kind=ev.kind, severity=ev.severity,
+                             machine_certain=bool(ev.machine_certain), network=bool(ev.network),
+                             detail=detail_text(ev.detail), t=ev.t)
+        acts: Actions = [record("health", alert.t, machine=machine, kind=alert.kind, severity=alert.severity)]
+        snap = self.ctx.snapshot(st)
+        st.alerts = st.open_alerts(alert.t, self.ctx.policy.network_alert_window_s)
+        if st.incident is not None:
+            st.incident.alerts.append(alert)
+        elif st.phase == JobPhase.RUNNING and policy.should_open_incident(alert, snap, alert.t):
+            acts += self.open(st, alert.kind, now)
+            assert st.incident is not None
+            st.incident.alerts.extend(st.alerts + [alert])
+        st.alerts.append(alert)
+        return acts
+
+    def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
+        for tier, held in (ev.inventory or {}).items():
+            st.avail.replace_held(machine, tier, {int(r): v for r, v in held.items()})
+        inc = st.incident
+        if inc is not None and ev.run == st.run_seq:
+            inc.awaiting.discard(machine)
+            if st.phase == JobPhase.RECOVERING and not inc.awaiting:
+                return self.check_stopped(st, now)      # the last one: no need to wait for a tick
+        return []
+
+    def on_machine_lost(self, st: JobState, machine: str, now: float) -> Actions:
+        acts: Actions = []
+        if machine in st.slots and st.phase in (JobPhase.RUNNING, JobPhase.RECOVERING, JobPhase.TRACING):
+            acts += self.open(st, "machine_lost", now)
+            inc = st.incident
+            assert inc is not None
+            inc.lost.add(machine)
+            inc.awaiting.discard(machine)
+            inc.trace_wait.discard(machine)
+            if st.phase == JobPhase.TRACING and not inc.trace_wait:
+                acts += self.core.implicit.finish_trace(st, now)
+        if machine in st.pool.standby:
+            st.pool.standby.remove(machine)
+            st.pool.warm.discard(machine)
+        return acts
+
+    def on_command_failed(self, st: JobState, machine: str, ev: protocol.CommandFailed, now: float) -> Actions:
+        """A command the agent could not carry out (e.g. a chaos kind this host cannot do)."""
+        log.warning("job %s: %s on %s failed: %s", st.job_id, ev.kind or ev.command, machine, ev.error)
+        return [record("command_failed", ev.t or now, machine=machine, command=ev.command, kind=ev.kind,
+                       error=ev.error)]

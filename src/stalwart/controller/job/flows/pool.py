@@ -1,0 +1,42 @@
+"""The warm standby pool while the job runs: keep it at its size (`--standby N|auto`, the P99 of
+Binomial(machines, daily failure rate)) by taking idle machines (a spare of the local backend, an
+agent that registers later), warming their workers at once so the next failover does not wait
+for `import torch`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stalwart.controller.job.actions import AssignMachine, Prewarm
+from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.state import JobState
+from stalwart.controller.pool import standby_count
+
+if TYPE_CHECKING:
+    from stalwart.controller.job.core import JobCore
+
+REFILL_EVERY_S = 1.0
+
+
+class PoolFlow:
+    def __init__(self, ctx: Ctx, core: "JobCore"):
+        self.ctx, self.core = ctx, core
+
+    def prewarm(self, st: JobState, machine: str) -> Actions:
+        st.pool.warm.add(machine)
+        return [Prewarm(machine=machine, code_path=st.code_path, version=st.version_id)]
+
+    def refill(self, st: JobState, now: float) -> Actions:
+        if now < st.pool.next_refill:
+            return []
+        st.pool.next_refill = now + REFILL_EVERY_S
+        want = standby_count(self.ctx.spec)
+        for m in [m for m in st.pool.standby if not self.ctx.cluster.alive(m)]:
+            st.pool.standby.remove(m)
+            st.pool.warm.discard(m)
+        short = want - len(st.pool.standby)
+        acts: Actions = []
+        for m in self.ctx.cluster.free()[:max(0, short)]:
+            st.pool.standby.append(m)
+            acts += [AssignMachine(machine=m, state="standby")] + self.prewarm(st, m)
+            acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
+        return acts

@@ -1,0 +1,202 @@
+"""Runs: the first start (enough free machines), each restart (the newest step every rank can
+restore), the steps the ranks report (committed when every rank reported), the scheduled chaos,
+and the checkpoint copies the agents announce."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from stalwart import protocol
+from stalwart.controller import restore
+from stalwart.controller.hangwatch import HangWatch
+from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, RestoreCopy,
+                                             SendChaos, StartRun, UpdateIncident, UpdateRun)
+from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.state import ChaosPlan, JobPhase, JobState, PendingStep, RunState
+from stalwart.controller.pool import standby_count
+
+if TYPE_CHECKING:
+    from stalwart.controller.job.core import JobCore
+
+log = logging.getLogger("stalwart.controller")
+STEP_TIMES_KEPT = 50
+
+
+class RunFlow:
+    def __init__(self, ctx: Ctx, core: "JobCore"):
+        self.ctx, self.core = ctx, core
+
+    # -- the first start ----------------------------------------------------------------------
+    def try_start(self, st: JobState, now: float) -> Actions:
+        """Waiting: take the machines (and the standbys) once enough are free; after
+        `max_standby_wait_s`, start with the active ones alone."""
+        spec = self.ctx.spec
+        free = self.ctx.cluster.free()
+        want = standby_count(spec)
+        waited = now - st.created_at > spec.policy.max_standby_wait_s
+        if len(free) < spec.machines + want and not (len(free) >= spec.machines and waited):
+            return []
+        st.slots = free[:spec.machines]
+        st.pool.standby = free[spec.machines:spec.machines + want]
+        acts: Actions = [AssignMachine(machine=m, state="active") for m in st.slots]
+        for m in st.pool.standby:      # standbys warm up on the code the runs use
+            acts += [AssignMachine(machine=m, state="standby")] + self.core.pool.prewarm(st, m)
+        if st.versioning_off:
+            log.info("job %s: hot update off: %s", st.job_id, st.versioning_off)
+        return acts + self.start_run(st, -1, {}, now)
+
+    # -- runs -------------------------------------------------------------------------------------
+    def start_run(self, st: JobState, restore_step: int, cands: dict[int, list[dict]], now: float) -> Actions:
+        st.run_seq += 1
+        start_step = restore_step + 1
+        warm = [m for m in st.slots if m in st.pool.warm]
+        st.pool.warm -= set(warm)
+        copies = {r: [RestoreCopy(tier=c["tier"], step=c["step"], holder=c.get("holder"),
+                                  location=c.get("location")) for c in cs] for r, cs in cands.items() if cs}
+        acts: Actions = [
+            StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
+                     warm=warm, code_path=st.code_path, version=st.version_id),
+            CreateRun(seq=st.run_seq, start_step=start_step, started_at=now, machines=list(st.slots),
+                      restore_step=restore_step),
+            record("run_started", now, run=st.run_seq, start_step=start_step, machines=list(st.slots))]
+        st.move(JobPhase.RUNNING)
+        st.run = RunState(seq=st.run_seq, started_at=now, start_step=start_step, restore_step=restore_step,
+                          machines=list(st.slots),
+                          hang=HangWatch(self.ctx.policy, ranks=range(self.ctx.world), started_at=now))
+        self.core.implicit.new_run(st, now)
+        st.steps_done = start_step
+        st.progress_at_run_start = st.best_steps
+        return acts
+
+    def restart(self, st: JobState, now: float) -> Actions:
+        """A new run on the current slots from the newest step every rank can restore."""
+        next_machine = {r: st.slots[self.ctx.topo.machine_of(r)] for r in range(self.ctx.world)}
+        alive = {m for m in st.slots if self.ctx.cluster.alive(m)}
+        held = {s for tiers in st.avail.copies.values() for by_step in tiers.values() for s in by_step}
+        step, cands = restore.plan(st.avail, self.ctx.world, next_machine, alive, st.bad_step_set(held))
+        return self.start_run(st, step, cands, now)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def on_step(self, st: JobState, ev: protocol.Step, now: float) -> Actions:
+        run = st.run
+        if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
+            return []
+        acc = run.pending.setdefault(ev.step, PendingStep())
+        acc.ranks.add(ev.rank)
+        acc.local[ev.rank] = ev.local_grad_norm
+        acc.times[ev.rank] = (ev.dur, ev.compute_s)
+        if run.hang is not None:
+            run.hang.on_step(ev.rank, ev.step, ev.t)
+        acc.t = max(acc.t, ev.t)
+        acc.dur = max(acc.dur, ev.dur or 0.0)
+        if ev.rank == 0 or acc.loss is None:      # rank 0's metrics win; else the first reported
+            if ev.loss is not None:
+                acc.loss = ev.loss
+            if ev.grad_norm is not None:
+                acc.grad_norm = ev.grad_norm
+            if ev.tokens is not None:
+                acc.tokens = ev.tokens
+        if len(acc.ranks) == self.ctx.world:
+            return self.commit(st, ev.step, run.pending.pop(ev.step), now)
+        return []
+
+    def commit(self, st: JobState, s: int, acc: PendingStep, now: float) -> Actions:
+        assert st.run is not None
+        acts: Actions = [record("step", acc.t, run=st.run_seq, step=s, dur=acc.dur, loss=acc.loss,
+                                grad_norm=acc.grad_norm, tokens=acc.tokens)]
+        st.steps_done = max(st.steps_done, s + 1)
+        st.best_steps = max(st.best_steps, st.steps_done)
+        st.run.committed += 1
+        if acc.loss is not None:
+            st.last_loss = acc.loss
+        anomaly = self.core.implicit.training_anomaly(st, s, acc, now)
+        if anomaly is not None:
+            return acts + anomaly
+        acts += self.core.implicit.on_committed(st, acc, now)
+        acts += self.core.hotupdate.promote_if_healthy(st, now)
+        sig = st.signals
+        sig.step_times = (sig.step_times + [(acc.t, s)])[-STEP_TIMES_KEPT:]
+        for seq in st.awaiting_resume:
+            acts += [UpdateIncident(seq=seq, fields={"resumed_at": acc.t}),
+                     record("incident_resumed", acc.t, incident=seq)]
+        st.awaiting_resume.clear()
+        return acts + self.fire_chaos(st, now)
+
+    def on_done(self, st: JobState, ev: protocol.Done, now: float) -> Actions:
+        """An SDK worker finished its last step (it exits right after)."""
+        run = st.run
+        if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
+            return []
+        run.done_ranks.add(ev.rank)
+        if len(run.done_ranks) == self.ctx.world and st.steps_done >= self.ctx.spec.steps:
+            return self.core.failure.finish(st, "succeeded", None, now)
+        return []
+
+    # -- chaos ------------------------------------------------------------------------------------
+    def fire_chaos(self, st: JobState, now: float) -> Actions:
+        due = [c for c in st.chaos if c.step is not None and st.steps_done >= c.step]
+        acts: Actions = []
+        for c in due:
+            st.chaos.remove(c)
+            acts += self.inject(st, c, now)
+        return acts
+
+    def inject(self, st: JobState, c: ChaosPlan, now: float) -> Actions:
+        data = {"kind": c.kind, "machine": c.machine, "rank": c.rank, "step": c.step, "params": c.params}
+        return [record("chaos_sent", now, **data),
+                SendChaos(machine=f"m{c.machine}", kind=c.kind, rank=c.rank, step=st.steps_done,
+                          params=dict(c.params))]
+
+    def on_chaos_applied(self, st: JobState, machine: str, ev: protocol.ChaosApplied, now: float) -> Actions:
+        if ev.injected_at is not None:
+            st.chaos_applied = (st.chaos_applied + [ev.injected_at])[-100:]
+        return [record("chaos_applied", ev.injected_at or now, machine=machine, kind=ev.kind, rank=ev.rank)]
+
+    # -- checkpoints and restores -------------------------------------------------------------------
+    def on_ckpt(self, st: JobState, ev: protocol.Ckpt) -> Actions:
+        if ev.tier == "durable":
+            st.avail.add(ev.rank, ev.tier, ev.step, ev.location or "")
+            return [AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
+                                  checksum=ev.checksum or "", t=ev.t)]
+        st.avail.add(ev.rank, ev.tier, ev.step, ev.holder or "")
+        return []
+
+    def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
+        if ev.run != st.run_seq:
+            return []
+        return [record("workers_started", ev.t or now, run=ev.run, machine=machine, warm=bool(ev.warm))]
+
+    def on_restore_source(self, st: JobState, ev: protocol.RestoreSourceUsed, now: float) -> Actions:
+        run = st.run
+        if run is None or ev.run != st.run_seq:
+            return []
+        run.restore_tiers[ev.rank] = ev.tier
+        if ev.skipped:
+            run.restore_skipped[ev.rank] = list(ev.skipped)
+        acts: Actions = []
+        if len(run.restore_tiers) == self.ctx.world:
+            acts.append(UpdateRun(seq=run.seq, fields={"restore": {
+                "step": ev.step, "tiers": {str(r): t for r, t in sorted(run.restore_tiers.items())},
+                "skipped": {str(r): e for r, e in sorted(run.restore_skipped.items())}}}))
+        return acts + [record("restore_source", ev.t or now, run=run.seq, rank=ev.rank, tier=ev.tier,
+                              step=ev.step, skipped=list(ev.skipped))]
+
+    def on_restore_failed(self, st: JobState, ev: protocol.RestoreFailed, now: float) -> Actions:
+        if ev.run != st.run_seq:
+            return []
+        st.bad_steps.append((ev.step, ev.step + 1))
+        acts: Actions = [record("restore_failed", ev.t or now, run=st.run_seq, rank=ev.rank, error=ev.error)]
+        if st.phase == JobPhase.RUNNING:
+            acts += self.core.failure.open(st, "restore_failed", now)
+        return acts
+
+    # -- live status ----------------------------------------------------------------------------
+    @staticmethod
+    def steps_per_s(st: JobState) -> float | None:
+        times = st.signals.step_times
+        if len(times) >= 2:
+            (t0, s0), (t1, s1) = times[0], times[-1]
+            if t1 > t0 and s1 > s0:
+                return (s1 - s0) / (t1 - t0)
+        return None
+

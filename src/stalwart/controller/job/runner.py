@@ -1,0 +1,96 @@
+"""One job in the controller: a thread that takes events from its inbox, asks the job core what to
+do, and hands the actions to the executor; the state is saved with them at every transition (and
+at least every second while anything changes), so a controller killed at any moment can be
+replaced by one that loads the state and carries on."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from stalwart.controller.job import state as S
+from stalwart.controller.job.core import JobCore
+from stalwart.controller.job.events import JobEvent, Tick
+from stalwart.controller.job.executor import Executor
+from stalwart.spec import JobSpec
+
+if TYPE_CHECKING:
+    from stalwart.controller.service import Controller
+
+log = logging.getLogger("stalwart.controller")
+TICK_S = 0.2
+SAVE_EVERY_S = 1.0
+
+
+class JobRunner:
+    def __init__(self, ctl: "Controller", spec: JobSpec, state: S.JobState):
+        self.job_id, self.spec, self.state = state.job_id, spec, state
+        self.core = JobCore(spec, ctl.view)
+        self.executor = Executor(ctl, state.job_id, spec)
+        self.inbox: queue.Queue[JobEvent] = queue.Queue()
+        self._saved_key: tuple | None = None
+        self._saved_at = 0.0
+        self._dirty = True
+        self.thread = threading.Thread(target=self._loop, name=f"job-{state.job_id}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def post(self, ev: JobEvent) -> None:
+        self.inbox.put(ev)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def live(self) -> dict:
+        return self.core.live(self.state)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_tick = time.monotonic()
+        while not self.state.terminal:
+            try:
+                ev: JobEvent = self.inbox.get(timeout=max(0.0, next_tick - time.monotonic()))
+            except queue.Empty:
+                ev = Tick()
+            self.dispatch(ev)
+            if time.monotonic() >= next_tick and not self.state.terminal:
+                if not isinstance(ev, Tick):
+                    self.dispatch(Tick())       # timers run even while events keep flowing
+                next_tick = time.monotonic() + TICK_S
+
+    def dispatch(self, ev: JobEvent) -> None:
+        now = time.time()
+        try:
+            acts = self.core.handle(self.state, ev, now)
+        except Exception as e:  # a bug must not leave the job silently stuck
+            log.exception("job %s: handling %s failed", self.job_id, type(ev).__name__)
+            acts = self.core.failure.finish(self.state, "failed",
+                                            f"internal error while handling {type(ev).__name__}: {e}", now)
+        if acts or not isinstance(ev, Tick):
+            self._dirty = True
+        key = self._key()
+        save = key != self._saved_key or (self._dirty and time.monotonic() - self._saved_at >= SAVE_EVERY_S)
+        try:
+            self.executor.perform(self.state, acts, S.dumps(self.state) if save else None)
+        except Exception as e:
+            log.exception("job %s: carrying out %d action(s) failed", self.job_id, len(acts))
+            if not self.state.terminal:
+                self.executor.perform(self.state, self.core.failure.finish(
+                    self.state, "failed", f"internal error while acting on {type(ev).__name__}: {e}", now),
+                    S.dumps(self.state))
+            return
+        if save:
+            self._saved_key, self._saved_at, self._dirty = key, time.monotonic(), False
+
+    def _key(self) -> tuple:
+        """What changes at a transition (saved at once); anything else is saved within a second."""
+        st = self.state
+        inc = st.incident
+        return (st.phase, st.run_seq, st.incident_seq, inc.phase if inc else None,
+                st.diag.name if st.diag else None, st.replay.phase if st.replay else None,
+                tuple(st.slots), tuple(st.pool.standby), st.version_id, len(st.history),
+                len(st.gaps), st.gaps[-1].reconciled_at if st.gaps else None, len(st.awaiting_resume))

@@ -1,0 +1,353 @@
+"""The typed live state of one job: everything its flows decide from, saved at each transition.
+
+`JobState` round-trips through JSON exactly (`dumps` / `loads`), so a restarted controller loads
+the state its predecessor saved and carries on. The job's phase and each incident's phase are
+Enums; the allowed transitions are written down once, here, and `JobState.move` / `Incident.move`
+refuse any other (a bug, not a user error).
+
+Phases of a job (`JobPhase`):
+
+    waiting ──► running ──► succeeded
+                 │  ▲ ▲
+                 │  │ └────────────────────────────────┐
+                 ▼  │                                  │
+              tracing ─► recovering ─► diagnosing ─► replaying
+                 (stacks)   (stopping)   (checks)      (groups)
+    any non-terminal phase ──► failed | cancelled
+
+Phases of an incident (`IncidentPhase`): detected → (tracing) → stopping → localizing →
+restarting (its new run has not completed a step yet) → resolved; or → failed (the job failed on it).
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from stalwart import protocol
+from stalwart.analyzer.failslow import FailSlowRounds
+from stalwart.analyzer.replay import ReplayPlan
+from stalwart.controller.hangwatch import HangWatch
+from stalwart.controller.peerwatch import PeerWatch
+from stalwart.controller.policy import Alert, Exit, Resolution
+from stalwart.controller.restore import Availability
+
+
+class JobPhase(str, enum.Enum):
+    WAITING = "waiting"            # for enough free machines
+    RUNNING = "running"            # a run trains
+    TRACING = "tracing"            # a hang: capturing every machine's stacks before the stop
+    RECOVERING = "recovering"      # the run is being stopped; then localize and restart
+    DIAGNOSING = "diagnosing"      # stop-time checks on every machine
+    REPLAYING = "replaying"        # dual-phase replay groups run
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED)
+
+
+_END = {JobPhase.FAILED, JobPhase.CANCELLED}
+JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
+    JobPhase.WAITING: {JobPhase.RUNNING} | _END,
+    JobPhase.RUNNING: {JobPhase.TRACING, JobPhase.RECOVERING, JobPhase.SUCCEEDED} | _END,
+    JobPhase.TRACING: {JobPhase.RECOVERING} | _END,
+    JobPhase.RECOVERING: {JobPhase.RUNNING, JobPhase.DIAGNOSING} | _END,
+    JobPhase.DIAGNOSING: {JobPhase.RUNNING, JobPhase.REPLAYING} | _END,
+    JobPhase.REPLAYING: {JobPhase.RUNNING} | _END,
+    JobPhase.SUCCEEDED: set(),
+    JobPhase.FAILED: set(),
+    JobPhase.CANCELLED: set(),
+}
+
+
+class IncidentPhase(str, enum.Enum):
+    DETECTED = "detected"
+    TRACING = "tracing"
+    STOPPING = "stopping"
+    LOCALIZING = "localizing"      # stop-time checks or replay
+    RESTARTING = "restarting"      # localized; the new run has not completed a step yet
+    RESOLVED = "resolved"
+    FAILED = "failed"
+
+
+INCIDENT_TRANSITIONS: dict[IncidentPhase, set[IncidentPhase]] = {
+    IncidentPhase.DETECTED: {IncidentPhase.TRACING, IncidentPhase.STOPPING, IncidentPhase.FAILED},
+    IncidentPhase.TRACING: {IncidentPhase.STOPPING, IncidentPhase.FAILED},
+    IncidentPhase.STOPPING: {IncidentPhase.LOCALIZING, IncidentPhase.RESTARTING, IncidentPhase.FAILED},
+    IncidentPhase.LOCALIZING: {IncidentPhase.RESTARTING, IncidentPhase.FAILED},
+    IncidentPhase.RESTARTING: {IncidentPhase.RESOLVED, IncidentPhase.FAILED},
+    IncidentPhase.RESOLVED: set(),
+    IncidentPhase.FAILED: set(),
+}
+
+
+class TransitionError(RuntimeError):
+    """A flow asked for a transition the tables above do not allow: a bug in the flow."""
+
+
+@dataclass
+class PendingStep:
+    """A step some ranks have reported and others not yet."""
+    ranks: set[int] = field(default_factory=set)
+    t: float = 0.0
+    dur: float = 0.0
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int | None = None
+    local: dict[int, float | None] = field(default_factory=dict)       # local grad norms
+    times: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # (step, compute)
+
+
+@dataclass
+class RunState:
+    """One uninterrupted stretch of training (or of a replay group)."""
+    seq: int
+    started_at: float
+    start_step: int
+    restore_step: int
+    machines: list[str]
+    committed: int = 0                           # steps this run completed
+    pending: dict[int, PendingStep] = field(default_factory=dict)
+    done_ranks: set[int] = field(default_factory=set)
+    restore_tiers: dict[int, str] = field(default_factory=dict)
+    restore_skipped: dict[int, list[str]] = field(default_factory=dict)
+    hang: HangWatch | None = None
+
+
+@dataclass
+class Incident:
+    """The open incident: its evidence, what was decided, where it stands."""
+    seq: int
+    symptom: str
+    detected_at: float
+    phase: IncidentPhase = IncidentPhase.DETECTED
+    implicit: bool = False
+    planned: bool = False                        # a hot update: a stop the controller chose
+    run: int | None = None
+    stop_sent: float | None = None
+    exits: list[Exit] = field(default_factory=list)
+    lost: set[str] = field(default_factory=set)
+    alerts: list[Alert] = field(default_factory=list)
+    awaiting: set[str] = field(default_factory=set)      # machines asked to stop, not stopped yet
+    trace_wait: set[str] = field(default_factory=set)
+    trace_sent: float | None = None
+    stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    implicit_evict: list[str] = field(default_factory=list)
+    reason: str = ""
+    confirm: bool = False                        # evictions wait for a stop-time check
+    data: dict[str, Any] = field(default_factory=dict)   # the incident row's data (analysis, checks)
+    resolution: Resolution | None = None
+
+    def move(self, to: IncidentPhase) -> None:
+        if to not in INCIDENT_TRANSITIONS[self.phase]:
+            raise TransitionError(f"incident {self.seq}: {self.phase.value} -> {to.value} is not allowed")
+        self.phase = to
+
+
+@dataclass
+class PastIncident:
+    """What the ladder and the rollback rule read of earlier incidents."""
+    id: int
+    detected_at: float
+    symptom: str
+    category: str
+    mechanism: str | None
+    evicted: list[str]
+    cause: str | None
+
+
+@dataclass
+class PairKey:
+    round: int
+    a: str
+    b: str
+    i: int
+    j: int
+
+
+@dataclass
+class Diagnosis:
+    """Stop-time checks in progress."""
+    name: str
+    checks: list[str]
+    pairs: list[PairKey]
+    wait: set[str]
+    started: float
+    deadline: float
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ReplayGroup:
+    group: int
+    machines: list[str]
+    world: int
+    done: set[int] = field(default_factory=set)
+    failed: str | None = None
+
+
+@dataclass
+class Replay:
+    """A dual-phase replay in progress (run seq -> group of the current phase)."""
+    name: str
+    plan: ReplayPlan
+    started: float
+    deadline: float
+    phase: int = 0
+    failed: list[list[int]] = field(default_factory=lambda: [[], []])
+    groups: dict[int, ReplayGroup] = field(default_factory=dict)
+
+
+@dataclass
+class FailSlow:
+    """Fail-slow rounds in progress."""
+    rounds: FailSlowRounds
+    started: float
+    baseline_s: float
+    next: float
+    done: int = 0
+    flagged: list[set[str]] = field(default_factory=list)
+    by_compute: list[set[str]] = field(default_factory=list)
+    wait: set[str] = field(default_factory=set)
+    sent: float = 0.0
+    stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass
+class Signals:
+    """Rolling training signals of the current run (NaN/jump, throughput, peers)."""
+    loss_hist: list[float] = field(default_factory=list)
+    grad_hist: list[float] = field(default_factory=list)
+    step_durs: list[float] = field(default_factory=list)
+    rank_times: list[dict[int, tuple[float | None, float | None]]] = field(default_factory=list)
+    failslow: FailSlow | None = None
+    failslow_quiet_until: float = 0.0
+    failslow_ref_s: float | None = None
+    failslow_compute: dict[int, float] = field(default_factory=dict)
+    peerwatch: PeerWatch | None = None
+    peer_next_check: float = 0.0
+    peer_steps: int = 0
+    step_times: list[tuple[float, int]] = field(default_factory=list)   # (t, step) for steps/s
+
+
+@dataclass
+class HotUpdatePrep:
+    """Spare workers warming up on a coming code version."""
+    version: int
+    path: str
+    sent: float
+    run: int
+    ready: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Pool:
+    """The job's warm standby machines."""
+    standby: list[str] = field(default_factory=list)
+    warm: set[str] = field(default_factory=set)       # standbys whose workers are pre-spawned
+    next_refill: float = 0.0
+
+
+@dataclass
+class ChaosPlan:
+    """A fault injection waiting for its step."""
+    kind: str
+    machine: int
+    rank: int | None
+    step: int | None
+    params: dict[str, Any]
+
+
+@dataclass
+class ControlPlaneGap:
+    """A controller's absence: from its last sign of life to the end of the reconciliation, and
+    what the agents reported when they came back."""
+    down_at: float
+    up_at: float
+    reconciled_at: float | None = None
+    reports: dict[str, protocol.Registration] = field(default_factory=dict)
+
+
+@dataclass
+class JobState:
+    """Everything a job's flows read and write. No sockets, no store: plain data."""
+    job_id: int
+    created_at: float
+    phase: JobPhase = JobPhase.WAITING
+    reason: str | None = None
+    slots: list[str] = field(default_factory=list)          # slot i (ranks i*G..) -> machine
+    pool: Pool = field(default_factory=Pool)
+    run_seq: int = 0
+    run: RunState | None = None
+    steps_done: int = 0                  # steps completed and not lost (the next step to run)
+    best_steps: int = 0
+    progress_at_run_start: int = 0
+    restarts_without_progress: int = 0
+    last_loss: float | None = None
+    signals: Signals = field(default_factory=Signals)
+    incident_seq: int = 0
+    incident: Incident | None = None
+    awaiting_resume: list[int] = field(default_factory=list)
+    history: list[PastIncident] = field(default_factory=list)
+    alerts: list[Alert] = field(default_factory=list)       # recent alerts (network counting)
+    chaos: list[ChaosPlan] = field(default_factory=list)
+    chaos_applied: list[float] = field(default_factory=list)  # injection times
+    avail: Availability = field(default_factory=Availability)
+    bad_steps: list[tuple[int, int]] = field(default_factory=list)   # [lo, hi) never restored
+    diag_seq: int = 0
+    diag: Diagnosis | None = None
+    replay: Replay | None = None
+    versions: list[dict[str, Any]] = field(default_factory=list)     # code_versions rows
+    version_id: int | None = None        # the version the workers run
+    code_path: str | None = None         # where the workers' code lives
+    versioning_off: str | None = None
+    spares: HotUpdatePrep | None = None
+    gaps: list[ControlPlaneGap] = field(default_factory=list)
+
+    # -- phases ----------------------------------------------------------------------------
+    def move(self, to: JobPhase) -> None:
+        if to == self.phase:
+            return
+        if to not in JOB_TRANSITIONS[self.phase]:
+            raise TransitionError(f"job {self.job_id}: {self.phase.value} -> {to.value} is not allowed")
+        self.phase = to
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase.terminal
+
+    # -- small derived views ----------------------------------------------------------------
+    def version(self) -> dict[str, Any] | None:
+        """The row of the version the workers run."""
+        return next((v for v in self.versions if v["id"] == self.version_id), None)
+
+    def is_bad(self, step: int) -> bool:
+        return any(lo <= step < hi for lo, hi in self.bad_steps)
+
+    def bad_step_set(self, steps: set[int]) -> set[int]:
+        """Which of `steps` must never be restored."""
+        return {s for s in steps if self.is_bad(s)}
+
+    def open_alerts(self, now: float, window_s: float) -> list[Alert]:
+        return [a for a in self.alerts if now - a.t <= window_s]
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+def dumps(state: JobState) -> bytes:
+    """The state as JSON, exactly: `dumps(loads(dumps(s))) == dumps(s)`. A NaN loss or an infinite
+    gradient norm is evidence, so non-finite floats are kept (as Python's json writes them: NaN,
+    Infinity), not turned into null."""
+    return json.dumps(msgspec.to_builtins(state, order="deterministic"), separators=(",", ":"),
+                      allow_nan=True).encode()
+
+
+def loads(data: bytes | str) -> JobState:
+    """A state from `dumps`' JSON; msgspec.ValidationError names a bad field."""
+    return msgspec.convert(json.loads(data), type=JobState, strict=False)

@@ -1,0 +1,424 @@
+"""The wire protocol: every command the controller sends an agent, every event an agent sends the
+controller, and every `STALWART_*` environment variable a worker reads.
+
+Commands and events are msgspec structs tagged by their `type` field, so both ends encode and
+decode one typed value instead of reading keys out of bare dicts. Agents decide from the typed
+command they received (a run's job, layout, replay flag, restore plan), never from the workers'
+environment; the environment a worker sees is built here, once, from the command
+(`worker_env`).
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+# -- environment names (what workers read) -----------------------------------------------------
+
+
+class Env:
+    """Every `STALWART_*` variable a worker (the SDK, the bundled GPT) reads, by name."""
+    JOB = "STALWART_JOB"
+    RUN = "STALWART_RUN"
+    TP, PP, DP, CP, EP = "STALWART_TP", "STALWART_PP", "STALWART_DP", "STALWART_CP", "STALWART_EP"
+    MACHINES = "STALWART_MACHINES"
+    GPUS_PER_MACHINE = "STALWART_GPUS_PER_MACHINE"
+    STEPS = "STALWART_STEPS"
+    CKPT_EVERY = "STALWART_CKPT_EVERY"
+    CKPT_DIR = "STALWART_CKPT_DIR"
+    MEM_SLOTS = "STALWART_MEM_SLOTS"
+    REPLAY = "STALWART_REPLAY"
+    REPLAY_LAYERS = "STALWART_REPLAY_LAYERS"
+    RESTORE_STEP = "STALWART_RESTORE_STEP"
+    RESTORE_PATH = "STALWART_RESTORE_PATH"
+    RESTORE_TIER = "STALWART_RESTORE_TIER"
+    CODE_VERSION = "STALWART_CODE_VERSION"
+    STANDBY = "STALWART_STANDBY"
+    AGENT_SOCK = "STALWART_AGENT_SOCK"
+    SIMGPU = "STALWART_SIMGPU"
+    MACHINE = "STALWART_MACHINE"
+    SHM_DIR = "STALWART_SHM_DIR"
+    SEED = "STALWART_SEED"
+    FORCE_CPU = "STALWART_FORCE_CPU"
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
+    """Base of commands and events: tagged by `type`; unknown fields are ignored on decode so a
+    newer peer can add fields."""
+
+
+# -- the pieces of a run -------------------------------------------------------------------------
+
+
+class Layout(msgspec.Struct, kw_only=True, frozen=True):
+    """A run's parallel layout (what the workers build their process groups from)."""
+    machines: int
+    gpus_per_machine: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+
+class RunSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """What every worker of one run (or a machine's warm spares) is started with.
+
+    `run` is None for warm spares (they learn their run at activation). `replay` marks a
+    throw-away run of the stop-time replay: it never reads or writes the job's checkpoints.
+    `master` is the rendezvous store's (host, port), None for spares.
+    """
+    job: int
+    run: int | None
+    command: list[str]
+    cwd: str | None
+    user_env: dict[str, str]
+    layout: Layout
+    steps: int
+    ckpt_every: int
+    ckpt_dir: str
+    mem_slots: int
+    version: int | None = None
+    code_path: str | None = None          # a code version's snapshot (prepended to PYTHONPATH)
+    replay: bool = False
+    replay_layers: int = 0
+    restore_step: int = -1
+    master: tuple[str, int] | None = None
+
+    def warm_key(self) -> tuple:
+        """Which runs a warm worker started for this spec can serve: the same command,
+        directory, code and shape (what a worker may read before its activation)."""
+        return (tuple(self.command), self.cwd, self.code_path, self.layout, self.steps, self.replay)
+
+
+class RestoreSource(msgspec.Struct, kw_only=True, frozen=True):
+    """One candidate copy of a rank's checkpoint shard, best first in a worker's list."""
+    tier: str                              # own | backup | durable
+    step: int
+    holder: str | None = None              # machine holding an in-memory copy
+    addr: tuple[str, int] | None = None    # the holder's peer server (backup tier)
+    location: str | None = None            # durable tier URL
+
+
+class WorkerSlot(msgspec.Struct, kw_only=True, frozen=True):
+    rank: int
+    local_rank: int
+    group_rank: int                        # the machine's index in the run
+    restore: list[RestoreSource] = []
+
+
+class Backup(msgspec.Struct, kw_only=True, frozen=True):
+    machine: str
+    addr: tuple[str, int]
+
+
+class CkptPlan(msgspec.Struct, kw_only=True, frozen=True):
+    durable_dir: str
+    every: int
+    backup: Backup | None = None
+
+
+# -- commands (controller -> agent) -------------------------------------------------------------
+
+
+class Start(_Msg, tag="start", kw_only=True):
+    """Start a run's workers on this machine: hand the ranks to warm spares when they are ready
+    within `wait_warm_s`, else start cold."""
+    spec: RunSpec
+    workers: list[WorkerSlot]
+    ckpt: CkptPlan | None = None
+    wait_warm_s: float = 2.0
+
+
+class Prewarm(_Msg, tag="prewarm", kw_only=True):
+    """A standby: stop whatever runs and keep `count` warm workers for `spec`."""
+    spec: RunSpec
+    count: int
+
+
+class Spares(_Msg, tag="spares", kw_only=True):
+    """Warm spares for another code version while the run goes on; answer `spares_ready`."""
+    spec: RunSpec
+    count: int
+
+
+class Stop(_Msg, tag="stop", kw_only=True):
+    """Stop the workers of `run` (None: everything of the job, spares included)."""
+    run: int | None = None
+    grace_s: float = 0.0
+
+
+class Chaos(_Msg, tag="chaos", kw_only=True):
+    kind: str
+    rank: int | None = None
+    step: int = 0
+    params: dict[str, Any] = {}
+
+
+class Trace(_Msg, tag="trace", kw_only=True):
+    run: int | None = None
+    timeout_s: float = 5.0
+
+
+class Diagnose(_Msg, tag="diagnose", kw_only=True):
+    """Run stop-time checks (stalwart.diag) and answer one `diag_result`."""
+    id: str
+    checks: list[str]
+    store_host: str
+    local_world: int
+    intra: dict[str, Any] | None = None
+    inter: list[dict[str, Any]] = []
+    timeout_s: float = 10.0
+    env: dict[str, str] = {}
+
+
+class Shutdown(_Msg, tag="shutdown", kw_only=True):
+    pass
+
+
+Command = Union[Start, Prewarm, Spares, Stop, Chaos, Trace, Diagnose, Shutdown]
+
+# -- events (agent -> controller) ----------------------------------------------------------------
+
+
+class Step(_Msg, tag="step", kw_only=True):
+    run: int | None = None
+    rank: int
+    step: int
+    t: float
+    dur: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int | None = None
+    local_grad_norm: float | None = None
+    compute_s: float | None = None
+
+
+class Ckpt(_Msg, tag="ckpt", kw_only=True):
+    run: int | None = None
+    rank: int
+    step: int
+    tier: str
+    t: float = 0.0
+    holder: str | None = None
+    location: str | None = None
+    checksum: str = ""
+
+
+class WorkerExit(_Msg, tag="worker_exit", kw_only=True):
+    run: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    code: int | None = None
+    signal: int | None = None
+    expected: bool = False
+    pid: int | None = None
+    log_tail: str = ""
+    t: float = 0.0
+
+
+class Health(_Msg, tag="health", kw_only=True):
+    probe: str = ""
+    kind: str
+    severity: str
+    machine_certain: bool = False
+    network: bool = False
+    detail: Any = None
+    t: float = 0.0
+
+
+class Stopped(_Msg, tag="stopped", kw_only=True):
+    run: int | None = None
+    inventory: dict[str, dict[int, list[int]]] = {}
+    t: float = 0.0
+
+
+class Stacks(_Msg, tag="stacks", kw_only=True):
+    run: int | None = None
+    records: list[dict[str, Any]] = []
+    t: float = 0.0
+
+
+class DiagResult(_Msg, tag="diag_result", kw_only=True):
+    id: str
+    results: list[dict[str, Any]] = []
+    killed: list[int] = []
+    warm: bool = False
+    seconds: float = 0.0
+    t: float = 0.0
+
+
+class SparesReady(_Msg, tag="spares_ready", kw_only=True):
+    key: str = ""                          # RunSpec code_path (or cwd) the spares run
+    pids: list[int] = []
+    t: float = 0.0
+
+
+class ChaosApplied(_Msg, tag="chaos_applied", kw_only=True):
+    kind: str = ""
+    rank: int | None = None
+    injected_at: float | None = None
+    t: float = 0.0
+
+
+class Started(_Msg, tag="started", kw_only=True):
+    run: int | None = None
+    pids: list[int] = []
+    warm: bool = False
+    t: float = 0.0
+
+
+class RestoreSourceUsed(_Msg, tag="restore_source", kw_only=True):
+    run: int | None = None
+    rank: int
+    step: int
+    tier: str
+    skipped: list[str] = []
+    t: float = 0.0
+
+
+class RestoreFailed(_Msg, tag="restore_failed", kw_only=True):
+    run: int | None = None
+    rank: int
+    step: int
+    error: str = ""
+    t: float = 0.0
+
+
+class CommandFailed(_Msg, tag="command_failed", kw_only=True):
+    command: str | None = None
+    kind: str | None = None
+    error: str = ""
+    t: float = 0.0
+
+
+class Done(_Msg, tag="done", kw_only=True):
+    run: int | None = None
+    rank: int
+    t: float = 0.0
+
+
+class Metrics(_Msg, tag="metrics", kw_only=True):
+    values: dict[str, Any] = {}
+    t: float = 0.0
+
+
+class Prewarmed(_Msg, tag="prewarmed", kw_only=True):
+    pids: list[int] = []
+    t: float = 0.0
+
+
+class Hello(_Msg, tag="hello", kw_only=True):
+    run: int | None = None
+    rank: int | None = None
+    pid: int | None = None
+    t: float = 0.0
+
+
+class Restored(_Msg, tag="restored", kw_only=True):
+    run: int | None = None
+    rank: int
+    step: int
+    tier: str = ""
+    t: float = 0.0
+
+
+class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
+    run: int | None = None
+    pid: int | None = None
+    t: float = 0.0
+
+
+Event = Union[Step, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
+              Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
+              Restored, StandbyReady]
+EVENT_TYPES = frozenset(t.__struct_config__.tag for t in Event.__args__)  # type: ignore[attr-defined]
+# Events whose loss would lose evidence of a failure: an agent's bounded buffer never drops them.
+EVIDENCE = frozenset({"worker_exit", "health", "stopped", "stacks", "diag_result", "restore_failed",
+                      "chaos_applied", "command_failed", "done", "started", "spares_ready"})
+
+
+# -- registration: what an agent tells a (re)started controller -----------------------------------
+
+
+class Registration(msgspec.Struct, kw_only=True):
+    """An agent's registration: who it is, and what it runs now (so a controller that restarted
+    can adopt a run that kept training)."""
+    address: str
+    gpus: int
+    hostname: str = ""
+    pid: int = 0
+    workdir: str = ""
+    peer: tuple[str, int] | None = None
+    running_run: int | None = None
+    job: int | None = None
+    ranks: dict[int, int] = {}             # rank -> pid of its live worker
+    last_step: dict[int, int] = {}         # rank -> last step it reported
+    inventory: dict[str, dict[int, list[int]]] = {}
+    warm: int = 0                          # warm spare workers waiting at the barrier
+    labels: dict[str, str] = {}
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+_command_decoder = msgspec.convert
+_events_by_tag = {t.__struct_config__.tag: t for t in Event.__args__}  # type: ignore[attr-defined]
+
+
+def encode(msg: msgspec.Struct) -> dict:
+    """A command or event as plain JSON-able data (with its `type`)."""
+    return msgspec.to_builtins(msg)
+
+
+def decode_command(data: dict) -> Command:
+    """A command from its JSON form; msgspec.ValidationError names a bad field."""
+    return msgspec.convert(data, Command, strict=False)  # type: ignore[arg-type]
+
+
+def decode_event(data: dict) -> Event | None:
+    """An agent event from its JSON form, or None for a kind this controller does not know."""
+    cls = _events_by_tag.get(data.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        return None
+    return msgspec.convert(data, cls, strict=False)
+
+
+# -- the environment of a worker ---------------------------------------------------------------
+
+
+def run_env(spec: RunSpec) -> dict[str, str]:
+    """The environment every worker started for `spec` gets (on top of the machine's own)."""
+    lay = spec.layout
+    env = dict(spec.user_env)
+    env.update({"WORLD_SIZE": lay.world, "LOCAL_WORLD_SIZE": lay.gpus_per_machine,
+                Env.JOB: spec.job, Env.TP: lay.tp, Env.PP: lay.pp, Env.DP: lay.dp, Env.CP: lay.cp,
+                Env.EP: lay.ep, Env.MACHINES: lay.machines, Env.GPUS_PER_MACHINE: lay.gpus_per_machine,
+                Env.STEPS: spec.steps, Env.CKPT_EVERY: spec.ckpt_every, Env.CKPT_DIR: spec.ckpt_dir,
+                Env.MEM_SLOTS: spec.mem_slots, Env.REPLAY: int(spec.replay),
+                "TORCHELASTIC_RUN_ID": f"stalwart-{spec.job}"})
+    if spec.replay:
+        env[Env.REPLAY_LAYERS] = spec.replay_layers
+    if spec.version is not None:
+        env[Env.CODE_VERSION] = spec.version
+    if spec.run is not None:
+        env.update({Env.RUN: spec.run, Env.RESTORE_STEP: spec.restore_step,
+                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": spec.run})
+        if spec.master is not None:
+            env.update({"MASTER_ADDR": spec.master[0], "MASTER_PORT": spec.master[1]})
+    return {k: str(v) for k, v in env.items()}
+
+
+def rank_env(w: WorkerSlot) -> dict[str, str]:
+    """What differs between the workers of one run on one machine."""
+    return {"RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank), "GROUP_RANK": str(w.group_rank)}
+
+
+def python_path(code_path: str | None, inherited: str | None) -> str | None:
+    """PYTHONPATH of a worker running a code version's snapshot (the snapshot first)."""
+    if not code_path:
+        return inherited
+    return code_path + (":" + inherited if inherited else "")

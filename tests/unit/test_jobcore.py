@@ -1,0 +1,243 @@
+"""The job core without processes: a fake clock and fake agents drive it through every flow, and
+the tests assert the actions it decides (the state is saved and reloaded after every event)."""
+import pytest
+
+from corekit import NAN, Harness, kinds, of, records
+from stalwart import protocol as p
+from stalwart.controller.job import actions as a
+from stalwart.controller.job.events import Cancel, Inject, MachineLost, VersionRegistered
+from stalwart.controller.job.state import JobPhase, TransitionError
+
+
+def started(h: Harness) -> Harness:
+    acts = h.tick()
+    assert kinds(acts)[:2] == ["AssignMachine", "AssignMachine"]
+    assert of(acts, a.StartRun)[0].slots == [f"m{i}" for i in range(h.spec.machines)]
+    assert h.st.phase == JobPhase.RUNNING
+    return h
+
+
+def test_waits_for_machines_then_starts_with_warm_standbys():
+    h = Harness(machines=2, standby=1)
+    h.cluster.dead |= {"m2"}
+    assert h.tick() == []                                    # 2 free, 3 wanted: wait
+    h.cluster.dead.clear()
+    acts = h.tick()
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [
+        ("m0", "active"), ("m1", "active"), ("m2", "standby")]
+    assert [x.machine for x in of(acts, a.Prewarm)] == ["m2"]
+    run = of(acts, a.StartRun)[0]
+    assert (run.run, run.restore_step, run.warm) == (1, -1, [])
+    assert records(acts, "run_started") == [{"run": 1, "start_step": 0, "machines": ["m0", "m1"]}]
+
+
+def test_steps_commit_when_every_rank_reported_and_the_job_ends():
+    h = started(Harness(steps=3))
+    assert records(h.step(skip={3}), "step") == []          # rank 3 still missing
+    h.agent("m1", p.Step(run=1, rank=3, step=0, t=h.now, dur=0.1, loss=1.0))
+    assert h.st.steps_done == 1
+    h.steps(2)
+    acts = []
+    for r in range(4):
+        acts += h.agent(h.machine_of(r), p.Done(run=1, rank=r))
+    assert h.st.phase == JobPhase.SUCCEEDED
+    assert of(acts, a.FinishJob)[0].state == "succeeded"
+    assert kinds(acts)[-3:] == ["UpdateRun", "Record:job_finished", "FinishJob"]
+
+
+def crash(h: Harness, rank: int = 2, code: int = -9) -> list:
+    return h.agent(h.machine_of(rank), p.WorkerExit(run=h.st.run_seq, rank=rank, code=code, signal=9,
+                                                    t=h.now, log_tail=""))
+
+
+def test_crash_without_culprit_runs_stop_time_checks_then_reattempts_from_memory():
+    h = started(Harness())
+    h.steps(5)
+    h.ckpt(4)
+    acts = crash(h)
+    assert kinds(acts) == ["OpenIncident", "Record:incident_opened", "StopWorkers"]
+    assert h.st.phase == JobPhase.RECOVERING
+    acts = h.stopped()               # the worker's own death is the cause in hand: no settling
+    checks = of(acts, a.RunChecks)[0]
+    assert checks.checks == ["selftest", "intra", "inter"] and checks.machines == ["m0", "m1"]
+    assert h.st.phase == JobPhase.DIAGNOSING
+    acts = h.diag(checks)
+    run = of(acts, a.StartRun)[0]
+    assert (run.run, run.restore_step) == (2, 4)
+    assert [c.tier for c in run.restore[0]] == ["own", "backup"]
+    upd = [x for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0].fields
+    assert upd["mechanism"] == "reattempt" and upd["evicted"] == [] and upd["suspects"] == ["m1"]
+    acts = h.step()
+    assert records(acts, "incident_resumed") == [{"incident": 1}]
+
+
+def test_a_failing_check_evicts_that_machine_for_a_standby():
+    h = started(Harness())
+    h.steps(3)
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    acts = h.diag(checks, bad={"m1": "matmul wrong"})
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    assert "m1: selftest failed" in of(acts, a.AssignMachine)[0].reason
+    run = of(acts, a.StartRun)[0]
+    assert run.slots == ["m0", "m2"] and run.warm == ["m2"]
+
+
+def test_lost_machine_is_replaced_without_checks():
+    h = started(Harness())
+    h.steps(3)
+    h.ckpt(2)
+    h.cluster.dead.add("m1")
+    acts = h.event(MachineLost(machine="m1"))
+    assert kinds(acts)[:3] == ["OpenIncident", "Record:incident_opened", "StopWorkers"]
+    acts = h.stopped(["m0"])                 # the last live one: localized at once
+    assert not of(acts, a.RunChecks)
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    run = of(acts, a.StartRun)[0]
+    assert run.restore_step == 2 and run.slots == ["m0", "m2"]
+    assert {c.tier for r in (2, 3) for c in run.restore[r]} == {"backup"}     # m1's own copies are gone
+
+
+def test_no_standby_fails_the_job_with_the_reason():
+    h = started(Harness(standby=0))
+    h.steps(2)
+    h.cluster.dead.add("m1")
+    h.event(MachineLost(machine="m1"))
+    acts = h.stopped(["m0"])
+    assert h.st.phase == JobPhase.FAILED
+    assert "only 0 standby machine(s) ready" in of(acts, a.FinishJob)[0].reason
+
+
+def test_hang_traces_stacks_then_evicts_the_stopped_worker_machine():
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
+    h.steps(10)
+    acts = h.advance(3.0)
+    assert of(acts, a.TraceStacks)[0].machines == ["m0", "m1"]
+    assert h.st.phase == JobPhase.TRACING
+    worker = {"role": "worker", "threads": [], "status": "sleeping"}
+    h.agent("m0", p.Stacks(run=1, records=[dict(worker, rank=0), dict(worker, rank=1)]))
+    acts = h.agent("m1", p.Stacks(run=1, records=[dict(worker, rank=2, status="stopped"),
+                                                  dict(worker, rank=3)]))
+    assert records(acts, "incident_traced") == [{"incident": 1, "machines": ["m1"]}]
+    assert of(acts, a.StopWorkers) and h.st.phase == JobPhase.RECOVERING
+    acts = h.stopped() + h.advance(2.0)          # an implicit symptom: its evidence settles first
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+
+
+def test_nan_with_a_named_rank_evicts_its_machine():
+    h = started(Harness())
+    h.steps(5)
+    h.ckpt(3)
+    acts = h.step(loss=NAN, local={2: float("inf")})
+    assert of(acts, a.OpenIncident)[0].symptom == "nan"
+    h.stopped()
+    acts = h.advance(2.0)
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    assert of(acts, a.StartRun)[0].restore_step == 3          # never the corrupted step
+
+
+def test_fail_slow_rounds_evict_the_rank_that_computes_slowly():
+    h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
+                        policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))
+    h.steps(30, dur=0.1)
+    slow = {2: 0.38}                       # its peers compute 0.2 s of each 0.4 s step
+    acts = h.steps(6, dur=0.4, compute=slow)
+    assert records(acts, "failslow_suspected")
+    traces = 0
+    for _ in range(200):
+        acts = h.step(dur=0.4, compute=slow)
+        for t in of(acts, a.TraceStacks):
+            traces += 1
+            for m in t.machines:
+                rank = int(m[1:])
+                h.agent(m, p.Stacks(run=h.st.run_seq, records=[{"rank": rank, "role": "worker", "threads": [],
+                                                                  "status": "running"}]))
+        if h.st.incident is not None:
+            break
+    assert traces >= 2 and len(records(h.log, "failslow_round")) >= 3
+    assert h.st.incident.symptom == "fail_slow" and h.st.incident.implicit_evict == ["m2"]
+
+
+def test_stop_time_checks_then_replay_isolate_a_silent_corrupter():
+    h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
+                        policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))
+    h.steps(3)
+    for attempt in range(2):
+        h.step(loss=NAN)
+        h.stopped()
+        acts = h.advance(2.0)
+        assert not of(acts, a.RunChecks)         # a NaN with alignment off: no check applies
+        if attempt == 0:
+            assert of(acts, a.StartRun)            # first time: reattempt
+            h.steps(2)
+    groups = of(acts, a.StartReplayGroup)
+    assert [g.machines for g in groups] == [["m0", "m1"], ["m2", "m3"]]
+    assert h.st.phase == JobPhase.REPLAYING
+
+    def play(groups, bad_machine):
+        out = []
+        for g in groups:
+            for i, m in enumerate(g.machines):
+                if bad_machine in g.machines:
+                    out += h.agent(m, p.Step(run=g.run, rank=i, step=0, t=h.now, loss=NAN))
+                else:
+                    out += h.agent(m, p.Done(run=g.run, rank=i))
+        return out
+    acts = play(groups, "m2")
+    vertical = of(acts, a.StartReplayGroup)
+    assert [g.machines for g in vertical] == [["m0", "m2"], ["m1", "m3"]]
+    acts = play(vertical, "m2")
+    assert records(acts, "replay_done")[0]["machines"] == ["m2"]
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m2", "evicted"), ("m4", "active")]
+
+
+def version(i: int, status: str, mode: str = "lazy", path: str | None = None) -> dict:
+    return {"id": i, "job_id": 1, "hash": f"{i:064x}", "path": path or f"/v/{i}", "source": "/code",
+            "status": status, "mode": mode, "window_s": 86400.0, "created_at": 0.0,
+            "applied_at": 0.0 if status == "stable" else None, "applied_step": 0 if status == "stable" else None,
+            "reason": None}
+
+
+def test_urgent_hot_update_warms_spares_then_restarts_in_place_on_the_new_code():
+    h = started(Harness(versions=[version(1, "stable")]))
+    h.steps(5)
+    h.ckpt(4)
+    acts = h.event(VersionRegistered(row=version(2, "urgent", "urgent")))
+    assert records(acts, "version_registered")[0]["version"] == 2
+    acts = h.tick()
+    assert of(acts, a.PrepareSpares)[0].code_path == "/v/2" and not of(acts, a.OpenIncident)
+    h.agent("m0", p.SparesReady(key="/v/2"))
+    acts = h.agent("m1", p.SparesReady(key="/v/2"))
+    assert records(acts, "version_prewarmed")
+    acts = h.tick()
+    assert of(acts, a.OpenIncident)[0].symptom == "hot_update"
+    acts = h.stopped()                        # planned: no settle, no checks
+    run = of(acts, a.StartRun)[0]
+    assert run.code_path == "/v/2" and run.version == 2 and run.restore_step == 4
+    saved = {x.row["id"]: x.row["status"] for x in of(acts, a.SaveVersion)}
+    assert saved == {2: "applied"}
+    assert [x.fields["mechanism"] for x in of(acts, a.UpdateIncident)] == ["hot_update"]
+
+
+def test_user_error_after_an_update_rolls_back_to_the_last_stable_version():
+    h = started(Harness(versions=[version(1, "stable"), dict(version(2, "applied"), applied_at=1.0,
+                                                                applied_step=0)]))
+    h.st.version_id, h.st.code_path = 2, "/v/2"
+    h.steps(2)
+    tail = 'Traceback (most recent call last):\n  File "/v/2/train.py", line 3, in <module>\nValueError: bad\n'
+    h.agent("m0", p.WorkerExit(run=1, rank=0, code=1, t=h.now, log_tail=tail))
+    acts = h.stopped()
+    assert {x.row["id"]: x.row["status"] for x in of(acts, a.SaveVersion)} == {2: "rolled-back"}
+    assert of(acts, a.StartRun)[0].code_path == "/v/1"
+    assert records(acts, "version_rolled_back")
+
+
+def test_injection_cancel_and_transitions():
+    h = started(Harness())
+    acts = h.event(Inject(kind="gpu-xid", machine=1, params={"code": 79}))
+    assert of(acts, a.SendChaos)[0].machine == "m1"
+    with pytest.raises(TransitionError):
+        h.st.move(JobPhase.DIAGNOSING)               # running -> diagnosing skips the stop
+    acts = h.event(Cancel(reason="enough"))
+    assert h.st.phase == JobPhase.CANCELLED and of(acts, a.FinishJob)[0].reason == "enough"
+    assert h.tick() == []                            # a finished job decides nothing more
