@@ -393,7 +393,7 @@ def decode_event(data: dict) -> Event | None:
 def run_env(spec: RunSpec) -> dict[str, str]:
     """The environment every worker started for `spec` gets (on top of the machine's own)."""
     lay = spec.layout
-    env = dict(spec.user_env)
+    env: dict[str, Any] = dict(spec.user_env)
     env.update({"WORLD_SIZE": lay.world, "LOCAL_WORLD_SIZE": lay.gpus_per_machine,
                 Env.JOB: spec.job, Env.TP: lay.tp, Env.PP: lay.pp, Env.DP: lay.dp, Env.CP: lay.cp,
                 Env.EP: lay.ep, Env.MACHINES: lay.machines, Env.GPUS_PER_MACHINE: lay.gpus_per_machine,

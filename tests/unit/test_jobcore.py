@@ -241,3 +241,89 @@ def test_injection_cancel_and_transitions():
     acts = h.event(Cancel(reason="enough"))
     assert h.st.phase == JobPhase.CANCELLED and of(acts, a.FinishJob)[0].reason == "enough"
     assert h.tick() == []                            # a finished job decides nothing more
+
+
+# -- a controller restart ------------------------------------------------------------------------
+
+def reg(h: Harness, m: str, run: int | None, ranks: list[int] | None = None) -> p.Registration:
+    i = h.st.slots.index(m) if m in h.st.slots else 0
+    ranks = ranks if ranks is not None else list(range(i * 2, i * 2 + 2))
+    return p.Registration(address="127.0.0.1", gpus=2, running_run=run, ranks={r: 1000 + r for r in ranks},
+                          warm=2)
+
+
+def resumed(h: Harness) -> Harness:
+    """The same state, loaded by a new controller (a new core, as after a restart)."""
+    from stalwart.controller.job import state as S
+    from stalwart.controller.job.core import JobCore
+    from stalwart.controller.job.events import Resumed
+    h.st = S.loads(S.dumps(h.st))
+    h.core = JobCore(h.spec, h.cluster)
+    acts = h.event(Resumed(down_at=h.now - 5.0, up_at=h.now))
+    assert records(acts, "control_plane_down") == [{"down_at": h.now - 5.0, "up_at": h.now}]
+    return h
+
+
+def test_a_run_that_kept_training_is_adopted_after_a_restart():
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
+    h.steps(10)
+    resumed(h)
+    assert h.advance(1.0) == []                        # waiting for the agents: no verdicts
+    h.event(AgentBack(machine="m0", reg=reg(h, "m0", 1)))
+    h.event(AgentBack(machine="m2", reg=reg(h, "m2", None, [])))
+    acts = h.event(AgentBack(machine="m1", reg=reg(h, "m1", 1)))
+    assert kinds(acts) == ["Record:control_plane_reconciled", "Record:run_adopted"]
+    assert h.st.phase == JobPhase.RUNNING and h.st.run_seq == 1
+    acts = h.steps(3)                                  # buffered steps keep committing
+    assert len(records(acts, "step")) == 3 and not of(acts, a.OpenIncident)
+
+
+def test_a_run_cut_short_at_its_start_is_restarted_through_a_control_plane_incident():
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness())
+    resumed(h)
+    for m in ("m0", "m1", "m2"):
+        acts = h.event(AgentBack(machine=m, reg=reg(h, m, 1 if m != "m2" else None)))
+    inc = of(acts, a.OpenIncident)[0]
+    assert (inc.symptom, inc.category) == ("control_plane", "control_plane")
+    acts = h.stopped()
+    assert not of(acts, a.RunChecks)                  # the cause is known: no checks
+    run = of(acts, a.StartRun)[0]
+    assert run.run == 2 and run.slots == ["m0", "m1"]
+    upd = [x.fields for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0]
+    assert upd["mechanism"] == "reattempt" and "before run 1 completed a step" in upd["cause"]
+
+
+def test_recovery_cut_short_is_finished_and_a_silent_machine_is_lost():
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness())
+    h.steps(5)
+    h.ckpt(4)
+    crash(h)                                           # stop sent; then the controller died
+    assert h.st.phase == JobPhase.RECOVERING
+    resumed(h)
+    h.event(AgentBack(machine="m0", reg=reg(h, "m0", None, [])))
+    h.cluster.dead.add("m1")
+    acts = h.advance(8.0)                              # m1 never comes back
+    assert records(acts, "control_plane_reconciled")
+    assert of(acts, a.StopWorkers)[0].machines == ["m0"]     # the stop is sent again (m1 is lost)
+    acts += h.stopped(["m0"]) + h.advance(2.0)
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    assert of(acts, a.StartRun)[0].restore_step == 4
+
+
+def test_checks_cut_short_are_run_again_after_a_restart():
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness())
+    h.steps(3)
+    crash(h)
+    first = of(h.stopped(), a.RunChecks)[0]
+    resumed(h)
+    for m in ("m0", "m1", "m2"):
+        acts = h.event(AgentBack(machine=m, reg=reg(h, m, None, [])))
+    again = of(acts, a.RunChecks)[0]
+    assert again.name != first.name and again.machines == first.machines
+    assert h.diag(first) == []                         # the old checks' answers are stale
+    acts = h.diag(again)
+    assert of(acts, a.StartRun)

@@ -395,3 +395,31 @@ def test_injection_time_learned_at_localization_counts_for_detection():
     led = compute(ev, 8.0)
     assert led.incidents[1]["injected_at"] == 4.0
     assert led.incidents[1]["detection"] == 1.0      # from the injection, not from the last step
+
+
+# -- the controller's absence (issue 11) ----------------------------------------------------------
+
+def test_a_controller_gap_is_its_own_bucket_and_steps_meanwhile_stay_productive():
+    """Steps 0..9 in [10, 20]; the controller is silent from 12 and reconciled at 17; steps went on."""
+    log = [ev(0, "job_submitted"), ev(10, "run_started", run=1, start_step=0)]
+    log += steps(1, 0, 9, first_end=11)
+    log += [ev(15, "control_plane_down", down_at=T + 12, up_at=T + 15),
+            ev(17, "control_plane_reconciled", down_at=T + 12), ev(20, "job_finished", state="succeeded")]
+    log.sort(key=lambda e: e["t"])
+    led = compute(log, now=T + 20)
+    assert_invariant(led)
+    assert led.productive_s == pytest.approx(10.0, **APPROX)       # the run kept training
+    assert_buckets(led, startup=10.0)                               # nothing left for control_plane
+
+
+def test_a_gap_with_no_training_is_booked_as_control_plane():
+    log = [ev(0, "job_submitted"), ev(10, "run_started", run=1, start_step=0)]
+    log += steps(1, 0, 4, first_end=11)                            # last step ends at 15
+    log += [ev(25, "control_plane_down", down_at=T + 16, up_at=T + 25),
+            ev(26, "control_plane_reconciled", down_at=T + 16)]
+    log += steps(1, 5, 6, first_end=28)                            # [27, 29]
+    log.append(ev(29, "job_finished", state="succeeded"))
+    led = compute(log, now=T + 29)
+    assert_invariant(led)
+    assert led.unproductive["control_plane"] == pytest.approx(10.0, **APPROX)   # [16, 26]
+    assert_buckets(led, startup=10.0, control_plane=10.0, other=2.0)

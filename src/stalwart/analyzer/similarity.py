@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
-from scipy.spatial.distance import cdist
 
 DEFAULT_WINDOW = 8
 DEFAULT_Z = 3.0
@@ -102,6 +101,7 @@ def window_scores(windows: np.ndarray) -> np.ndarray:
 
     ``windows`` has shape (machines, window_len).
     """
+    from scipy.spatial.distance import cdist   # here: importing scipy slows the controller's start
     d = cdist(windows, windows)
     return d.sum(axis=1) / (windows.shape[0] - 1)
 

@@ -3,27 +3,39 @@
 Every run gets a fresh torch TCPStore on its own port, and SDK workers add a per-run prefix on top,
 so a restarted run can never read the addresses of an earlier one (pytorch#135712) and losing any
 training machine never loses the store (pytorch#67616).
+
+torch is imported on a thread of its own when the controller starts, not before it serves: a
+restarted controller answers its agents at once (importing torch takes seconds on a busy host).
 """
 from __future__ import annotations
 
 import datetime
+import importlib
 import threading
+from typing import Any
 
-import torch.distributed as dist
+
+def _import_dist() -> Any:
+    return importlib.import_module("torch.distributed")
 
 
 class Rendezvous:
     def __init__(self, host: str = "0.0.0.0", keep_runs: int = 2):
         self.host = host
         self.keep_runs = keep_runs
-        self._stores: dict[tuple[int, int], dist.TCPStore] = {}
-        self._scratch: dict[tuple[int, str], dist.TCPStore] = {}   # diagnostics, replays
+        self._stores: dict[tuple[int, int], Any] = {}        # torch TCPStores
+        self._scratch: dict[tuple[int, str], Any] = {}       # diagnostics, replays
         self._lock = threading.Lock()
+        threading.Thread(target=_import_dist, name="import-torch", daemon=True).start()
+
+    def _new_store(self) -> Any:
+        dist = _import_dist()
+        return dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=300))
 
     def open(self, job_id: int, run: int) -> int:
         """Start the store of (job, run); returns its port. Older runs of the job are closed."""
-        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=300))
+        store = self._new_store()
         with self._lock:
             self._stores[(job_id, run)] = store
             old = sorted(k for k in self._stores if k[0] == job_id)[:-self.keep_runs]
@@ -38,8 +50,7 @@ class Rendezvous:
         with self._lock:
             store = self._scratch.get((job_id, name))
             if store is None:
-                store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=300))
+                store = self._new_store()
                 self._scratch[(job_id, name)] = store
             return store.port
 
@@ -49,10 +60,10 @@ class Rendezvous:
 
     def close_job(self, job_id: int) -> None:
         with self._lock:
-            for k in [k for k in self._stores if k[0] == job_id]:
-                del self._stores[k]
-            for k in [k for k in self._scratch if k[0] == job_id]:
-                del self._scratch[k]
+            for run in [k for k in self._stores if k[0] == job_id]:
+                del self._stores[run]
+            for name in [k for k in self._scratch if k[0] == job_id]:
+                del self._scratch[name]
 
     def close(self) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import threading
 import time
 
@@ -33,6 +34,9 @@ from stalwart.spec import JobSpec
 log = logging.getLogger("stalwart.controller")
 RUNNING_STATES = ("pending", "waiting", "running", "recovering", "tracing", "diagnosing", "replaying")
 ALIVE_EVERY_S = 1.0
+# Chaos for the control plane: a file naming a job phase; the controller SIGKILLs itself right after
+# a job enters it (its decision saved and sent), once. Restart-safety tests kill it mid-recovery.
+SELF_KILL_FILE = os.path.join("chaos", "controller-kill")
 
 
 def natural_key(s: str):
@@ -119,6 +123,21 @@ class Controller:
             log.info("job %s taken over in phase %s (controller down since %.1fs)", st.job_id,
                      st.phase.value, up_at - down_at)
 
+    def phase_entered(self, job_id: int, phase: str) -> None:
+        """Called by a runner after each transition it carried out (see SELF_KILL_FILE)."""
+        path = os.path.join(self.state_dir, SELF_KILL_FILE)
+        try:
+            with open(path) as f:
+                want = f.read().strip()
+        except OSError:
+            return
+        if want != phase:
+            return
+        os.unlink(path)
+        log.warning("chaos: killing the controller as job %s enters %s", job_id, phase)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def close(self) -> None:
         """Stop serving. Jobs are left as they are: the next controller on this store takes them
         over (cancel a job through the API to end it)."""
@@ -149,7 +168,7 @@ class Controller:
         self.store.upsert_machine(machine, state=state, address=reg.address, info=rec["info"],
                                   registered_at=now, last_beat=now, job_id=rec["job_id"])
         log.info("machine %s registered (%s, %s)", machine, reg.address, state)
-        runner = self.jobs.get(rec["job_id"])
+        runner = self._runner_of(rec["job_id"])
         if runner is not None:
             runner.post(AgentBack(machine=machine, reg=reg))
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "role": state}
@@ -178,9 +197,12 @@ class Controller:
             for m in lost:
                 log.warning("machine %s lost: no heartbeat for %.1fs", m["id"], now - m["last_beat"])
                 self.store.upsert_machine(m["id"], last_beat=m["last_beat"])
-                runner = self.jobs.get(m.get("job_id"))
+                runner = self._runner_of(m.get("job_id"))
                 if runner is not None:
                     runner.post(MachineLost(machine=m["id"]))
+
+    def _runner_of(self, job_id) -> JobRunner | None:
+        return self.jobs.get(job_id) if isinstance(job_id, int) else None
 
     def last_heard(self, machine: str) -> float | None:
         """When the machine's agent last sent anything (a heartbeat or events)."""
@@ -262,7 +284,7 @@ class Controller:
             job_id = m.get("job_id") if m else None
             if m is not None:
                 m["last_beat"] = time.time()
-        runner = self.jobs.get(job_id)
+        runner = self._runner_of(job_id)
         if runner is None:
             return
         for raw in events:
@@ -297,7 +319,7 @@ class Controller:
                                            params=dict(c.params)) for c in chaos],
                         avail=Availability(memory={"own": max(2, spec.policy.mem_slots - 1), "backup": 2}))
         st.code_path = spec.code_dir
-        if off is None:
+        if off is None and spec.code_dir is not None:
             try:
                 row = self.versions.register(job_id, spec.code_dir, self.state_dir, "lazy",
                                              spec.policy.hot_update_window_s, now)

@@ -26,6 +26,7 @@ SAVE_EVERY_S = 1.0
 
 class JobRunner:
     def __init__(self, ctl: "Controller", spec: JobSpec, state: S.JobState):
+        self.ctl = ctl
         self.job_id, self.spec, self.state = state.job_id, spec, state
         self.core = JobCore(spec, ctl.view)
         self.executor = Executor(ctl, state.job_id, spec)
@@ -64,6 +65,7 @@ class JobRunner:
 
     def dispatch(self, ev: JobEvent) -> None:
         now = time.time()
+        before = self.state.phase
         try:
             acts = self.core.handle(self.state, ev, now)
         except Exception as e:  # a bug must not leave the job silently stuck
@@ -85,6 +87,8 @@ class JobRunner:
             return
         if save:
             self._saved_key, self._saved_at, self._dirty = key, time.monotonic(), False
+        if self.state.phase != before:
+            self.ctl.phase_entered(self.job_id, self.state.phase.value)
 
     def _key(self) -> tuple:
         """What changes at a transition (saved at once); anything else is saved within a second."""

@@ -145,6 +145,8 @@ class Incident:
     resolution: Resolution | None = None
 
     def move(self, to: IncidentPhase) -> None:
+        if to == self.phase:
+            return
         if to not in INCIDENT_TRANSITIONS[self.phase]:
             raise TransitionError(f"incident {self.seq}: {self.phase.value} -> {to.value} is not allowed")
         self.phase = to

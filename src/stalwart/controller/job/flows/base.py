@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stalwart.controller import policy
+from stalwart.controller.policy import Snapshot
 from stalwart.controller.job.actions import Action, Record, UpdateIncident
 from stalwart.controller.job.events import ClusterView
 from stalwart.controller.job.state import Incident, JobState
-from stalwart.spec import JobSpec
+from stalwart.spec import JobSpec, Policy
 from stalwart.topology import Topology
 
 
@@ -31,16 +31,16 @@ class Ctx:
         return self.topo.world_size
 
     @property
-    def policy(self):
+    def policy(self) -> Policy:
         return self.spec.policy
 
     def ready_standbys(self, st: JobState) -> tuple[str, ...]:
         """Standbys that can take ranks now (their agent is heard from)."""
         return tuple(m for m in st.pool.standby if self.cluster.alive(m))
 
-    def snapshot(self, st: JobState) -> policy.Snapshot:
+    def snapshot(self, st: JobState) -> Snapshot:
         p = self.policy
-        return policy.Snapshot(active=tuple(st.slots), standby_ready=self.ready_standbys(st),
+        return Snapshot(active=tuple(st.slots), standby_ready=self.ready_standbys(st),
                                restarts_without_progress=st.restarts_without_progress,
                                max_restarts_without_progress=p.max_restarts_without_progress,
                                network_alert_count=p.network_alert_count,

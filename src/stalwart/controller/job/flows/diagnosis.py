@@ -87,10 +87,10 @@ class DiagnosisFlow:
         if d is None or ev.id != d.name or machine not in d.wait:
             return []
         keys = {(k.round, k.a, k.b) for k in d.pairs}
-        for r in ev.results:
-            r = dict(r, machine=machine)
+        for raw in ev.results:
+            r = dict(raw, machine=machine)
             if r.get("check") == "inter":
-                a, b = machine, r.get("peer")
+                a, b = machine, str(r.get("peer"))
                 if (r.get("round"), b, a) in keys:
                     a, b = b, a
                 r["pair"] = [r.get("round"), a, b]

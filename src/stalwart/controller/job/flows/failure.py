@@ -182,6 +182,9 @@ class FailureFlow:
         st.reason = reason
         machines = list(st.slots) + list(st.pool.standby)
         acts: Actions = [StopWorkers(machines=machines, run=None)]
+        if st.gaps and st.gaps[-1].reconciled_at is None:      # it ended while being taken over
+            st.gaps[-1].reconciled_at = now
+            acts.append(record("control_plane_reconciled", now, down_at=st.gaps[-1].down_at))
         if st.run is not None:
             acts.append(UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done}))
         acts += [record("job_finished", now, state=state, reason=reason),

@@ -6,7 +6,7 @@ The decisions over version rows are the pure functions of `controller.versions`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from stalwart.controller import versions
 from stalwart.controller.job.actions import PrepareSpares, SaveVersion, UpdateIncident
@@ -47,7 +47,7 @@ class HotUpdateFlow:
             st.versions.append(row)
         return [record("version_registered", now, version=row["id"], mode=row["mode"], hash=row["hash"])]
 
-    def apply(self, st: JobState, due: dict[str, Any], now: float, reason: str) -> Actions:
+    def apply(self, st: JobState, due: Mapping[str, Any], now: float, reason: str) -> Actions:
         rows = versions.applied_rows(st.versions, due["id"], now, st.steps_done, reason)
         return self._store(st, rows) + self.use(st, rows[0])
 

@@ -101,8 +101,8 @@ class ImplicitFlow:
         inc.implicit_evict = machines
         inc.reason = f"{inc.reason or 'hang'}; {reason}"
         inc.data.update(stacks=stacks, analysis=inc.reason)
-        return [save_data(inc), record("incident_traced", now, incident=inc.seq, machines=machines)] \
-            + self.core.failure.stop_run(st, now)
+        acts: Actions = [save_data(inc), record("incident_traced", now, incident=inc.seq, machines=machines)]
+        return acts + self.core.failure.stop_run(st, now)
 
     # -- NaN and jumps ----------------------------------------------------------------------------
     def training_anomaly(self, st: JobState, s: int, acc: PendingStep, now: float) -> Actions | None:
@@ -225,12 +225,14 @@ class ImplicitFlow:
         its compute part, before the collectives): against their data-parallel peers, which do the
         same work, or without any, against the job (pipeline stages differ: a wider margin)."""
         topo, world = self.ctx.topo, self.ctx.world
-        step, compute = {}, {}
+        step: dict[int, float] = {}
+        compute: dict[int, float] = {}
         for r in range(world):
-            pairs = [t[r] for t in st.signals.rank_times if r in t and t[r][0] and t[r][1] is not None]
+            pairs = [(s, c) for t in st.signals.rank_times if r in t
+                     for s, c in [t[r]] if s and c is not None]
             if pairs:
-                step[r] = trimmed_mean([p[0] for p in pairs])
-                compute[r] = min(step[r], trimmed_mean([p[1] for p in pairs]))
+                step[r] = trimmed_mean([s for s, _ in pairs])
+                compute[r] = min(step[r], trimmed_mean([c for _, c in pairs]))
         st.signals.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
         if len(step) < world:
             return []

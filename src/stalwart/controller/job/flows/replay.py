@@ -54,8 +54,7 @@ class ReplayFlow:
         st.replay = Replay(name=f"job{st.job_id}-replay{inc.seq}", plan=plan, started=now,
                            deadline=now + self.ctx.policy.replay_timeout_s)
         st.move(JobPhase.REPLAYING)
-        if inc.phase != IncidentPhase.LOCALIZING:
-            inc.move(IncidentPhase.LOCALIZING)
+        inc.move(IncidentPhase.LOCALIZING)
         acts: Actions = [record("replay_started", now, incident=inc.seq, k=plan.k, m=plan.m, n=plan.n,
                                 horizontal=[list(g) for g in plan.horizontal],
                                 vertical=[list(g) for g in plan.vertical])]

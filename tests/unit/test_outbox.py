@@ -1,0 +1,48 @@
+"""The agent's event buffer while the controller is away: bounded, metrics first, evidence never."""
+import threading
+
+import pytest
+
+from stalwart.agent.outbox import Outbox
+
+
+def test_full_buffer_drops_metrics_then_steps_never_evidence():
+    box = Outbox(limit=5)
+    box.put({"type": "worker_exit", "rank": 1})
+    for i in range(3):
+        box.put({"type": "metrics", "i": i})
+    box.put({"type": "step", "step": 0})
+    box.put({"type": "step", "step": 1})            # 6 > 5: the oldest metrics go
+    assert box.dropped == {"metrics": 1}
+    for i in range(2, 6):
+        box.put({"type": "step", "step": i})
+    assert box.dropped == {"metrics": 3, "step": 2}
+    out = box.take(0, max_batch=100)
+    assert out[0] == {"type": "worker_exit", "rank": 1}
+    assert [e["step"] for e in out[1:]] == [2, 3, 4, 5]
+
+
+def test_evidence_alone_goes_over_the_limit():
+    box = Outbox(limit=2)
+    for r in range(4):
+        box.put({"type": "health", "r": r})
+    assert len(box) == 4 and box.dropped == {}
+
+
+def test_an_undelivered_batch_goes_back_in_order():
+    box = Outbox(limit=100)
+    for i in range(5):
+        box.put({"type": "step", "step": i})
+    batch = box.take(0, max_batch=3)
+    box.put({"type": "step", "step": 5})
+    box.give_back(batch)
+    assert [e["step"] for e in box.take(0, max_batch=10)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_take_waits_for_an_event():
+    box = Outbox()
+    threading.Timer(0.05, lambda: box.put({"type": "done"})).start()
+    assert box.take(timeout=5.0) == [{"type": "done"}]
+    assert box.take(timeout=0.01) == []
+    with pytest.raises(ValueError):
+        Outbox(limit=0)

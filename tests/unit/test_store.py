@@ -1,0 +1,37 @@
+"""The store: one decision in one transaction, the job's state saved with it, and a clear refusal
+of a database made by another version of stalwart."""
+import sqlite3
+
+import pytest
+
+from stalwart.controller.store import Store, StoreSchemaError
+
+
+def test_a_decision_is_written_all_or_nothing(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/s.db")
+    try:
+        job = store.create_job("j", {"machines": 1}, 1.0)
+        store.commit(job, [("event", {"kind": "a", "data": {}, "t": 2.0}),
+                           ("incident_open", {"id": 1, "run_seq": 1, "symptom": "x", "category": "explicit",
+                                              "detected_at": 2.0})], b'{"phase":"running"}')
+        with pytest.raises(ValueError, match="unknown store operation"):
+            store.commit(job, [("event", {"kind": "b", "data": {}, "t": 3.0}), ("nonsense", {})], b"{}")
+        assert [e["kind"] for e in store.events(job)] == ["a"]          # "b" rolled back
+        assert store.load_state(job) == b'{"phase":"running"}'
+        assert [i["id"] for i in store.incidents(job)] == [1]
+        other = store.create_job("k", {"machines": 1}, 1.0)               # incident ids are per job
+        store.commit(other, [("incident_open", {"id": 1, "run_seq": 1, "symptom": "y", "category": "explicit",
+                                                "detected_at": 2.0})], None)
+        assert [i["symptom"] for i in store.incidents(other)] == ["y"]
+    finally:
+        store.close()
+
+
+def test_a_database_of_an_older_stalwart_is_refused_with_one_line(tmp_path):
+    db = tmp_path / "old.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, name TEXT)")
+    con.commit()
+    con.close()
+    with pytest.raises(StoreSchemaError, match="made by another version of stalwart"):
+        Store(f"sqlite:///{db}")
