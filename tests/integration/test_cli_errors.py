@@ -8,7 +8,7 @@ import pytest
 
 def stalwart(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "stalwart.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=cwd)
+                          timeout=240, cwd=cwd)
 
 
 def free_port():
@@ -55,3 +55,19 @@ def test_unreachable_controller(tmp_path):
 def test_report_without_state(tmp_path):
     r = stalwart("report", "--state-dir", str(tmp_path / "none"))
     assert r.returncode == 2 and "no stalwart state in" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_second_job_from_the_same_directory_runs(tmp_path):
+    """Issue 11: the second `stalwart run` in a directory holding the first one's state dir (live
+    sockets, a database) snapshots the code without it and trains."""
+    code = tmp_path / "proj"
+    code.mkdir()
+    (code / "train.py").write_text("from stalwart.examples.gpt import main\nimport sys\nsys.exit(main())\n")
+    run = ["run", "--machines", "1", "--gpus-per-machine", "1", "--steps", "4", "--",
+           "python", "train.py", "--layers", "1", "--log-every", "0"]
+    first = stalwart(*run[:1], "--state-dir", "sd40", *run[1:], cwd=code)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = stalwart(*run[:1], "--state-dir", "sd140", *run[1:], cwd=code)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "internal error" not in second.stdout + second.stderr

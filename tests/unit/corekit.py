@@ -25,12 +25,15 @@ class FakeCluster:
         self.machines = list(machines)
         self.dead: set[str] = set()
         self.busy: set[str] = set()
+        self.heard: dict[str, float] = {}      # when a machine was last heard, if not just now
         self.clock = clock
 
     def alive(self, machine: str) -> bool:
         return machine in self.machines and machine not in self.dead
 
     def last_heard(self, machine: str) -> float | None:
+        if machine in self.heard:
+            return self.heard[machine]
         return None if machine in self.dead else self.clock.now
 
     def free(self) -> list[str]:

@@ -327,3 +327,18 @@ def test_checks_cut_short_are_run_again_after_a_restart():
     assert h.diag(first) == []                         # the old checks' answers are stale
     acts = h.diag(again)
     assert of(acts, a.StartRun)
+
+
+def test_silence_during_a_stop_is_judged_against_the_other_machines_not_the_clock():
+    h = started(Harness(policy={"heartbeat_s": 0.5}))
+    h.steps(3)
+    crash(h)
+    # the controller was too busy to read anyone for 3 s: every machine looks old, none is lost
+    h.cluster.heard = {"m0": h.now - 3.0, "m1": h.now - 3.0}
+    assert not of(h.tick(0.1), a.RunChecks) and h.st.incident.lost == set()
+    # m1 really fell silent while m0 goes on
+    h.cluster.heard = {"m0": h.now, "m1": h.now - 3.0}
+    h.tick(0.1)
+    assert h.st.incident.lost == {"m1"}
+    h.stopped(["m0"])
+    assert ("m1", "evicted") in [(x.machine, x.state) for x in of(h.log, a.AssignMachine)]

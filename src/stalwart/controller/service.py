@@ -34,6 +34,8 @@ from stalwart.spec import JobSpec
 log = logging.getLogger("stalwart.controller")
 RUNNING_STATES = ("pending", "waiting", "running", "recovering", "tracing", "diagnosing", "replaying")
 ALIVE_EVERY_S = 1.0
+MONITOR_EVERY_S = 0.1
+STALL_S = 0.5             # the monitor woke this much later than asked: the controller stalled
 # Chaos for the control plane: a file naming a job phase; the controller SIGKILLs itself right after
 # a job enters it (its decision saved and sent), once. Restart-safety tests kill it mid-recovery.
 SELF_KILL_FILE = os.path.join("chaos", "controller-kill")
@@ -183,13 +185,23 @@ class Controller:
 
     def _monitor(self) -> None:
         next_alive = 0.0
-        while not self._stop.wait(0.1):
+        last = time.monotonic()
+        while not self._stop.wait(MONITOR_EVERY_S):
             now = time.time()
+            lag = time.monotonic() - last - MONITOR_EVERY_S
+            last = time.monotonic()
             if now >= next_alive:           # the next controller learns when this one went away
                 self.store.set_meta("alive_at", repr(now))
                 next_alive = now + ALIVE_EVERY_S
             lost = []
             with self._lock:
+                if lag > STALL_S:
+                    # this controller did not run for `lag` seconds (a loaded host, a long pause):
+                    # heartbeats it could not read are not the machines' silence
+                    log.warning("controller stalled for %.1fs; heartbeat deadlines extended", lag)
+                    for m in self._machines.values():
+                        if m["alive"]:
+                            m["last_beat"] += lag
                 for m in self._machines.values():
                     if m["alive"] and now - m["last_beat"] > self.heartbeat_s * self.missed_beats:
                         m["alive"] = False

@@ -74,7 +74,7 @@ class FailureFlow:
         inc.stop_sent = now
         inc.move(IncidentPhase.STOPPING)
         st.move(JobPhase.RECOVERING)
-        log.info("job %s: incident %s; stopping run %s", st.job_id, inc.seq, st.run_seq)
+        log.info("job %s: incident %s (%s); stopping run %s", st.job_id, inc.seq, inc.symptom, st.run_seq)
         return [StopWorkers(machines=list(st.slots), run=st.run_seq, grace_s=self.ctx.policy.stop_grace_s)]
 
     def check_stopped(self, st: JobState, now: float) -> Actions:
@@ -84,8 +84,12 @@ class FailureFlow:
         assert inc is not None and inc.stop_sent is not None
         p = self.ctx.policy
         limit = inc.stop_sent + STOP_GRACE_EXTRA_S + p.heartbeat_s * p.missed_beats
-        heard = {m: self.ctx.cluster.last_heard(m) for m in inc.awaiting}
-        for m in policy.silent_during_stop(inc.awaiting, heard, now, p.heartbeat_s):
+        heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots}
+        # silent relative to the job's freshest machine, not to the clock: a controller too busy to
+        # read heartbeats (a backlog after a restart, a loaded host) hears every machine late, and
+        # that is no machine's fault; a dead machine falls behind the live ones
+        latest = max((t for t in heard.values() if t is not None), default=now)
+        for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s):
             inc.awaiting.discard(m)
             inc.lost.add(m)
             log.warning("job %s: %s silent for %d heartbeats after the stop: lost", st.job_id, m,
