@@ -60,7 +60,10 @@ def render(rep: dict) -> Group:
                  f"{rep.get('wall_s', 0):.1f} s")
     machines = Text(", ".join(f"{n} {s}" for s, n in sorted(_counts(rep).items())) or "-")
     evicted = [m for m in rep.get("machines", []) if m["state"] == "evicted"]
-    parts: list = [head, ProgressBar(total=max(1, total), completed=min(step, total), width=60), nums,
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=max(1, total), completed=min(step, total), width=50),
+                f"{100 * min(step, total) / max(1, total):.0f}%")
+    parts: list = [head, bar, nums,
                    Text.assemble(("machines: ", "bold"), machines)]
     for m in evicted[-5:]:
         parts.append(Text(f"  {m['id']} evicted: {m.get('reason') or '-'}", style="red"))
