@@ -74,7 +74,7 @@ def test_job_metrics_equal_the_report(report):
 
 
 def test_latency_histograms_hold_each_incident(report):
-    out = samples(ControllerMetrics(lambda: report, lambda: []))
+    out = samples(ControllerMetrics(lambda: report, list))
     det = [i["detection_s"] for i in report["incidents"]]
     loc = [i["localized_at"] - i["detected_at"] for i in report["incidents"]]
     assert v(out, "stalwart_detection_seconds_count") == 3
@@ -102,13 +102,13 @@ def test_incident_latencies_skip_planned_and_fall_back_to_the_ledger():
 
 def test_an_incident_still_localizing_counts_as_pending(report):
     rep = dict(report, incidents=[dict(report["incidents"][0], mechanism=None)])
-    out = samples(ControllerMetrics(lambda: rep, lambda: []))
+    out = samples(ControllerMetrics(lambda: rep, list))
     assert v(out, "stalwart_incidents_total", symptom="gpu_xid", category="explicit", mechanism="pending") == 1
 
 
 def test_no_job_yet_and_request_latency_and_registries_apart():
     a = ControllerMetrics(lambda: None, lambda: [{"id": "m0", "state": "idle", "alive": True}])
-    b = ControllerMetrics(lambda: None, lambda: [])
+    b = ControllerMetrics(lambda: None, list)
     a.observe_request("health", "GET", 200, 0.003)
     a.observe_request("health", "GET", 200, 0.2)
     out = samples(a)
