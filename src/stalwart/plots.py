@@ -96,8 +96,8 @@ def _finite(y) -> bool:
 
 def _bounds(series: Iterable[Series], marks: Sequence[Mark], y_min: float | None,
             y_max: float | None) -> tuple[float, float, float, float] | None:
-    xs = [x for s in series for x, y in s.points if _finite(y) and _finite(x)]
-    ys = [y for s in series for x, y in s.points if _finite(y) and _finite(x)]
+    pts = [(float(x), float(y)) for s in series for x, y in s.points if y is not None and _finite(y) and _finite(x)]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     if not xs:
         return None
     xs += [m.x for m in marks] + [m.x2 for m in marks if m.x2 is not None]
@@ -134,7 +134,7 @@ def _polylines(f: _Frame, s: Series) -> list[str]:
     """One polyline per unbroken run of finite points."""
     runs: list[list[str]] = [[]]
     for x, y in s.points:
-        if _finite(y) and _finite(x):
+        if y is not None and _finite(y) and _finite(x):
             runs[-1].append(f"{f.sx(x):.1f},{f.sy(y):.1f}")
         elif runs[-1]:
             runs.append([])

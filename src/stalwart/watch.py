@@ -95,7 +95,7 @@ def watch(fetch: Callable[[], dict], interval: float = 1.0, stream: TextIO | Non
                 if rep["state"] != "running" or (max_polls is not None and polls >= max_polls):
                     return 0
                 time.sleep(interval)
-    last, seen = "", {}
+    last, seen = "", dict[int, str]()
     while True:
         rep = fetch()
         polls += 1

@@ -120,3 +120,18 @@ def test_static_files_ship_with_the_package():
     assert b"/static/app.js" in html and b"http" not in html
     with pytest.raises(LookupError):
         dash.static_file("../cli.py")
+
+
+class _NoJobs:
+    def latest(self):
+        return None
+
+    def resolve(self, job):
+        raise LookupError("no job has been submitted yet")
+
+
+def test_overview_before_the_first_job_waits_instead_of_failing():
+    views = dash.DashboardViews(_NoJobs())
+    assert views.overview("latest") == {"job": None, "job_id": None}
+    with pytest.raises(LookupError):
+        views.overview("3")

@@ -213,6 +213,8 @@ class DashboardViews:
         return static_file("index.html")
 
     def overview(self, job: str) -> dict:
+        if job in ("latest", "current") and self.source.latest() is None:
+            return {"job": None, "job_id": None}           # the page waits for the first job
         job_id = self.source.resolve(job)
         return overview(self.source.status(job_id), self.source.machines())
 

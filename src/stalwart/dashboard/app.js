@@ -313,6 +313,7 @@ async function poll() {
   const t0 = performance.now();
   try {
     const ov = await getJSON(`/api/jobs/${S.job}/dashboard`);
+    if (ov.job_id === null) throw new Error("no job has been submitted to this controller yet");
     if (ov.job_id !== S.jobId) {
       Object.assign(S, {jobId: ov.job_id, cursor: 0, steps: [], ettr: [], details: {}, gridKey: ""});
       $("incidents").innerHTML = "";
