@@ -5,6 +5,7 @@ terminal and in a pipe, and `stalwart report --html` rendered in the browser. Sc
 $STALWART_ARTIFACTS (or a temp dir; the test prints where)."""
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         assert rep["state"] == "running", "the job ended before the live checks: make it longer"
         [inc] = rep["incidents"]
         m1 = next(m for m in rep["machines"] if m["id"] == "m1")
-        assert m1["state"] == "evicted" and "Xid" in m1["reason"]
+        assert m1["state"] == "evicted" and "xid" in m1["reason"].lower()
 
         # the machine grid marks m1 evicted; hovering it tells why
         WebDriverWait(driver, 10).until(lambda d: d.execute_script(
@@ -190,7 +191,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         assert p.returncode == 0, p.stderr
         with open(html_path) as f:
             page = f.read()
-        assert "<script" not in page and "src=" not in page and "href=" not in page
+        assert "<script" not in page and re.search(r"<[^>]*\s(src|href)\s*=", page) is None
         driver.get("file://" + html_path)
         assert len(driver.find_elements("css selector", "#plots svg.plot")) == 4
         assert driver.find_elements("css selector", 'polyline[data-name="cumulative ETTR"]')
