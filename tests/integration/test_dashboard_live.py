@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from browser import console_errors, screenshot, start_browser
+from browser import MISSING, console_errors, screenshot, start_browser
 from jobrun import gpt_spec, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from selenium.webdriver.common.action_chains import ActionChains
@@ -24,7 +24,7 @@ from stalwart.client import Client
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 CLI = [sys.executable, "-m", "stalwart.cli"]
 EVICTED_RED = "#dc2626"
 

@@ -3,7 +3,7 @@ real headless Chromium) is interactive within 2 s and stays responsive while it 
 import time
 
 import pytest
-from browser import console_errors, screenshot, start_browser
+from browser import MISSING, console_errors, screenshot, start_browser
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.support.ui import WebDriverWait
 from synthjob import write_synthetic_job
@@ -11,7 +11,7 @@ from synthjob import write_synthetic_job
 from stalwart.controller.api import ApiServer
 from stalwart.controller.service import Controller
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 
 
 @pytest.fixture
