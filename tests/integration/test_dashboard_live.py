@@ -73,7 +73,7 @@ def watch_on_a_tty(url: str, until: str, timeout: float = 30.0) -> str:
 
 @pytest.fixture
 def cluster(tmp_path):
-    spec = JobSpec.from_dict(gpt_spec(machines=2, gpus=2, steps=300, standby=1,
+    spec = JobSpec.from_dict(gpt_spec(machines=2, gpus=2, steps=220, standby=1,
                                       chaos=["gpu-xid@step=30,machine=1"]))
     c = LocalCluster(str(tmp_path), spec.machines + standby_count(spec), spec.gpus_per_machine,
                      heartbeat_s=spec.policy.heartbeat_s, missed_beats=spec.policy.missed_beats)
@@ -167,7 +167,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         [inc] = rep["incidents"]
         assert value(final, "stalwart_ettr_ratio") == rep["ettr"]
         assert value(final, "stalwart_ettr_window_ratio") == rep["window_ettr"]
-        assert value(final, "stalwart_steps_completed") == rep["steps_completed"] == 300
+        assert value(final, "stalwart_steps_completed") == rep["steps_completed"] == 220
         for b, v in rep["unproductive_s"].items():
             assert value(final, "stalwart_unproductive_seconds_total", bucket=b) == v
         assert value(final, "stalwart_job_state", state="succeeded") == 1
@@ -181,7 +181,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         p = subprocess.run(CLI + ["status", "--watch", "--controller", url], capture_output=True,
                            text=True, timeout=60, check=False)
         assert p.returncode == 0, p.stderr
-        assert "\x1b[" not in p.stdout and "succeeded: step 300/300" in p.stdout
+        assert "\x1b[" not in p.stdout and "succeeded: step 220/220" in p.stdout
         assert "incident " in p.stdout and "evicted m1" in p.stdout
 
         # stalwart report --html, rendered in the browser
