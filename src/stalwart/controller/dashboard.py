@@ -20,6 +20,7 @@ from importlib import resources
 from stalwart.analyzer.stacks import group_records
 from stalwart.controller import ledger
 from stalwart.controller.observe import StatusSource
+from stalwart.errors import NotFound
 
 MACHINE_STATES = ("active", "standby", "evicted", "idle", "provisioning", "released")
 PHASE_KEYS = ("detection", "localization", "failover", "lost_progress", "hot_update")
@@ -171,10 +172,10 @@ def overview(rep: dict, live_machines: list[dict]) -> dict:
 
 def incident_detail(rep: dict, stored: list[dict], events: list[dict], inc_id: int) -> dict:
     """Everything about one incident: cause, evidence (the job's events around it), stop-time
-    checks, grouped stacks, replay groups, per-phase durations. Raises LookupError if unknown."""
+    checks, grouped stacks, replay groups, per-phase durations. Raises NotFound if unknown."""
     ids = [i["id"] for i in rep.get("incidents", [])]
     if inc_id not in ids:
-        raise LookupError(f"no incident {inc_id} in job {rep.get('job_id')} (incidents: {ids or 'none'})")
+        raise NotFound(f"no incident {inc_id} in job {rep.get('job_id')} (incidents: {ids or 'none'})")
     pos = ids.index(inc_id)
     inc = rep["incidents"][pos]
     row = stored[pos] if pos < len(stored) else {}
@@ -233,5 +234,5 @@ class DashboardViews:
 def static_file(name: str) -> tuple[bytes, str]:
     """One of the dashboard's files shipped in the package (no CDN, no build step)."""
     if name not in STATIC_FILES:
-        raise LookupError(f"no static file {name!r}")
+        raise NotFound(f"no static file {name!r}")
     return (resources.files("stalwart.dashboard").joinpath(name).read_bytes(), STATIC_FILES[name])

@@ -29,10 +29,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
+from stalwart.controller.job.state import JobPhase
 from stalwart.controller.ledger import BUCKETS
 
-JOB_STATES = ("waiting", "running", "recovering", "tracing", "diagnosing", "replaying",
-              "succeeded", "failed", "cancelled")
+JOB_STATES = tuple(p.value for p in JobPhase)
 MACHINE_STATES = ("provisioning", "idle", "standby", "active", "evicted", "released")
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class StatusSource(Protocol):
     def resolve(self, job: str | int) -> int:
-        """A job id from "latest"/"current" or a number; LookupError if there is none."""
+        """A job id from "latest"/"current" or a number; NotFound (a LookupError) if there is none."""
 
     def latest(self) -> int | None:
         """The id of the newest job, None before the first."""
