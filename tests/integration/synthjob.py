@@ -62,7 +62,8 @@ def write_synthetic_job(store: st.Store, machines: int = 1024, standby: int = 16
             run_rows.append((run, step, t, dict(enumerate(slots))))
             evs.append((t, "run_started", {"run": run, "start_step": step, "machines": list(slots)}))
             evs.append((t + step_s, "incident_resumed", {"incident": inc_id}))
-            inc_rows.append({"id": inc_id, "run_seq": run - 1, "symptom": "gpu_xid", "category": "explicit", "cause": cause,
+            inc_rows.append({"id": inc_id, "run_seq": run - 1, "symptom": "gpu_xid", "category": "explicit",
+                             "cause": cause,
                              "suspects": [victim], "evicted": [victim], "mechanism": "evict_restart",
                              "injected_at": inj, "detected_at": det, "localized_at": loc,
                              "resumed_at": t + step_s,

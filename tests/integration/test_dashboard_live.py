@@ -123,8 +123,9 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         assert "chaos_applied" in el.text and "incident_localized" in el.text
 
         # the ETTR plot keeps moving while the job trains
-        last_x = lambda d: float(d.execute_script(
-            "const s=document.querySelector('#plot-ettr svg');return s?s.dataset.lastX||0:0"))
+        def last_x(d) -> float:
+            return float(d.execute_script(
+                "const s=document.querySelector('#plot-ettr svg');return s?s.dataset.lastX||0:0"))
         x0 = last_x(driver)
         WebDriverWait(driver, 10, poll_frequency=0.2).until(lambda d: last_x(d) > x0 + 0.5)
         assert driver.execute_script("return document.querySelectorAll('#plot-ettr .mark').length") >= 1

@@ -35,7 +35,8 @@ def test_dashboard_with_1024_machines_is_interactive_within_2s(big_job):
     driver = start_browser()
     try:
         driver.get(url + "/")
-        ready = lambda d: d.execute_script("return !!(window.stalwartDash && window.stalwartDash.state.ready)")
+        def ready(d) -> bool:
+            return d.execute_script("return !!(window.stalwartDash && window.stalwartDash.state.ready)")
         WebDriverWait(driver, 15, poll_frequency=0.05).until(ready)
         # performance.now() counts from the navigation's start: page, script, both JSON calls, render
         first_ms = driver.execute_script("return window.stalwartDash.state.firstRenderMs")
