@@ -227,6 +227,12 @@ def _report(a) -> dict:
 
 
 def cmd_status(a) -> int:
+    if a.watch:
+        from stalwart.watch import watch
+        if a.interval <= 0:
+            raise UserError(f"--interval must be > 0 (got {a.interval})")
+        client = Client(_controller_url(a), timeout=10)
+        return watch(lambda: client.get(f"/api/jobs/{a.job}"), a.interval)
     rep = _report(a)
     live = rep.get("live") or {}
     print(f"job {rep['job']}: {live.get('state', rep['state'])}" + (f" ({rep['reason']})" if rep.get("reason") else ""))
@@ -240,16 +246,18 @@ def cmd_status(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from stalwart.controller.report import render_html
     from stalwart.progress import summary
+    from stalwart.report_html import load_series, render
     rep = _report(a)
     rep.pop("live", None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
     if a.html:
+        url = a.controller or (_controller_url(a) if os.path.exists(os.path.join(a.state_dir, "controller.json"))
+                               else None)
         with open(a.html, "w") as f:
-            f.write(render_html(rep))
+            f.write(render(rep, load_series(url, a.state_dir, rep["job_id"])))
     print(summary(rep))
     return 0
 
@@ -300,7 +308,7 @@ def cmd_machines(a) -> int:
 
 def cmd_stacks(a) -> int:
     """The stacks captured for an incident, grouped the way the analyzer grouped them."""
-    from stalwart.analyzer.stacks import from_pyspy, normalize
+    from stalwart.analyzer.stacks import group_records
     from stalwart.controller.store import Store
     url = a.db or f"sqlite:///{os.path.join(a.state_dir, 'stalwart.db')}"
     if not a.db and not os.path.exists(os.path.join(a.state_dir, "stalwart.db")):
@@ -319,14 +327,7 @@ def cmd_stacks(a) -> int:
     if not stacks:
         raise UserError(f"incident {a.incident} ({inc['symptom']}) has no captured stacks")
     print(f"incident {a.incident}: {inc['symptom']} — {inc['data'].get('analysis', '')}")
-    groups: dict[str, list] = {}
-    for machine, recs in sorted(stacks.items()):
-        for r in recs:
-            key = normalize(from_pyspy(r.get("threads") or [], r.get("rank"), machine, r.get("role", "worker"))) \
-                if r.get("threads") else f"<{r.get('error') or 'no stack'}>"
-            groups.setdefault(key, []).append(f"{machine}/rank{r.get('rank')}/{r.get('role')}"
-                                              f"[{r.get('status', '?')}]")
-    for key, who in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+    for key, who in group_records(stacks):
         print(f"\n== {len(who)} process(es): {', '.join(who)}")
         print("   " + key.replace("\n", "\n   ")[-3000:])
     return 0
@@ -402,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--state-dir", default=DEFAULT_STATE)
         s.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
         s.add_argument("--job", default="latest")
+        if name == "status":
+            s.add_argument("--watch", action="store_true", help="refresh in place until the job ends "
+                                                               "(plain lines when not a terminal)")
+            s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (--watch)")
         if name == "report":
             s.add_argument("--json", help="write the JSON report here")
             s.add_argument("--html", help="write the HTML report here")

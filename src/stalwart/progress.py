@@ -1,7 +1,17 @@
-"""Live progress of a job for the terminal: a bar with step, loss, steps/s, ETTR, and incidents."""
+"""Live progress of a job for the terminal: a bar with step, loss, steps/s, ETTR, and incidents.
+
+On a terminal the bar is drawn by rich and refreshed in place (incidents print above it); elsewhere
+(CI logs, pipes) it is a plain line every 20 steps.
+"""
 from __future__ import annotations
 
 import sys
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
 
 
 class Progress:
@@ -11,6 +21,10 @@ class Progress:
         self.seen_incidents: dict[int, str] = {}
         self.last_line = ""
         self.last_step_printed = -1
+        self.live: Live | None = None
+        if self.tty:
+            self.live = Live(console=Console(file=self.stream, force_terminal=True), auto_refresh=False)
+            self.live.start()
 
     def _bar(self, done: int, total: int, width: int = 28) -> str:
         frac = 0 if not total else min(1.0, done / total)
@@ -34,17 +48,17 @@ class Progress:
             if self.seen_incidents.get(inc["id"]) != key:
                 self.seen_incidents[inc["id"]] = key
                 self._print_incident(inc)
-        if self.tty:
-            self.stream.write("\r" + line.ljust(len(self.last_line)))
-            self.stream.flush()
+        if self.live is not None:
+            bar = Table.grid(padding=(0, 1))
+            bar.add_row(ProgressBar(total=max(1, total), completed=min(step, total), width=28),
+                        Text(line.split("] ", 1)[1]))
+            self.live.update(bar, refresh=True)
         elif (step // 20 != self.last_step_printed // 20 or (step == total and self.last_step_printed != step)):
             self.stream.write(line + "\n")
             self.last_step_printed = step
         self.last_line = line
 
     def _print_incident(self, inc: dict) -> None:
-        if self.tty:
-            self.stream.write("\r" + " " * len(self.last_line) + "\r")
         what = (f"incident {inc['id']}: {inc['symptom']} — suspects {', '.join(inc['machine_suspects']) or '-'}"
                 f"; evicted {', '.join(inc['machines_evicted']) or '-'}; {inc['mechanism'] or 'localizing'}")
         if inc.get("detection_s") is not None:
@@ -53,13 +67,15 @@ class Progress:
             what += f"; training resumed at t={inc['resumed_at']:.1f}s"
         if inc.get("cause"):
             what += f"\n    cause: {inc['cause']}"
+        if self.live is not None:
+            self.live.console.print(Text(what))       # above the bar, which stays at the bottom
+            return
         self.stream.write(what + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.live is not None:
+            self.live.stop()
 
 
 def summary(rep: dict) -> str:

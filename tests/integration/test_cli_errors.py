@@ -29,6 +29,7 @@ def free_port():
     (["run", "--machines", "2", "--standby", "many", "--", "python", "x.py"], "--standby takes a number"),
     (["run", "--config", "/nonexistent.yaml", "--", "python", "x.py"], "does not exist"),
     (["inject", "explode", "--machine", "0", "--controller", "http://127.0.0.1:1"], "unknown chaos kind"),
+    (["status", "--watch", "--interval", "0", "--controller", "http://127.0.0.1:1"], "--interval must be > 0"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_input_is_one_clear_line(args, msg, tmp_path):
@@ -45,7 +46,7 @@ def test_bad_input_is_one_clear_line(args, msg, tmp_path):
 def test_unreachable_controller(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     for args in (["inject", "crash", "--machine", "0", "--controller", url],
-                 ["status", "--controller", url]):
+                 ["status", "--controller", url], ["status", "--watch", "--controller", url]):
         r = stalwart(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert f"controller at {url} is not reachable" in r.stderr

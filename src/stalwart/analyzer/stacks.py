@@ -232,3 +232,21 @@ def decide_eviction(agg: Aggregation, topo: Any, max_fraction: float = 0.5) -> E
         return EvictionDecision(None, [], out, f"outliers span {len(machines)} of {topo.machines} "
                                                f"machines and {why}: not evicting")
     return EvictionDecision("machines", machines, out, f"outliers {why}; evicting their machines {machines}")
+
+
+def group_records(stacks: dict[str, list[dict]]) -> list[tuple[str, list[str]]]:
+    """An incident's captured stacks, as stored (``{machine: [tracer record]}``), grouped by
+    canonical stack, largest group first: ``[(stack text, ["m0/rank1/worker[S]", ...])]``.
+
+    What `stalwart stacks` prints and the dashboard shows; a record without threads is grouped
+    under ``<its error>``.
+    """
+    groups: dict[str, list[str]] = {}
+    for machine, recs in sorted(stacks.items()):
+        for r in recs:
+            key = normalize(from_pyspy(r.get("threads") or [], r.get("rank"), machine,  # type: ignore[arg-type]
+                                       r.get("role", "worker"))) \
+                if r.get("threads") else f"<{r.get('error') or 'no stack'}>"
+            groups.setdefault(key, []).append(f"{machine}/rank{r.get('rank')}/{r.get('role')}"
+                                              f"[{r.get('status', '?')}]")
+    return sorted(groups.items(), key=lambda kv: -len(kv[1]))

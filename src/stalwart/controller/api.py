@@ -9,12 +9,16 @@ import json
 import logging
 import re
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stalwart.controller.report import render_html
+from stalwart.controller.dashboard import DashboardViews, static_file
+from stalwart.controller.metrics import ControllerMetrics
+from stalwart.controller.observe import ControllerSource, Raw, newest_status
 from stalwart.controller.service import Controller
-from stalwart.errors import InvalidRequest, NotFound, StalwartError
+from stalwart.errors import InvalidRequest, StalwartError
+from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
 MAX_BODY = 8 << 20
@@ -33,6 +37,12 @@ ROUTES: list[tuple[str, re.Pattern, str]] = [
     ("GET", re.compile(r"^/api/jobs/([^/]+)/versions$"), "job_versions"),
     ("GET", re.compile(r"^/api/machines$"), "machines"),
     ("GET", re.compile(r"^/api/health$"), "health"),
+    ("GET", re.compile(r"^/api/jobs/([^/]+)/dashboard$"), "job_dashboard"),
+    ("GET", re.compile(r"^/api/jobs/([^/]+)/series$"), "job_series"),
+    ("GET", re.compile(r"^/api/jobs/([^/]+)/incidents/(\d+)$"), "job_incident"),
+    ("GET", re.compile(r"^/api/jobs/([^/]+)/report\.html$"), "job_report_html"),
+    ("GET", re.compile(r"^/metrics$"), "metrics"),
+    ("GET", re.compile(r"^/static/([A-Za-z0-9_.-]+)$"), "static"),
     ("GET", re.compile(r"^/$"), "dashboard"),
 ]
 
@@ -49,11 +59,24 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...] = str, default=.
     return value
 
 
+def _int_query(q: dict, name: str, default: int) -> int:
+    try:
+        value = int(q.get(name, [str(default)])[0])
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer") from None
+    if value < 0:
+        raise InvalidRequest(f"{name} must be >= 0")
+    return value
+
+
 class Api:
     """Route handlers: each takes (controller, path args, query, body) and returns JSON or HTML."""
 
     def __init__(self, ctl: Controller):
         self.ctl = ctl
+        source = ControllerSource(ctl)
+        self.views = DashboardViews(source)
+        self.prom = ControllerMetrics(lambda: newest_status(source), source.machines)
 
     def agent_register(self, m, q, body):
         return self.ctl.register(m, body)
@@ -102,11 +125,27 @@ class Api:
     def health(self, q, body):
         return {"ok": True}
 
+    # -- the operator's view (controller/dashboard.py, controller/metrics.py): read-only --------
     def dashboard(self, q, body):
-        try:
-            return render_html(self.ctl.status(self.ctl.resolve_job("latest")))
-        except NotFound:
-            return "<html><body><h1>stalwart</h1><p>no job yet</p></body></html>"
+        return Raw(*self.views.page())
+
+    def static(self, name, q, body):
+        return Raw(*static_file(name))
+
+    def metrics(self, q, body):
+        return Raw(*self.prom.exposition())
+
+    def job_dashboard(self, job, q, body):
+        return self.views.overview(job)
+
+    def job_series(self, job, q, body):
+        return self.views.series(job, _int_query(q, "since", 0), _int_query(q, "points", 120))
+
+    def job_incident(self, job, inc, q, body):
+        return self.views.incident(job, int(inc))
+
+    def job_report_html(self, job, q, body):
+        return render_html(self.ctl.status(self.ctl.resolve_job(job)), self.views.series(job, 0, 200))
 
 
 def make_handler(api: Api):
@@ -117,6 +156,7 @@ def make_handler(api: Api):
             log.debug(fmt, *args)
 
         def _dispatch(self, method: str) -> None:
+            self._t0, self._route = time.perf_counter(), "unmatched"   # request latency, by route
             url = urllib.parse.urlparse(self.path)
             query = urllib.parse.parse_qs(url.query)
             body = {}
@@ -134,6 +174,7 @@ def make_handler(api: Api):
             for meth, pat, name in ROUTES:
                 m = pat.match(url.path)
                 if m and meth == method:
+                    self._route = name
                     try:
                         out = getattr(api, name)(*m.groups(), query, body)
                     except StalwartError as e:
@@ -145,7 +186,9 @@ def make_handler(api: Api):
             self._reply(404, {"error": f"no route {method} {url.path}"})
 
         def _reply(self, code: int, out) -> None:
-            if isinstance(out, str):
+            if isinstance(out, Raw):
+                data, ctype = out
+            elif isinstance(out, str):
                 data, ctype = out.encode(), "text/html; charset=utf-8"
             else:
                 data, ctype = json.dumps(out).encode(), "application/json"
@@ -154,6 +197,7 @@ def make_handler(api: Api):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            api.prom.observe_request(self._route, self.command, code, time.perf_counter() - self._t0)
 
         def do_GET(self):
             self._dispatch("GET")

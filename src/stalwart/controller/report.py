@@ -4,8 +4,6 @@ The JSON is a contract that later checks read: the keys of the issue's example a
 """
 from __future__ import annotations
 
-import html
-import json
 import time
 
 from stalwart.controller import ledger
@@ -16,14 +14,16 @@ def _rel(t: float | None, t0: float) -> float | None:
     return None if t is None else round(t - t0, 3)
 
 
-def build_report(store: Store, job_id: int, now: float | None = None) -> dict:
+def build_report(store: Store, job_id: int, now: float | None = None,
+                 events: list[dict] | None = None) -> dict:
+    """The job's report; ``events`` is its event log when the caller has read it already."""
     job = store.job(job_id)
     if job is None:
         raise LookupError(f"no job {job_id}")
     now = time.time() if now is None else now
     t0 = job["created_at"]
     end = job["finished_at"] or now
-    events = store.events(job_id)
+    events = store.events(job_id) if events is None else events
     led = ledger.compute(events, end)
     steps: dict[int, dict] = {}
     for e in events:
@@ -82,35 +82,7 @@ def _public_state(state: str) -> str:
     return state if state in ("succeeded", "failed", "cancelled") else "running"
 
 
-def render_html(rep: dict) -> str:
-    """A self-contained HTML page: summary, ETTR buckets, incidents, runs, loss curve (SVG)."""
-    esc = html.escape
-    rows = "".join(
-        f"<tr><td>{i['id']}</td><td>{esc(str(i['symptom']))}</td><td>{esc(str(i['mechanism']))}</td>"
-        f"<td>{esc(', '.join(i['machine_suspects']))}</td><td>{esc(', '.join(i['machines_evicted']))}</td>"
-        f"<td>{i['detected_at']}</td><td>{i['resumed_at']}</td><td>{esc(str(i['cause']))}</td></tr>"
-        for i in rep["incidents"])
-    buckets = "".join(f"<tr><td>{esc(k)}</td><td>{v:.2f}</td></tr>" for k, v in rep["unproductive_s"].items())
-    pts = [(int(s), l) for s, l in rep["losses"].items() if l is not None]
-    svg = ""
-    if len(pts) > 1:
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-        sx = lambda x: 10 + 580 * (x - x0) / max(1, x1 - x0)
-        sy = lambda y: 190 - 180 * (y - y0) / max(1e-9, y1 - y0)
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-        svg = (f'<svg width="600" height="200" style="border:1px solid #ccc">'
-               f'<polyline fill="none" stroke="#2563eb" points="{path}"/></svg>')
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>stalwart {esc(rep['job'])}</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{border:1px solid #ddd;padding:4px 8px}}
-table{{border-collapse:collapse;margin-bottom:1.5em}}</style></head><body>
-<h1>stalwart report: {esc(rep['job'])}</h1>
-<p>state <b>{esc(rep['state'])}</b>{(' (' + esc(rep['reason']) + ')') if rep.get('reason') else ''};
-steps {rep['steps_completed']}/{rep['steps_target']}; final loss {rep['final_loss']};
-wall {rep['wall_s']:.1f}s; productive {rep['productive_s']:.1f}s; <b>ETTR {rep['ettr']:.3f}</b></p>
-<h2>Unproductive time (s)</h2><table>{buckets}</table>
-<h2>Incidents</h2><table><tr><th>id</th><th>symptom</th><th>mechanism</th><th>suspects</th>
-<th>evicted</th><th>detected (s)</th><th>resumed (s)</th><th>cause</th></tr>{rows}</table>
-<h2>Loss</h2>{svg}
-<h2>Raw</h2><pre>{esc(json.dumps({k: v for k, v in rep.items() if k != 'losses'}, indent=1))}</pre>
-</body></html>"""
+def render_html(rep: dict, series: dict | None = None) -> str:
+    """The HTML report (kept here for callers of the old name; the page is built by report_html)."""
+    from stalwart.report_html import render
+    return render(rep, series)
