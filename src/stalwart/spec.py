@@ -346,7 +346,8 @@ class JobSpec:
     def topology(self) -> Topology:
         """The job's parallel layout."""
         return Topology(self.machines, self.gpus_per_machine, tp=self.tp, pp=self.pp,
-                        dp=self.dp, cp=self.cp, ep=self.ep)
+                        dp=self.dp if self.dp is not None else self.machines * self.gpus_per_machine
+                        // (self.tp * self.pp * self.cp * self.ep), cp=self.cp, ep=self.ep)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, dicts, scalars) that ``from_dict`` turns back into this spec."""

@@ -192,17 +192,18 @@ class Continuity:
         if self.last_seen is not None and now < self.last_seen:
             raise ValueError(f"observations must move forward in time ({now} < {self.last_seen})")
         if candidate is None:
-            if self.machine is not None and now - self.last_seen > self.grace_s:
+            if self.last_seen is not None and now - self.last_seen > self.grace_s:
                 self.machine = self.since = self.last_seen = None
             return self.suspect()
-        if candidate != self.machine or now - self.last_seen > self.grace_s:
+        if candidate != self.machine or self.last_seen is None or now - self.last_seen > self.grace_s:
             self.machine, self.since = candidate, now
         self.last_seen = now
         return self.suspect()
 
     def suspect(self) -> Hashable | None:
         """The machine whose candidacy has lasted ``continuity_s``, else None."""
-        if self.machine is None or self.last_seen - self.since < self.continuity_s:
+        if self.machine is None or self.last_seen is None or self.since is None \
+                or self.last_seen - self.since < self.continuity_s:
             return None
         return self.machine
 

@@ -302,11 +302,11 @@ def _sweep(intervals: list[tuple[int, int, tuple]], wall: int) -> list[tuple[int
         nxt = min(points[i][0], wall) if i < n else wall
         while heap and counts.get(heap[0], 0) == 0:
             heapq.heappop(heap)
-        key = heap[0] if heap else None
-        if segments and segments[-1][2] == key:
-            segments[-1] = (segments[-1][0], nxt, key)
+        top: tuple | None = heap[0] if heap else None
+        if segments and segments[-1][2] == top:
+            segments[-1] = (segments[-1][0], nxt, top)
         else:
-            segments.append((pos, nxt, key))
+            segments.append((pos, nxt, top))
         pos = nxt
     return segments
 

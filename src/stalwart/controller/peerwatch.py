@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class PeerWatch:
             if k in METRICS and isinstance(v, (int, float)) and math.isfinite(v):
                 row[k] = float(v)
 
-    def check(self, now: float) -> tuple[str | None, dict]:
+    def check(self, now: float) -> tuple[Hashable | None, dict]:
         """The suspect (if any) after observing the latest complete bucket, and what was seen."""
         last = int(now // self.period_s) - 1
         first = last - self.lookback + 1
@@ -88,7 +88,7 @@ class PeerWatch:
                 return suspect, {"group": machines, **detail}
         return None, seen
 
-    def _candidate(self, machines: list[str], first: int, last: int) -> tuple[str | None, dict]:
+    def _candidate(self, machines: list[str], first: int, last: int) -> tuple[Hashable | None, dict]:
         buckets = range(first, last + 1)
         have = [b for b in buckets if all(b in self.rows[m] for m in machines)]
         if len(have) < WINDOW:
@@ -96,7 +96,7 @@ class PeerWatch:
         metrics = [k for k in METRICS if all(any(k in self.rows[m][b] for b in have) for m in machines)]
         if not metrics:
             return None, {"samples": len(have)}
-        series = {m: np.array([[self.rows[m][b].get(k, np.nan) for k in metrics] for b in have])
+        series: dict[Hashable, np.ndarray] = {m: np.array([[self.rows[m][b].get(k, np.nan) for k in metrics] for b in have])
                   for m in machines}
         found = detect(series, metrics, now_index=len(have) - 1, window=WINDOW,
                        start_index=len(have) - 1, rel_floor=REL_FLOOR)

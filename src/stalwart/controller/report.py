@@ -59,8 +59,8 @@ def build_report(store: Store, job_id: int, now: float | None = None,
                 if g["down_at"] == _rel(e["data"]["down_at"], t0):
                     g["reconciled_at"] = _rel(e["t"], t0)
     for g in gaps:
-        end_at = g.get("reconciled_at") or g["up_at"]
-        g["seconds"] = round(end_at - g["down_at"], 3)
+        end_at, down = g.get("reconciled_at") or g["up_at"], g["down_at"]
+        g["seconds"] = round(end_at - down, 3) if end_at is not None and down is not None else None
     by_mech: dict[str, int] = {}
     for i in incidents:
         by_mech[i["mechanism"] or "open"] = by_mech.get(i["mechanism"] or "open", 0) + 1

@@ -9,6 +9,7 @@ order own -> backup -> durable, so the agent falls back tier by tier when a copy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import AbstractSet
 
 TIERS = ("own", "backup", "durable")
 
@@ -65,9 +66,9 @@ def candidates(av: Availability, rank: int, step: int, next_machine: str, alive:
 
 
 def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
-         bad_steps: set[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
+         bad_steps: AbstractSet[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
     """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
-    steps = set()
+    steps: set[int] = set()
     for tiers in av.copies.values():
         for by_step in tiers.values():
             steps.update(by_step)

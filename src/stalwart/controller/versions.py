@@ -315,7 +315,9 @@ class Versions:
             else:
                 values.update(status="urgent" if mode == "urgent" else "pending", reason=note)
             res = c.execute(code_versions.insert().values(**values))
-            vid = res.inserted_primary_key[0]
+            key = res.inserted_primary_key
+            assert key is not None
+            vid = key[0]
         return self.get(vid)  # type: ignore[return-value]
 
     def save(self, row: Mapping[str, Any]) -> None:

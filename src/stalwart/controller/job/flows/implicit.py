@@ -186,9 +186,10 @@ class ImplicitFlow:
         if sig.peerwatch is None or now < sig.peer_next_check:
             return []
         sig.peer_next_check = now + p.heartbeat_s
-        suspect, seen = sig.peerwatch.check(now)
-        if suspect is None:
+        found, seen = sig.peerwatch.check(now)
+        if found is None:
             return []
+        suspect = str(found)
         reason = (f"{suspect} stayed unlike its peers {seen['group']} for "
                   f"{p.similarity_continuity_s:.0f}s (metrics {', '.join(seen.get('metrics', []))})")
         if not p.similarity_evict or not self.ctx.ready_standbys(st):
