@@ -89,6 +89,17 @@ def finish(cluster, job, timeout=300):
         time.sleep(0.3)
 
 
+def story(db_url: str) -> list:
+    """The job's events but steps and metrics: what to read when a restart test fails."""
+    from stalwart.controller.store import Store
+    store = Store(db_url)
+    try:
+        return [(round(e["t"] % 1000, 2), e["kind"], e["data"]) for e in store.events(1)
+                if e["kind"] not in ("step", "health")]
+    finally:
+        store.close()
+
+
 def controller_pid(state_dir) -> int:
     import json
     with open(os.path.join(state_dir, "controller.json")) as f:
@@ -114,7 +125,7 @@ def killed_at_step_30(tmp_path, db_url=None):
         assert wait_for(lambda: cluster.controller_restarts == 1, timeout=60)
         assert controller_pid(tmp_path) != pid
         rep = finish(cluster, job)
-        assert rep["state"] == "succeeded", rep.get("reason")
+        assert rep["state"] == "succeeded", (rep.get("reason"), story(db_url or f"sqlite:///{tmp_path}/stalwart.db"))
         assert rep["steps_completed"] == 60
         assert len(rep["runs"]) == 1 and rep["incidents"] == []        # the same run went on
         [gap] = rep["control_plane"]
