@@ -1,6 +1,7 @@
 """A small JSON-over-HTTP client for the controller's API (used by agents and the CLI)."""
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -39,8 +40,11 @@ class Client:
             except ValueError:
                 msg = str(e)
             raise ApiError(e.code, msg) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError,
+                ValueError) as e:
+            # HTTPException: the controller died mid-answer (IncompleteRead, RemoteDisconnected);
+            # ValueError: a truncated JSON body. Both mean "not reachable right now", never a crash.
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
             raise ControllerUnreachable(f"controller at {self.url} is not reachable ({reason})") from None
 
     def get(self, path: str, timeout: float | None = None) -> dict:

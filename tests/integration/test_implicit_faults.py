@@ -19,6 +19,7 @@ def spec(chaos):
 def check(rep, symptom, culprit):
     assert rep["state"] == "succeeded", rep.get("reason")
     assert rep["steps_completed"] == 50
+    assert len(rep["incidents"]) == 1, [(i["symptom"], i["cause"]) for i in rep["incidents"]]
     [inc] = rep["incidents"]
     assert inc["symptom"] == symptom and inc["category"] == "implicit"
     assert culprit in inc["machines_evicted"]
@@ -78,6 +79,7 @@ def test_cpu_throttled_machine_is_found_by_fail_slow_rounds(tmp_path):
     rounds = [(k, d) for k in ("failslow_suspected", "failslow_round", "failslow_cleared")
               for d in events(tmp_path, k)]
     assert len(rep["incidents"]) == 1, rounds
+    assert len(rep["incidents"]) == 1, [(i["symptom"], i["cause"]) for i in rep["incidents"]]
     [inc] = rep["incidents"]
     assert (inc["symptom"], inc["category"], inc["machines_evicted"]) == ("fail_slow", "implicit", ["m2"]), inc
     assert inc["detection_s"] is not None and inc["localized_at"] - inc["injected_at"] < 60, inc

@@ -39,6 +39,7 @@ def test_hung_pipeline_stage_is_over_evicted_with_its_pipeline(tmp_path):
     rep = run_job(tmp_path, spec, timeout=200)
     assert rep["state"] == "succeeded", rep.get("reason")
     assert rep["steps_completed"] == 50
+    assert len(rep["incidents"]) == 1, [(i["symptom"], i["cause"]) for i in rep["incidents"]]
     [inc] = rep["incidents"]
     assert inc["symptom"] == "hang" and inc["category"] == "implicit", inc
     assert inc["detection_s"] is not None and inc["detection_s"] < 15.0, inc

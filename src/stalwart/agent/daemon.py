@@ -221,6 +221,10 @@ class Agent:
                 self.registered.clear()
                 self._stop.wait(0.2)
                 continue
+            except Exception:  # the command thread never dies: a dead thread is a deaf machine
+                log.exception("polling the controller for commands failed; retrying")
+                self._stop.wait(0.5)
+                continue
             for raw in reply.get("commands", []):
                 try:
                     self._execute(p.decode_command(raw))

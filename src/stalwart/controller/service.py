@@ -170,7 +170,7 @@ class Controller:
         self.store.upsert_machine(machine, state=state, address=reg.address, info=rec["info"],
                                   registered_at=now, last_beat=now, job_id=rec["job_id"])
         log.info("machine %s registered (%s, %s)", machine, reg.address, state)
-        runner = self._runner_of(rec["job_id"])
+        runner = self._runner_of(rec["job_id"]) or self._runner_holding(machine)
         if runner is not None:
             runner.post(AgentBack(machine=machine, reg=reg))
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "role": state}
@@ -215,6 +215,14 @@ class Controller:
 
     def _runner_of(self, job_id) -> JobRunner | None:
         return self.jobs.get(job_id) if isinstance(job_id, int) else None
+
+    def _runner_holding(self, machine: str) -> JobRunner | None:
+        """The live job whose state names the machine (a slot or a standby): the job's own record
+        decides, whatever the machine's row says (a row can lag its job's decision by a moment)."""
+        for runner in list(self.jobs.values()):
+            if not runner.terminal and runner.holds(machine):
+                return runner
+        return None
 
     def last_heard(self, machine: str) -> float | None:
         """When the machine's agent last sent anything (a heartbeat or events)."""

@@ -49,6 +49,12 @@ class JobRunner:
     def live(self) -> dict:
         return self.core.live(self.state)
 
+    def holds(self, machine: str) -> bool:
+        """Whether the machine has a role in this job (a slot or a standby); a read from another
+        thread of two lists the loop replaces whole, so no lock is needed."""
+        st = self.state
+        return machine in st.slots or machine in st.pool.standby
+
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         next_tick = time.monotonic()

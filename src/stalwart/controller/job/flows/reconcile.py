@@ -77,8 +77,15 @@ class ReconcileFlow:
             acts += self.core.pool.prewarm(st, m)     # its spares died with an agent restart
         if st.phase == JobPhase.WAITING or st.terminal:
             return acts
-        for m in missing:                   # not back: lost, as without a restart
-            acts += self.core.failure.on_machine_lost(st, m, now)
+        for m in missing:
+            if self.ctx.cluster.alive(m):
+                # heard from (it registered or beats) but its report did not reach the job: it is
+                # not lost; a running run is checked below as one whose ranks cannot be confirmed
+                log.warning("job %s: %s is alive but its re-registration did not reach the job", st.job_id, m)
+                continue
+            log.warning("job %s: %s did not come back within %.0fs of the controller restart: lost",
+                        st.job_id, m, now - gap.up_at)
+            acts += self.core.failure.on_machine_lost(st, m, now)   # as without a restart
         if st.phase == JobPhase.RUNNING:
             acts += self._running(st, reports, now)
         elif st.phase == JobPhase.TRACING and st.incident is not None:
@@ -106,6 +113,8 @@ class ReconcileFlow:
         for i, m in enumerate(st.slots):
             reg = reports.get(m)
             if reg is None:
+                if self.ctx.cluster.alive(m):
+                    gone.append(m)          # alive but unreported: its ranks cannot be confirmed
                 continue
             want = set(range(i * G, (i + 1) * G))
             if reg.running_run != run.seq or not want <= set(reg.ranks):
