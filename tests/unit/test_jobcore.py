@@ -313,6 +313,30 @@ def test_recovery_cut_short_is_finished_and_a_silent_machine_is_lost():
     assert of(acts, a.StartRun)[0].restore_step == 4
 
 
+def test_stops_delivered_while_reconciling_wait_for_the_standby_to_come_back():
+    """An agent's outbox delivers the old controller's stops first; the standby re-registers a
+    moment later. Nothing is decided before every machine is back (the standby is not missing)."""
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness())
+    h.steps(5)
+    h.ckpt(4)
+    h.agent("m1", p.Health(probe="gpu", kind="gpu_xid", severity="fatal", machine_certain=True,
+                           t=h.now))                  # a machine-certain fault on m1
+    assert h.st.phase == JobPhase.RECOVERING
+    resumed(h)
+    h.cluster.dead.add("m2")                           # the standby has not re-registered yet
+    acts = h.stopped()                                 # both stops arrive from the outboxes
+    assert not of(acts, a.FinishJob) and not of(acts, a.StartRun)
+    for m in ("m0", "m1"):
+        acts += h.event(AgentBack(machine=m, reg=reg(h, m, None, [])))
+    assert not of(acts, a.FinishJob)
+    h.cluster.dead.discard("m2")
+    acts = h.event(AgentBack(machine="m2", reg=reg(h, "m2", None, [])))
+    assert records(acts, "control_plane_reconciled")
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    assert of(acts, a.StartRun)[0].restore_step == 4
+
+
 def test_checks_cut_short_are_run_again_after_a_restart():
     from stalwart.controller.job.events import AgentBack
     h = started(Harness())

@@ -84,8 +84,8 @@ class DiagnosisFlow:
 
     def on_result(self, st: JobState, machine: str, ev: protocol.DiagResult, now: float) -> Actions:
         d = st.diag
-        if d is None or ev.id != d.name or machine not in d.wait:
-            return []
+        if d is None or ev.id != d.name or machine not in d.wait or self.core.reconcile.pending(st):
+            return []       # (while a restart is reconciled: the checks are run again after it)
         keys = {(k.round, k.a, k.b) for k in d.pairs}
         for raw in ev.results:
             r = dict(raw, machine=machine)

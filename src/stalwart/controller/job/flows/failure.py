@@ -82,6 +82,10 @@ class FailureFlow:
         the bound passed) and the evidence had its moment, localize."""
         inc = st.incident
         assert inc is not None and inc.stop_sent is not None
+        if self.core.reconcile.pending(st):
+            # a restarted controller decides nothing until its machines are back (a standby not yet
+            # re-registered is not a missing standby); stops delivered late are kept meanwhile
+            return []
         p = self.ctx.policy
         limit = inc.stop_sent + STOP_GRACE_EXTRA_S + p.heartbeat_s * p.missed_beats
         heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots}

@@ -94,8 +94,11 @@ class ReconcileFlow:
             acts.append(TraceStacks(machines=sorted(st.incident.trace_wait), run=st.run_seq))
         elif st.phase == JobPhase.RECOVERING and st.incident is not None:
             st.incident.stop_sent = now
-            acts.append(StopWorkers(machines=sorted(st.incident.awaiting), run=st.run_seq,
-                                    grace_s=self.ctx.policy.stop_grace_s))
+            if st.incident.awaiting:
+                acts.append(StopWorkers(machines=sorted(st.incident.awaiting), run=st.run_seq,
+                                        grace_s=self.ctx.policy.stop_grace_s))
+            else:       # every stop arrived while reconciling: decide now
+                acts += self.core.failure.check_stopped(st, now)
         elif st.phase == JobPhase.DIAGNOSING and st.diag is not None and st.incident is not None:
             d = st.diag
             st.diag = None
