@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test unit integration bench clean
+.PHONY: setup demo lint test unit integration bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ demo: setup
 	    -- python -m stalwart.examples.gpt
 	$(BIN)/stalwart report --state-dir .stalwart/demo
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+test: setup lint
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 unit: setup

@@ -34,7 +34,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import psutil

@@ -39,7 +39,8 @@ def cmd_controller(a) -> int:
     host, _, port = a.listen.rpartition(":")
     if not port.isdigit():
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
-    ctl = Controller(a.db, a.state_dir, store_host=a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1"),
+    store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
+    ctl = Controller(a.db, a.state_dir, store_host=store_host,
                      heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port))
     srv.start()
@@ -236,7 +237,8 @@ def cmd_status(a) -> int:
     rep = _report(a)
     live = rep.get("live") or {}
     print(f"job {rep['job']}: {live.get('state', rep['state'])}" + (f" ({rep['reason']})" if rep.get("reason") else ""))
-    print(f"  step {live.get('step', rep['steps_completed'])}/{rep['steps_target']}  loss {live.get('loss', rep['final_loss'])}"
+    print(f"  step {live.get('step', rep['steps_completed'])}/{rep['steps_target']}"
+          f"  loss {live.get('loss', rep['final_loss'])}"
           f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
     for m in rep["machines"]:
         print(f"  machine {m['id']:<6} {m['state']:<9} {m.get('address') or ''} {m.get('reason') or ''}")
@@ -342,7 +344,8 @@ def cmd_cleanup(a) -> int:
 
 # -- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stalwart", description="Keep large PyTorch training jobs training through failures.")
+    p = argparse.ArgumentParser(prog="stalwart",
+                                description="Keep large PyTorch training jobs training through failures.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = p.add_subparsers(dest="cmd", required=True)

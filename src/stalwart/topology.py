@@ -307,7 +307,7 @@ class Topology:
     def _rotation_ok(self, m: int, b: int, t: int) -> bool:
         g = self.gpus_per_machine
         return b != m and all(
-            not self.shares_group(m * g + l, b * g + (l + t) % g) for l in range(g))
+            not self.shares_group(m * g + j, b * g + (j + t) % g) for j in range(g))
 
     def _pair_greedily(self, todo: list[int], ok) -> dict[int, tuple[int, int]]:
         """Symmetric greedy matching of machines in ``todo`` (ascending), then a one-way
@@ -360,8 +360,8 @@ class Topology:
 
         rotated = self._pair_greedily(rest, rotation)
         for m, (b, t) in {**strict, **rotated}.items():
-            for l in range(g):
-                plan[m * g + l] = b * g + (l + t) % g
+            for j in range(g):
+                plan[m * g + j] = b * g + (j + t) % g
         # Tiers 3 and 4: per rank.
         for r in range(self.world_size):
             if plan[r] < 0:
@@ -370,7 +370,7 @@ class Topology:
 
     def _single_peer(self, rank: int) -> int:
         g, n = self.gpus_per_machine, self.machines
-        m, l = divmod(rank, g)
+        m, local = divmod(rank, g)
         if self._weak_possible(rank):
             for image in self._involution_images(rank):
                 if image // g != m and not self.shares_group(rank, image):
@@ -378,10 +378,10 @@ class Topology:
             for j in range(1, n):
                 b = (m + j) % n
                 for t in range(g):
-                    cand = b * g + (l + t) % g
+                    cand = b * g + (local + t) % g
                     if not self.shares_group(rank, cand):
                         return cand
-        return ((m + 1) % n) * g + l
+        return ((m + 1) % n) * g + local
 
 
 def from_spec(spec: Any) -> Topology:

@@ -37,7 +37,7 @@ def check_evicted(rep, symptom, machine="m1", steps=60):
 ])
 def test_machine_certain_fault_evicts_at_once(tmp_path, kind, symptom):
     rep = run_job(tmp_path, small(chaos=[f"{kind}@step=8,machine=1"]))
-    inc = check_evicted(rep, symptom)
+    check_evicted(rep, symptom)
     assert len(rep["incidents"]) == 1
 
 

@@ -1,6 +1,5 @@
 """Issue 4: hot update (urgent, lazy, windowed) in place from the in-memory checkpoint, and the
 automatic rollback of a version that fails with a user-code error."""
-import shutil
 import sys
 import textwrap
 

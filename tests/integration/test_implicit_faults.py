@@ -2,7 +2,6 @@
 (cgroup freezer) and NaN gradients from one machine. Each is detected with its time recorded, the
 culprit is inside the evicted set, the evicted set is no larger than the culprit's parallel group,
 and the job completes."""
-import os
 
 import pytest
 

@@ -85,7 +85,8 @@ def test_corrupt_shard_is_skipped_tier_by_tier(tmp_path):
         for step in range(3):
             mem.snapshot(_model_state(step), step)
         mem.close()
-        have = lambda tier: any(e["tier"] == tier and e["step"] == 2 for e in events)
+        def have(tier):
+            return any(e["tier"] == tier and e["step"] == 2 for e in events)
         assert wait_for(lambda: have("backup") and have("durable")), events
         cands = [{"tier": "own", "step": 2}, {"tier": "backup", "step": 2, "holder": "mB",
                                                 "addr": list(b.peer_addr)}, {"tier": "durable", "step": 2}]

@@ -5,9 +5,7 @@ machine of 4 is found by the bitwise alignment test or, with that disabled, by d
 import glob
 import os
 import shutil
-import subprocess
 import sys
-import textwrap
 
 import pytest
 

@@ -37,7 +37,8 @@ def test_validate_against_cluster():
 def test_root_only_kinds_are_refused_without_root():
     catalogue.check_runnable("nic-down", euid=0)
     catalogue.check_runnable("crash", euid=1000)
-    with pytest.raises(ChaosError, match=r"chaos partition needs root \(network namespaces and nftables\); this runs as uid 1000"):
+    with pytest.raises(ChaosError,
+                       match=r"chaos partition needs root \(network namespaces and nftables\); this runs as uid 1000"):
         catalogue.check_runnable("partition", euid=1000)
 
 

@@ -101,7 +101,8 @@ def test_signals_from_exit_code_forms():
 def test_oom_text_with_sigkill_is_cpu_oom():
     text = "Out of memory: Killed process 4242 (python) total-vm:1kB, anon-rss:1kB\n"
     assert classify(text, None, 9, None).name == "cpu_oom"
-    assert classify("Traceback (most recent call last):\n  File \"/x/t.py\", line 1, in <module>\nMemoryError\n", 1, None, "/x").name == "cpu_oom"
+    tb = "Traceback (most recent call last):\n  File \"/x/t.py\", line 1, in <module>\nMemoryError\n"
+    assert classify(tb, 1, None, "/x").name == "cpu_oom"
 
 
 def test_nan_lines():
@@ -124,7 +125,8 @@ def test_root_cause_beats_its_consequences():
 
 
 def test_gloo_non_peer_error_is_primary():
-    text = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [10.0.0.2]:23456: Connection refused"
+    text = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [10.0.0.2]:23456: "
+            "Connection refused")
     s = classify(text, 1, None, None)
     assert s.name == "gloo_error" and not s.secondary
 

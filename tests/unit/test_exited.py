@@ -35,7 +35,8 @@ def test_renice_sets_every_thread_of_a_process(tmp_path):
     import sys
     from stalwart.agent.workers import renice
     # a child with a second thread, both started at niceness 5
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); time.sleep(30)"
+    code = ("import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); "
+            "time.sleep(30)")
     p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=lambda: os.nice(5))
     try:
         deadline = time.time() + 10

@@ -7,7 +7,6 @@ from the SDK's step reports at the controller, so they are not sampled here.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, Callable

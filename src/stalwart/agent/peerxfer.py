@@ -303,7 +303,7 @@ class PeerClient:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until no push is queued or in flight; False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not any(l.busy for l in self._lanes.values()), timeout)
+            return self._cv.wait_for(lambda: not any(lane.busy for lane in self._lanes.values()), timeout)
 
     # -- fetch
     def _open_fetch(self, addr, rank: int, step: int | None, tier: str) -> tuple[socket.socket, dict]:

@@ -6,7 +6,8 @@ is a JSON object whose ``entries`` each carry ``pg_id``, ``process_group``
 (``[id, name]``), ``collective_seq_id`` (per process group, 1-based, 0 for
 point-to-point ops), ``p2p_seq_id``, ``is_p2p``, ``profiling_name`` (e.g.
 ``"gloo:all_reduce"``) and ``retired`` (completed).  With gloo ``pg_config`` is
-empty and send/recv are not recorded (measured with torch 2.13), so group membership is taken from ``pg_ranks`` when given, otherwise from
+empty and send/recv are not recorded (measured with torch 2.13), so group membership is taken from
+``pg_ranks`` when given, otherwise from
 the ranks that recorded an entry for the group.
 
 :func:`laggards` is pure: per process group, the highest collective sequence id
@@ -66,8 +67,8 @@ def parse(dump: str | bytes | Mapping[str, Any]) -> list[Op]:
     if isinstance(dump, (str, bytes, bytearray)):
         try:
             dump = json.loads(dump)
-        except ValueError as e:
-            raise ValueError(f"flight-recorder dump is not JSON: {e}") from None
+        except ValueError as err:
+            raise ValueError(f"flight-recorder dump is not JSON: {err}") from None
     if not isinstance(dump, Mapping) or not isinstance(dump.get("entries", []), list):
         raise ValueError("flight-recorder dump must be an object with an 'entries' list")
     ops = []

@@ -34,7 +34,8 @@ _CMD_TIMEOUT_S = 15.0
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts /etc/netns/<ns>/<file> over /etc/<file>
 # No DNS server is reachable from a machine: without this, every reverse lookup (c10d does
 # one per connection) waits for the host's resolver to time out, ~10 s per gloo init.
-RESOLV_CONF = "# stalwart namespace machine: no DNS here, fail lookups at once\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
+RESOLV_CONF = ("# stalwart namespace machine: no DNS here, fail lookups at once\n"
+               "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
 class NetnsError(RuntimeError):
@@ -116,7 +117,8 @@ def default_state_dir() -> Path:
 def subnet_lock_path() -> Path:
     """Host-wide lock serializing subnet choice between networks of every process and state dir."""
     run_lock = Path("/run/lock")
-    return (run_lock if run_lock.is_dir() and os.access(run_lock, os.W_OK) else Path(tempfile.gettempdir())) / "stalwart-netns-subnet.lock"
+    base = run_lock if run_lock.is_dir() and os.access(run_lock, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "stalwart-netns-subnet.lock"
 
 
 def _run(argv: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -439,7 +441,8 @@ def cleanup_stale(prefix_or_state_dir: str | Path, state_dir: Path | str | None 
         return removed
     prefix = validate_prefix(str(prefix_or_state_dir))
     removed = _cleanup_prefix(prefix)
-    (Path(state_dir) if state_dir is not None else default_state_dir()).joinpath(f"{prefix}.json").unlink(missing_ok=True)
+    base = Path(state_dir) if state_dir is not None else default_state_dir()
+    base.joinpath(f"{prefix}.json").unlink(missing_ok=True)
     return removed
 
 

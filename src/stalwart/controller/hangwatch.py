@@ -179,7 +179,8 @@ class HangWatch:
                 self._warmup_max = max(self._warmup_max, interval)
         else:
             # the first report's distance from the start is a warm-up interval too
-            self._warmup_max = max(self._warmup_max, t - self.started_at)
+            if self.started_at is not None:
+                self._warmup_max = max(self._warmup_max, t - self.started_at)
         st.step, st.step_t = step, t
         self._latched = None
 
@@ -335,7 +336,7 @@ def anomaly(loss_history: Sequence[float], grad_norm: Sequence[float] | float | 
     elif isinstance(grad_norm, (int, float)) and not isinstance(grad_norm, bool):
         grads = [float(grad_norm)]
     else:
-        grads = _finite_values("grad_norm", grad_norm)
+        grads = _finite_values("grad_norm", grad_norm)  # type: ignore[arg-type]  # a bool is refused there
     for name, hist in (("loss", losses), ("grad norm", grads)):
         if hist:
             why = _jump(name, hist, factor, window, min_history)

@@ -97,7 +97,8 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
             rows = [r for r in by_check.get("inter", []) if tuple(r.get("pair", ())) == key]
             ok = bool(rows) and all(r.get("ok") for r in rows)
             mbps = [(r.get("measure") or {}).get("mbps") for r in rows if r.get("ok")]
-            pair_res[(i, j)] = {"ok": ok, "mbps": min(mbps) if ok and mbps and None not in mbps else None,
+            known = [v for v in mbps if v is not None]
+            pair_res[(i, j)] = {"ok": ok, "mbps": min(known) if ok and known and len(known) == len(mbps) else None,
                                 "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
                                 or ("no result" if not rows else "")}
         judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS)
@@ -108,8 +109,8 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
             links.append([slots[i], slots[j]])
     digests = {f"{r['machine']}/{r.get('local_rank', 0)}": (r.get("measure") or {}).get("digest", "")
                for r in by_check.get("align", []) if r.get("ok")}
-    for key in judge_digests(digests):
-        m = key.split("/")[0]
+    for digest_key in judge_digests(digests):
+        m = digest_key.split("/")[0]
         bad.setdefault(m, "bitwise alignment: its result differs from the other machines'")
     return {"bad": bad, "links": links, "pairs": pairs_summary,
             "checks": sorted(by_check)}

@@ -96,8 +96,9 @@ class PeerWatch:
         metrics = [k for k in METRICS if all(any(k in self.rows[m][b] for b in have) for m in machines)]
         if not metrics:
             return None, {"samples": len(have)}
-        series: dict[Hashable, np.ndarray] = {m: np.array([[self.rows[m][b].get(k, np.nan) for k in metrics] for b in have])
-                  for m in machines}
+        series: dict[Hashable, np.ndarray] = {
+            m: np.array([[self.rows[m][b].get(k, np.nan) for k in metrics] for b in have])
+            for m in machines}
         found = detect(series, metrics, now_index=len(have) - 1, window=WINDOW,
                        start_index=len(have) - 1, rel_floor=REL_FLOOR)
         if not found:

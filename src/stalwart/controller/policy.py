@@ -110,8 +110,10 @@ def silent_during_stop(awaiting: Iterable[str], last_heard: Mapping[str, float |
     open the evidence already points at a failure and every live agent answers the stop at once
     (its heartbeats go on meanwhile), so a shorter silence is enough to act on.
     """
-    return sorted(m for m in awaiting
-                  if last_heard.get(m) is None or now - last_heard[m] >= beats * heartbeat_s)
+    def silent(m: str) -> bool:
+        heard = last_heard.get(m)
+        return heard is None or now - heard >= beats * heartbeat_s
+    return sorted(m for m in awaiting if silent(m))
 
 
 def cause_in_hand(planned: bool, exits: tuple[Exit, ...], alerts: tuple[Alert, ...],
