@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from stalwart import auth
 from stalwart.chaos import catalogue
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.errors import StalwartError
@@ -39,17 +40,28 @@ def cmd_controller(a) -> int:
     host, _, port = a.listen.rpartition(":")
     if not port.isdigit():
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise UserError("--tls-cert and --tls-key go together")
+    try:
+        token = auth.controller_token(a.state_dir, a.token_file)
+        tls = auth.server_tls(a.tls_cert, a.tls_key) if a.tls_cert else None
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    token_path = a.token_file or os.path.join(a.state_dir, auth.TOKEN_FILE)
+    if auth.loose_permissions(token_path):
+        logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
     ctl = Controller(a.db, a.state_dir, store_host=store_host,
                      heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
-    srv = ApiServer(ctl, host or "0.0.0.0", int(port))
+    srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
     if a.port_file:
         tmp = a.port_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(srv.port))
         os.replace(tmp, a.port_file)
-    logging.getLogger("stalwart").info("controller listening on %s:%s", host, srv.port)
+    logging.getLogger("stalwart").info("controller listening on %s://%s:%s (token in %s)",
+                                       "https" if tls else "http", host, srv.port, token_path)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -72,7 +84,18 @@ def cmd_controller(a) -> int:
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
     _setup_logging(a.log_level)
-    agent = Agent(a.controller, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+    try:
+        token = auth.client_token(a.token_file)
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    if token is None:
+        raise UserError(f"the agent needs the controller's token: --token-file FILE or ${auth.TOKEN_ENV} "
+                        f"(the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
+    try:
+        client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
                   address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
                   kmsg=a.kmsg, controller_file=a.controller_file)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
@@ -153,8 +176,9 @@ def cmd_run(a) -> int:
     cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
     try:
         cluster.start()
-        job = Client(cluster.url).post("/api/jobs", {"spec": spec.to_dict()})["job"]
-        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}", flush=True)
+        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
+        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
+              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
         prog = Progress()
         while True:
             st = _poll(cluster, f"/api/jobs/{job}")
@@ -168,7 +192,7 @@ def cmd_run(a) -> int:
         print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
         if job is not None:
             try:
-                Client(cluster.url, timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
+                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
             except (ControllerUnreachable, ApiError):
                 pass
         return 130
@@ -184,7 +208,7 @@ def _poll(cluster, path: str, patience_s: float = 90.0) -> dict:
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return Client(cluster.url, timeout=10).get(path)
+            return cluster.client(timeout=10).get(path)
         except ControllerUnreachable:
             if time.monotonic() > deadline:
                 raise
@@ -200,6 +224,17 @@ def _controller_url(a) -> str:
         raise UserError(f"no controller found for state dir {a.state_dir} (pass --controller URL)")
     with open(path) as f:
         return json.load(f)["url"]
+
+
+def _client(a, timeout: float) -> Client:
+    """A client of the controller of `a` (--controller or the state dir's), with its token
+    (--token-file, $STALWART_TOKEN or the state dir's token file) and --tls-ca."""
+    try:
+        return Client(_controller_url(a), timeout=timeout,
+                      token=auth.client_token(getattr(a, "token_file", None), a.state_dir),
+                      ca=getattr(a, "tls_ca", None))
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def _offline_report(a, job: str = "latest") -> dict:
@@ -220,7 +255,7 @@ def _offline_report(a, job: str = "latest") -> dict:
 
 def _report(a) -> dict:
     try:
-        return Client(_controller_url(a), timeout=5).get(f"/api/jobs/{a.job}")
+        return _client(a, 5).get(f"/api/jobs/{a.job}")
     except (UserError, ControllerUnreachable):
         if getattr(a, "controller", None):
             raise
@@ -232,7 +267,7 @@ def cmd_status(a) -> int:
         from stalwart.watch import watch
         if a.interval <= 0:
             raise UserError(f"--interval must be > 0 (got {a.interval})")
-        client = Client(_controller_url(a), timeout=10)
+        client = _client(a, 10)
         return watch(lambda: client.get(f"/api/jobs/{a.job}"), a.interval)
     rep = _report(a)
     live = rep.get("live") or {}
@@ -256,10 +291,9 @@ def cmd_report(a) -> int:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
     if a.html:
-        url = a.controller or (_controller_url(a) if os.path.exists(os.path.join(a.state_dir, "controller.json"))
-                               else None)
+        live = a.controller or os.path.exists(os.path.join(a.state_dir, "controller.json"))
         with open(a.html, "w") as f:
-            f.write(render(rep, load_series(url, a.state_dir, rep["job_id"])))
+            f.write(render(rep, load_series(_client(a, 10) if live else None, a.state_dir, rep["job_id"])))
     print(summary(rep))
     return 0
 
@@ -271,7 +305,7 @@ def cmd_inject(a) -> int:
         if "=" not in kv:
             raise UserError(f"--param takes KEY=VALUE (got {kv!r})")
         text += "," + kv
-    out = Client(_controller_url(a), timeout=5).post(f"/api/jobs/{a.job}/inject", {"chaos": text})
+    out = _client(a, 5).post(f"/api/jobs/{a.job}/inject", {"chaos": text})
     print(f"injected {out['chaos']['kind']} on m{out['chaos']['machine']}")
     return 0
 
@@ -282,7 +316,7 @@ def cmd_update(a) -> int:
         raise UserError(f"--code {a.code} is not a directory")
     mode = "urgent" if a.urgent else ("window" if a.window and a.only_window else "lazy")
     window = parse_duration(a.window) if a.window else None
-    row = Client(_controller_url(a), timeout=60).post(
+    row = _client(a, 60).post(
         f"/api/jobs/{a.job}/versions", {"code": os.path.abspath(a.code), "mode": mode, "window_s": window})
     when = {"urgent": "now", "lazy": "at the next failure" + (f" or within {a.window}" if a.window else ""),
             "window": f"when its window ({a.window}) expires"}[mode]
@@ -291,7 +325,7 @@ def cmd_update(a) -> int:
 
 
 def cmd_versions(a) -> int:
-    vs = Client(_controller_url(a), timeout=10).get(f"/api/jobs/{a.job}/versions")["versions"]
+    vs = _client(a, 10).get(f"/api/jobs/{a.job}/versions")["versions"]
     for v in vs:
         print(f"{v['id']:>3} {v['hash'][:12]} {v['status']:<11} {v['mode']:<6} {v['source']}"
               + (f"  ({v['reason']})" if v.get("reason") else ""))
@@ -300,7 +334,7 @@ def cmd_versions(a) -> int:
 
 def cmd_machines(a) -> int:
     try:
-        ms = Client(_controller_url(a), timeout=5).get("/api/machines")["machines"]
+        ms = _client(a, 5).get("/api/machines")["machines"]
     except (UserError, ControllerUnreachable):
         ms = _offline_report(a)["machines"]
     for m in ms:
@@ -343,6 +377,12 @@ def cmd_cleanup(a) -> int:
 
 
 # -- parser ---------------------------------------------------------------------------------
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV}, else "
+                                        f"<state-dir>/{auth.TOKEN_FILE})")
+    p.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stalwart",
                                 description="Keep large PyTorch training jobs training through failures.")
@@ -354,7 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("controller", help="run the controller service")
     c.add_argument("--db", default=f"sqlite:///{DEFAULT_STATE}/stalwart.db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…)")
-    c.add_argument("--listen", default="0.0.0.0:7420", help="HOST:PORT for the HTTP API (port 0 = any)")
+    c.add_argument("--listen", default="127.0.0.1:7420",
+                   help="HOST:PORT for the HTTP API (port 0 = any; default: this host only; 0.0.0.0:7420 for all)")
+    c.add_argument("--token-file", help=f"the API's bearer token (default: <state-dir>/{auth.TOKEN_FILE}, made "
+                                        "on first start, mode 0600)")
+    c.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    c.add_argument("--tls-key", help="the certificate's private key (PEM)")
     c.add_argument("--state-dir", default=DEFAULT_STATE)
     c.add_argument("--store-host", help="address workers use to reach this host's rendezvous store")
     c.add_argument("--port-file", help="write the bound port here once listening")
@@ -375,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
     g.add_argument("--kmsg", help="kernel log to follow (default: a per-machine file the chaos tool writes;"
                                   " /dev/kmsg on a real machine)")
+    g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
+    g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
                                              "address from when it is unreachable (it may restart elsewhere)")
     g.set_defaults(fn=cmd_agent)
@@ -405,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=hlp)
         s.add_argument("--state-dir", default=DEFAULT_STATE)
         s.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
+        _client_options(s)
         s.add_argument("--job", default="latest")
         if name == "status":
             s.add_argument("--watch", action="store_true", help="refresh in place until the job ends "
@@ -424,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "fraction=0.1, times=3), repeatable")
     i.add_argument("--state-dir", default=DEFAULT_STATE)
     i.add_argument("--controller")
+    _client_options(i)
     i.add_argument("--job", default="latest")
     i.set_defaults(fn=cmd_inject)
 
@@ -438,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     for x, fn in ((u, cmd_update), (v, cmd_versions)):
         x.add_argument("--state-dir", default=DEFAULT_STATE)
         x.add_argument("--controller")
+        _client_options(x)
         x.add_argument("--job", default="latest")
         x.set_defaults(fn=fn)
 

@@ -6,6 +6,8 @@ import json
 import urllib.error
 import urllib.request
 
+from stalwart import auth
+
 
 class ControllerUnreachable(RuntimeError):
     """The controller did not answer (not running, wrong address, network down)."""
@@ -20,19 +22,31 @@ class ApiError(RuntimeError):
 
 
 class Client:
-    def __init__(self, url: str, timeout: float = 10.0):
+    """`token`: the controller's bearer token (None: $STALWART_TOKEN when set); `ca`: the CA file
+    that signed an https controller's certificate (None: the system's authorities)."""
+
+    def __init__(self, url: str, timeout: float = 10.0, token: str | None = None, ca: str | None = None):
         if "://" not in url:
             url = "http://" + url
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.token = token if token is not None else auth.client_token()
+        self.ca = ca
+        self._tls = auth.client_tls(ca) if self.url.startswith("https://") else None
+
+    def with_url(self, url: str) -> "Client":
+        """The same credentials for a controller that moved."""
+        return Client(url, timeout=self.timeout, token=self.token, ca=self.ca)
 
     def request(self, method: str, path: str, body: dict | None = None,
                 timeout: float | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout, context=self._tls) as resp:
                 return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as e:
             try:

@@ -10,7 +10,12 @@ import html
 import json
 import os
 
+from typing import TYPE_CHECKING
+
 from stalwart.plots import COLORS, Mark, Series, line_chart, stacked_bars
+
+if TYPE_CHECKING:
+    from stalwart.client import Client
 
 PHASES = ("detection", "localization", "failover", "lost_progress", "hot_update")
 CSS = """body{font-family:sans-serif;margin:2em;color:#1f2937;max-width:1400px}
@@ -102,13 +107,13 @@ def render(rep: dict, series: dict | None = None) -> str:
 </body></html>"""
 
 
-def load_series(url: str | None, state_dir: str, job_id: int) -> dict | None:
-    """The series of a job for the report: from the controller at ``url`` when it answers, else
-    from the state dir's store; None when neither has it."""
-    from stalwart.client import ApiError, Client, ControllerUnreachable
-    if url:
+def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | None:
+    """The series of a job for the report: from the controller `client` talks to when it
+    answers, else from the state dir's store; None when neither has it."""
+    from stalwart.client import ApiError, ControllerUnreachable
+    if client is not None:
         try:
-            return Client(url, timeout=10).get(f"/api/jobs/{job_id}/series?points=200")
+            return client.get(f"/api/jobs/{job_id}/series?points=200")
         except (ApiError, ControllerUnreachable):
             pass
     db = os.path.join(state_dir, "stalwart.db")

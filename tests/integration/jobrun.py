@@ -5,7 +5,7 @@ import sys
 import time
 
 from stalwart.backends.local import LocalCluster
-from stalwart.client import Client, ControllerUnreachable
+from stalwart.client import ControllerUnreachable
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -35,10 +35,10 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
                            db_url=db_url)
     try:
         cluster.start()
-        job = Client(cluster.url).post("/api/jobs", {"spec": js.to_dict()})["job"]
+        job = cluster.client().post("/api/jobs", {"spec": js.to_dict()})["job"]
         deadline = time.monotonic() + timeout
         while True:
-            client = Client(cluster.url)
+            client = cluster.client()
             client.cluster = cluster          # type: ignore[attr-defined]
             try:
                 st = client.get(f"/api/jobs/{job}")

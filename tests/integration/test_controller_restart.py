@@ -16,6 +16,7 @@ import pytest
 
 from jobrun import gpt_spec, wait_for
 from pgserver import PgServer, unavailable_reason
+from stalwart.auth import create_token_file
 from stalwart.agent.workers import kill_tree
 from stalwart.backends.local import LocalCluster
 from stalwart.client import Client, ControllerUnreachable
@@ -47,13 +48,15 @@ def alive_machines(client):
 def test_agent_reregisters_after_controller_restart(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    token = create_token_file(str(tmp_path / "token"))      # the controller uses its state dir's
     procs = [controller(tmp_path, port)]
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "stalwart.cli", "agent", "--controller", url,
                                        "--machine-id", "m0", "--workdir", str(tmp_path / "m0"),
+                                       "--token-file", str(tmp_path / "token"),
                                        "--heartbeat", "0.3"], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
-        client = Client(url, timeout=2)
+        client = Client(url, timeout=2, token=token)
         assert wait_for(lambda: alive_machines(client) == {"m0"})
         kill_tree(procs[0].pid)
         procs[0].wait(timeout=10)
@@ -73,7 +76,7 @@ def status(cluster, job):
     deadline = time.monotonic() + 90
     while True:
         try:
-            return Client(cluster.url, timeout=10).get(f"/api/jobs/{job}")
+            return cluster.client(timeout=10).get(f"/api/jobs/{job}")
         except ControllerUnreachable:
             assert time.monotonic() < deadline, "the controller did not come back"
             time.sleep(0.2)
@@ -112,7 +115,7 @@ def start(state_dir, spec: dict, db_url=None) -> tuple[LocalCluster, int, JobSpe
     cluster = LocalCluster(str(state_dir), total, js.gpus_per_machine, heartbeat_s=js.policy.heartbeat_s,
                            missed_beats=js.policy.missed_beats, db_url=db_url)
     cluster.start()
-    job = Client(cluster.url).post("/api/jobs", {"spec": js.to_dict()})["job"]
+    job = cluster.client().post("/api/jobs", {"spec": js.to_dict()})["job"]
     return cluster, job, js
 
 
@@ -134,7 +137,7 @@ def killed_at_step_30(tmp_path, db_url=None):
         assert "control_plane" in parts
         assert abs(sum(parts.values()) - (rep["wall_s"] - rep["productive_s"])) < 1e-2
         # the machines went back to the pool: a second job starts and runs
-        second = Client(cluster.url).post("/api/jobs", {"spec": JobSpec.from_dict(
+        second = cluster.client().post("/api/jobs", {"spec": JobSpec.from_dict(
             gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=5)).to_dict()})["job"]
         rep2 = finish(cluster, second, timeout=180)
         assert rep2["state"] == "succeeded" and rep2["steps_completed"] == 5, rep2.get("reason")

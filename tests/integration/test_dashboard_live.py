@@ -20,7 +20,6 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.support.ui import WebDriverWait
 
 from stalwart.backends.local import LocalCluster
-from stalwart.client import Client
 from stalwart.controller.pool import standby_count
 from stalwart.spec import JobSpec
 
@@ -29,10 +28,11 @@ CLI = [sys.executable, "-m", "stalwart.cli"]
 EVICTED_RED = "#dc2626"
 
 
-def scrape(url: str) -> tuple[dict, float]:
+def scrape(url: str, token: str) -> tuple[dict, float]:
     """{(sample name, sorted labels): value} of one scrape of /metrics, and its seconds."""
     t = time.perf_counter()
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = r.read().decode()
     took = time.perf_counter() - t
@@ -78,20 +78,20 @@ def cluster(tmp_path):
     c = LocalCluster(str(tmp_path), spec.machines + standby_count(spec), spec.gpus_per_machine,
                      heartbeat_s=spec.policy.heartbeat_s, missed_beats=spec.policy.missed_beats)
     try:
-        url = c.start()
-        yield url, spec
+        c.start()
+        yield c, spec
     finally:
         c.stop()
 
 
 @pytest.mark.timeout(240)
 def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_path):
-    url, spec = cluster
-    client = Client(url)
+    c, spec = cluster
+    url, client = c.url, c.client()
     driver = start_browser(1400, 1700)
     try:
         job = client.post("/api/jobs", {"spec": spec.to_dict()})["job"]
-        driver.get(url + "/")
+        driver.get(f"{url}/#token={c.token}")
         WebDriverWait(driver, 30).until(lambda d: d.execute_script(
             "return !!(window.stalwartDash && window.stalwartDash.state.ready)"))
 
@@ -132,10 +132,10 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         screenshot(driver, "dashboard-live.png")
 
         # /metrics during the job: the incident counter, the ETTR gauge, request latency
-        before, took = scrape(url)
+        before, took = scrape(url, c.token)
         for _ in range(5):
             client.get("/api/health")
-        during, took2 = scrape(url)
+        during, took2 = scrape(url, c.token)
         rep = client.get(f"/api/jobs/{job}")
         assert value(during, "stalwart_incidents_total", symptom="gpu_xid", category="explicit",
                      mechanism="evict_restart") == 1
@@ -164,7 +164,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
 
         # /metrics after the end equals the report
         time.sleep(1.1)                       # past the views' 1 s cache of the report
-        final, _ = scrape(url)
+        final, _ = scrape(url, c.token)
         [inc] = rep["incidents"]
         assert value(final, "stalwart_ettr_ratio") == rep["ettr"]
         assert value(final, "stalwart_ettr_window_ratio") == rep["window_ettr"]

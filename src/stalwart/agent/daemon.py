@@ -36,11 +36,11 @@ FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
 class Agent:
-    def __init__(self, controller_url: str, machine_id: str, workdir: str, address: str = "127.0.0.1",
+    def __init__(self, client: Client, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
                  kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
                  controller_file: str | None = None):
-        self.client = Client(controller_url, timeout=10)
+        self.client = client        # the controller's address and credentials (token, CA)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
         self.machine_id = machine_id
@@ -189,7 +189,7 @@ class Agent:
             return
         if url != self.client.url:
             log.info("controller moved to %s", url)
-            self.client = Client(url, timeout=10)
+            self.client = self.client.with_url(url)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():

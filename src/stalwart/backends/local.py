@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Callable
 
+from stalwart import auth
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.client import Client, ControllerUnreachable
 
@@ -48,6 +49,7 @@ class LocalCluster:
         self.controller: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.url: str | None = None
+        self.token: str | None = None
         self.network_mode = network
         self.net = None                    # backends.netns.Network when machines have their own network
         self.network_file: str | None = None
@@ -60,6 +62,16 @@ class LocalCluster:
     @property
     def controller_file(self) -> str:
         return os.path.join(self.state_dir, "controller.json")
+
+    @property
+    def token_file(self) -> str:
+        return os.path.join(self.state_dir, auth.TOKEN_FILE)
+
+    def client(self, timeout: float = 10.0) -> Client:
+        """A client of this cluster's controller, with its token."""
+        if self.url is None:
+            raise RuntimeError("the cluster is not started")
+        return Client(self.url, timeout=timeout, token=self.token)
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
@@ -81,6 +93,8 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> str:
         os.makedirs(self.state_dir, exist_ok=True)
         cleanup_stale(self.state_dir)
+        # the API's token: the controller reads the same file (its state dir's), agents get its path
+        self.token = auth.create_token_file(self.token_file)
         self.store_host = self._start_network()
         self._stopping.clear()
         # a fresh cluster: jobs an earlier one left in this state dir cannot be resumed
@@ -171,13 +185,14 @@ class LocalCluster:
         extra = ["--network-file", self.network_file] if self.network_file else []
         self.agents[machine] = self._spawn(
             _python() + ["agent", "--controller", self.url, "--machine-id", machine,
+                         "--token-file", self.token_file,
                          "--controller-file", self.controller_file] + extra + [
                          "--workdir", os.path.join(self.state_dir, "machines", machine),
                          "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s),
                          "--log-level", self.log_level], f"agent-{machine}.log")
 
     def wait_registered(self, timeout: float) -> None:
-        client = Client(self.url)
+        client = self.client()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import ssl
+import sys
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from stalwart import auth
 from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.metrics import ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, newest_status
@@ -148,7 +151,9 @@ class Api:
         return render_html(self.ctl.status(self.ctl.resolve_job(job)), self.views.series(job, 0, 200))
 
 
-def make_handler(api: Api):
+def make_handler(api: Api, token: str | None = None):
+    """`token`: the bearer token every non-public route needs (None: no check, for tests that
+    serve a synthetic state in-process)."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -158,6 +163,14 @@ def make_handler(api: Api):
         def _dispatch(self, method: str) -> None:
             self._t0, self._route = time.perf_counter(), "unmatched"   # request latency, by route
             url = urllib.parse.urlparse(self.path)
+            if token is not None and not auth.is_public(url.path):
+                ok, why = auth.bearer_ok(self.headers.get("Authorization"), token)
+                if not ok:      # before the body is read: nothing of the request is looked at
+                    log.warning("refused %s %s from %s: %s", method, url.path, self.client_address[0], why)
+                    self.close_connection = True
+                    return self._reply(401, {"error": f"unauthorized ({why}): give the controller's token "
+                                                      f"(--token-file or ${auth.TOKEN_ENV})"},
+                                       {"WWW-Authenticate": 'Bearer realm="stalwart"'})
             query = urllib.parse.parse_qs(url.query)
             body = {}
             n = int(self.headers.get("Content-Length") or 0)
@@ -185,7 +198,7 @@ def make_handler(api: Api):
                     return self._reply(200, out)
             self._reply(404, {"error": f"no route {method} {url.path}"})
 
-        def _reply(self, code: int, out) -> None:
+        def _reply(self, code: int, out, headers: dict[str, str] | None = None) -> None:
             if isinstance(out, Raw):
                 data, ctype = out
             elif isinstance(out, str):
@@ -195,6 +208,10 @@ def make_handler(api: Api):
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
             api.prom.observe_request(self._route, self.command, code, time.perf_counter() - self._t0)
@@ -208,10 +225,29 @@ def make_handler(api: Api):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ssl.SSLError, ConnectionError, TimeoutError)):
+            # a TLS handshake that failed (plain HTTP on the HTTPS port, an untrusted client) or a
+            # peer that went away: one line, not a traceback
+            log.warning("connection from %s dropped: %s", client_address[0], exc)
+            return
+        super().handle_error(request, client_address)
+
+
 class ApiServer:
-    def __init__(self, ctl: Controller, host: str, port: int):
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(Api(ctl)))
-        self.httpd.daemon_threads = True
+    """The API on `host:port`; with `token`, every non-public route needs it; with `tls` (a server
+    SSLContext), HTTPS (the handshake runs in the request's thread, never in the accept loop)."""
+
+    def __init__(self, ctl: Controller, host: str, port: int, token: str | None = None,
+                 tls: ssl.SSLContext | None = None):
+        self.httpd = _Server((host, port), make_handler(Api(ctl), token))
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True,
+                                                do_handshake_on_connect=False)
         self.port = self.httpd.server_address[1]
         # a short poll interval: shutdown() waits for the loop to look (0.5 s by default)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},

@@ -25,9 +25,22 @@ const esc = (s) => String(s === null || s === undefined ? "" : s).replace(/[&<>"
   (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 const fmt = (v, d = 3) => (v === null || v === undefined || Number.isNaN(v)) ? "–" : Number(v).toFixed(d);
 
+// The API's token comes in the URL's fragment (#token=..., never sent to a server nor logged),
+// is kept for this tab only (sessionStorage) and taken out of the address bar.
+const TOKEN = (() => {
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem("stalwartToken", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("stalwartToken") || "";
+})();
+
 async function getJSON(path) {
-  const r = await fetch(path, {cache: "no-store"});
+  const r = await fetch(path, {cache: "no-store", headers: TOKEN ? {Authorization: `Bearer ${TOKEN}`} : {}});
   const body = await r.json();
+  if (r.status === 401) throw new Error("the controller wants its token: open the dashboard at the address " +
+                                        "`stalwart run` or `stalwart status` prints (…/#token=…)");
   if (!r.ok) throw new Error(body.error || `${r.status} ${path}`);
   return body;
 }

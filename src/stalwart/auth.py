@@ -1,0 +1,117 @@
+"""Who may use the controller's API: one bearer token, and optional TLS.
+
+Anyone who can call the API runs code on every machine (a job is a command), so every route that
+reads or changes a job needs the token. `stalwart controller` creates it on first start (random,
+in `<state-dir>/token`, mode 0600) unless given `--token-file`; agents and the CLI read it from
+`--token-file`, the environment (`STALWART_TOKEN`) or, on the controller's host, the state dir.
+What stays open: `/api/health` (a liveness probe) and the dashboard's page and static files (they
+hold no data; the page asks the API with the token it was given in the URL's fragment).
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import ssl
+import stat
+
+TOKEN_FILE = "token"
+TOKEN_ENV = "STALWART_TOKEN"
+PUBLIC_PATHS = ("/", "/api/health")
+PUBLIC_PREFIXES = ("/static/",)
+
+
+class AuthConfigError(ValueError):
+    """A token or certificate file that cannot be used (the message says which and why)."""
+
+
+def read_token_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise AuthConfigError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise AuthConfigError(f"the token file {path} is empty")
+    if any(c.isspace() for c in token):
+        raise AuthConfigError(f"the token file {path} holds more than one word")
+    return token
+
+
+def create_token_file(path: str) -> str:
+    """The token in `path`, made (random, mode 0600) when the file does not exist yet. Creating is
+    atomic (O_EXCL): two processes starting at once agree on one token."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token_file(path)
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def controller_token(state_dir: str, token_file: str | None = None) -> str:
+    """The token a controller checks: `token_file` when given (it must exist), else the state
+    dir's own (made on first start)."""
+    if token_file:
+        return read_token_file(token_file)
+    return create_token_file(os.path.join(state_dir, TOKEN_FILE))
+
+
+def loose_permissions(path: str) -> bool:
+    """Whether others than the owner may read the file (worth a warning, not a refusal)."""
+    try:
+        return bool(os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO))
+    except OSError:
+        return False
+
+
+def client_token(token_file: str | None = None, state_dir: str | None = None) -> str | None:
+    """The token a client sends: `--token-file`, else $STALWART_TOKEN, else the state dir's
+    token file when this host has it (the local cluster, the controller's own host)."""
+    if token_file:
+        return read_token_file(token_file)
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    if env:
+        return env
+    if state_dir:
+        path = os.path.join(state_dir, TOKEN_FILE)
+        if os.path.exists(path):
+            return read_token_file(path)
+    return None
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def bearer_ok(header: str | None, token: str) -> tuple[bool, str]:
+    """Whether an Authorization header carries the token, and if not, why (for the log)."""
+    if not header:
+        return False, "no token"
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return False, "not a bearer token"
+    if not hmac.compare_digest(value.strip().encode(), token.encode()):
+        return False, "wrong token"
+    return True, ""
+
+
+def server_tls(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise AuthConfigError(f"cannot load the TLS certificate {cert} / key {key}: {e}") from None
+    return ctx
+
+
+def client_tls(ca: str | None) -> ssl.SSLContext:
+    """Verify the controller's certificate against `ca` (else the system's authorities)."""
+    try:
+        return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    except (OSError, ssl.SSLError) as e:
+        raise AuthConfigError(f"cannot load the CA file {ca}: {e}") from None
