@@ -4,7 +4,7 @@ Anyone who can call the API runs code on every machine (a job is a command), so 
 reads or changes a job needs the token. `stalwart controller` creates it on first start (random,
 in `<state-dir>/token`, mode 0600) unless given `--token-file`; agents and the CLI read it from
 `--token-file`, the environment (`STALWART_TOKEN`) or, on the controller's host, the state dir.
-What stays open: `/api/health` (a liveness probe) and the dashboard's page and static files (they
+What stays open: `/api/health` (a liveness probe), `/api/openapi.json` and the dashboard's page and static files (they
 hold no data; the page asks the API with the token it was given in the URL's fragment).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import stat
 
 TOKEN_FILE = "token"
 TOKEN_ENV = "STALWART_TOKEN"
-PUBLIC_PATHS = ("/", "/api/health")
+PUBLIC_PATHS = ("/", "/api/health", "/api/openapi.json")
 PUBLIC_PREFIXES = ("/static/",)
 
 

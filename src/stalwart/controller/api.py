@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import ssl
 import sys
 import threading
@@ -15,7 +14,10 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stalwart import auth
+import msgspec
+
+from stalwart import __version__, auth, protocol
+from stalwart.controller import api_models as models
 from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.metrics import ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, newest_status
@@ -24,43 +26,6 @@ from stalwart.errors import InvalidRequest, StalwartError
 from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
-MAX_BODY = 8 << 20
-
-ROUTES: list[tuple[str, re.Pattern, str]] = [
-    ("POST", re.compile(r"^/api/agents/([^/]+)/register$"), "agent_register"),
-    ("POST", re.compile(r"^/api/agents/([^/]+)/heartbeat$"), "agent_heartbeat"),
-    ("POST", re.compile(r"^/api/agents/([^/]+)/events$"), "agent_events"),
-    ("GET", re.compile(r"^/api/agents/([^/]+)/commands$"), "agent_commands"),
-    ("POST", re.compile(r"^/api/jobs$"), "job_submit"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)$"), "job_status"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/report$"), "job_status"),
-    ("POST", re.compile(r"^/api/jobs/([^/]+)/inject$"), "job_inject"),
-    ("POST", re.compile(r"^/api/jobs/([^/]+)/cancel$"), "job_cancel"),
-    ("POST", re.compile(r"^/api/jobs/([^/]+)/versions$"), "job_update"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/versions$"), "job_versions"),
-    ("GET", re.compile(r"^/api/machines$"), "machines"),
-    ("GET", re.compile(r"^/api/health$"), "health"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/dashboard$"), "job_dashboard"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/series$"), "job_series"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/incidents/(\d+)$"), "job_incident"),
-    ("GET", re.compile(r"^/api/jobs/([^/]+)/report\.html$"), "job_report_html"),
-    ("GET", re.compile(r"^/metrics$"), "metrics"),
-    ("GET", re.compile(r"^/static/([A-Za-z0-9_.-]+)$"), "static"),
-    ("GET", re.compile(r"^/$"), "dashboard"),
-]
-
-
-def _field(body: dict, name: str, kind: type | tuple[type, ...] = str, default=...):
-    """A request field of the expected type (InvalidRequest names it when it is missing or wrong)."""
-    if name not in body:
-        if default is ...:
-            raise InvalidRequest(f"missing field {name!r}")
-        return default
-    value = body[name]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise InvalidRequest(f"field {name!r} has the wrong type ({type(value).__name__})")
-    return value
-
 
 def _int_query(q: dict, name: str, default: int) -> int:
     try:
@@ -80,15 +45,16 @@ class Api:
         source = ControllerSource(ctl)
         self.views = DashboardViews(source)
         self.prom = ControllerMetrics(lambda: newest_status(source), source.machines)
+        self._openapi = models.openapi(models.ROUTES, __version__)
 
-    def agent_register(self, m, q, body):
+    def agent_register(self, m, q, body: protocol.Registration):
         return self.ctl.register(m, body)
 
-    def agent_heartbeat(self, m, q, body):
-        return self.ctl.heartbeat(m, body)
+    def agent_heartbeat(self, m, q, body: models.Heartbeat):
+        return self.ctl.heartbeat(m)
 
-    def agent_events(self, m, q, body):
-        self.ctl.agent_events(m, _field(body, "events", list, []))
+    def agent_events(self, m, q, body: models.AgentEvents):
+        self.ctl.agent_events(m, body.events)
         return {"ok": True}
 
     def agent_commands(self, m, q, body):
@@ -98,26 +64,21 @@ class Api:
             raise InvalidRequest("wait must be a number of seconds") from None
         return {"commands": self.ctl.commands(m, wait)}
 
-    def job_submit(self, q, body):
-        spec = body.get("spec", body)
-        if not isinstance(spec, dict):
-            raise InvalidRequest("the job spec must be a JSON object")
-        return {"job": self.ctl.submit(spec)}
+    def job_submit(self, q, body: models.SubmitJob):
+        return {"job": self.ctl.submit(body.spec)}
 
     def job_status(self, job, q, body):
         return self.ctl.status(self.ctl.resolve_job(job))
 
-    def job_inject(self, job, q, body):
-        return self.ctl.inject(self.ctl.resolve_job(job), _field(body, "chaos"))
+    def job_inject(self, job, q, body: models.InjectChaos):
+        return self.ctl.inject(self.ctl.resolve_job(job), body.chaos)
 
-    def job_cancel(self, job, q, body):
-        self.ctl.cancel(self.ctl.resolve_job(job), _field(body, "reason", str, "cancelled by the user"))
+    def job_cancel(self, job, q, body: models.CancelJob):
+        self.ctl.cancel(self.ctl.resolve_job(job), body.reason)
         return {"ok": True}
 
-    def job_update(self, job, q, body):
-        return self.ctl.register_version(self.ctl.resolve_job(job), _field(body, "code"),
-                                         _field(body, "mode", str, "lazy"),
-                                         _field(body, "window_s", (int, float, type(None)), None))
+    def job_update(self, job, q, body: models.UpdateCode):
+        return self.ctl.register_version(self.ctl.resolve_job(job), body.code, body.mode, body.window_s)
 
     def job_versions(self, job, q, body):
         return {"versions": self.ctl.list_versions(self.ctl.resolve_job(job))}
@@ -127,6 +88,9 @@ class Api:
 
     def health(self, q, body):
         return {"ok": True}
+
+    def openapi(self, q, body):
+        return self._openapi
 
     # -- the operator's view (controller/dashboard.py, controller/metrics.py): read-only --------
     def dashboard(self, q, body):
@@ -172,24 +136,26 @@ def make_handler(api: Api, token: str | None = None):
                                                       f"(--token-file or ${auth.TOKEN_ENV})"},
                                        {"WWW-Authenticate": 'Bearer realm="stalwart"'})
             query = urllib.parse.parse_qs(url.query)
-            body = {}
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > MAX_BODY:
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if n < 0 or n > models.MAX_BODY:
                 self.close_connection = True
-                return self._reply(413, {"error": f"request body over {MAX_BODY} bytes"})
-            if n:
-                try:
-                    body = json.loads(self.rfile.read(n))
-                except ValueError:
-                    return self._reply(400, {"error": "request body is not JSON"})
-                if not isinstance(body, dict):
-                    return self._reply(400, {"error": "request body must be a JSON object"})
-            for meth, pat, name in ROUTES:
-                m = pat.match(url.path)
-                if m and meth == method:
-                    self._route = name
+                return self._reply(413 if n > 0 else 400,
+                                   {"error": f"request body over {models.MAX_BODY} bytes" if n > 0
+                                    else "bad Content-Length"})
+            raw = self.rfile.read(n) if n else b""
+            for route in models.ROUTES:
+                m = route.pattern.match(url.path)
+                if m and route.method == method:
+                    self._route = route.handler
                     try:
-                        out = getattr(api, name)(*m.groups(), query, body)
+                        body = models.decode(route, raw)
+                    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                        return self._reply(400, {"error": f"invalid request body: {e}"})
+                    try:
+                        out = getattr(api, route.handler)(*m.groups(), query, body)
                     except StalwartError as e:
                         return self._reply(e.status, {"error": str(e).strip("'\"")})
                     except Exception as e:

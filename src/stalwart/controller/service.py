@@ -152,9 +152,10 @@ class Controller:
         self.store.close()
 
     # -- machines ---------------------------------------------------------------------------------
-    def register(self, machine: str, body: dict) -> dict:
+    def register(self, machine: str, body: protocol.Registration | dict) -> dict:
         try:
-            reg = msgspec.convert(body, protocol.Registration, strict=False)
+            reg = body if isinstance(body, protocol.Registration) else \
+                msgspec.convert(body, protocol.Registration, strict=False)
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"registration of {machine}: {e}") from None
         now = time.time()
@@ -175,7 +176,7 @@ class Controller:
             runner.post(AgentBack(machine=machine, reg=reg))
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "role": state}
 
-    def heartbeat(self, machine: str, body: dict) -> dict:
+    def heartbeat(self, machine: str) -> dict:
         with self._lock:
             m = self._machines.get(machine)
             if m is None or not m["alive"]:

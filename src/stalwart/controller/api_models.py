@@ -1,0 +1,152 @@
+"""The API's request bodies as typed models, and the OpenAPI document built from them.
+
+msgspec, not pydantic: the agent protocol (`stalwart.protocol`) is msgspec already, so one library
+types the wire end to end, decodes JSON straight into the models (no dict in between) and gives
+JSON Schema for OpenAPI; it is also the faster of the two at the controller's hottest route (a
+batch of agent events).
+
+The operator's bodies reject unknown fields (a typo is an error that names the field, never a
+silently ignored option); the agents' bodies (registration, heartbeat, events) ignore them, so a
+newer agent may talk to an older controller during a rolling upgrade. Every string and list has a
+bound; the whole body is bounded by `MAX_BODY`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from stalwart import protocol
+
+MAX_BODY = 8 << 20
+MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
+Text = Annotated[str, Meta(max_length=1000)]
+Path_ = Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An operator's request body: unknown fields are refused."""
+
+
+class SubmitJob(Body):
+    """A job to run; `spec` is checked field by field by `stalwart.spec.JobSpec` (unknown fields of
+    the spec and of its policy are refused with their names, too)."""
+    spec: dict[str, Any]
+
+
+class InjectChaos(Body):
+    chaos: Annotated[str, Meta(min_length=1, max_length=1000,
+                               description="KIND@machine=M[,rank=R][,KEY=VALUE...] (see `stalwart inject -h`)")]
+
+
+class CancelJob(Body):
+    reason: Text = "cancelled by the user"
+
+
+class UpdateCode(Body):
+    code: Path_
+    mode: Literal["lazy", "urgent", "window"] = "lazy"
+    window_s: Annotated[float, Meta(gt=0)] | None = None
+
+
+class AgentEvents(msgspec.Struct, kw_only=True):
+    events: Annotated[list[dict[str, Any]], Meta(max_length=MAX_EVENTS)] = []
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    t: float = 0.0
+    workers: Any = None
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    template: str                        # /api/jobs/{job}: what OpenAPI shows
+    handler: str                         # the Api method
+    body: type | None = None             # the request model (POST)
+    summary: str = ""
+    public: bool = False                 # no token needed (see stalwart.auth)
+    pattern: re.Pattern = re.compile("")
+
+    @classmethod
+    def of(cls, method: str, template: str, handler: str, body: type | None = None, summary: str = "",
+           param: str = "[^/]+", public: bool = False) -> "Route":
+        rx = re.sub(r"\{(\w+)\}", lambda m: f"({r'[0-9]+' if m.group(1) == 'incident' else param})",
+                    re.escape(template).replace(r"\{", "{").replace(r"\}", "}"))
+        return cls(method, template, handler, body, summary, public, re.compile(f"^{rx}$"))
+
+
+def decode(route: Route, raw: bytes) -> Any:
+    """The body of a request to `route`, typed (msgspec.ValidationError/DecodeError name the
+    problem and the field)."""
+    if route.body is None:
+        return None
+    return msgspec.json.decode(raw or b"{}", type=route.body)
+
+
+def openapi(routes: list[Route], version: str) -> dict:
+    """An OpenAPI 3.1 document of `routes` (JSON Schema from the models)."""
+    models = sorted({r.body for r in routes if r.body is not None}, key=lambda t: t.__name__)
+    (schemas_of, components) = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+    refs = dict(zip(models, schemas_of))
+    paths: dict[str, dict] = {}
+    for r in routes:
+        op: dict[str, Any] = {"operationId": r.handler if r.method == "GET" else f"{r.handler}_{r.method.lower()}",
+                              "summary": r.summary or r.handler.replace("_", " "),
+                              "responses": {"200": {"description": "OK"},
+                                            "400": {"description": "invalid request (the message names the field)"},
+                                            "404": {"description": "no such job, incident or route"},
+                                            "413": {"description": f"body over {MAX_BODY} bytes"},
+                                            "500": {"description": "a bug in the controller"}}}
+        params = re.findall(r"\{(\w+)\}", r.template)
+        if params:
+            op["parameters"] = [{"name": p, "in": "path", "required": True,
+                                 "schema": {"type": "integer"} if p == "incident" else {"type": "string"}}
+                                for p in params]
+        if r.body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": refs[r.body]}}}
+        if not r.public:
+            op["responses"]["401"] = {"description": "no or wrong bearer token"}
+        else:
+            op["security"] = []
+        paths.setdefault(r.template, {})[r.method.lower()] = op
+    return {"openapi": "3.1.0",
+            "info": {"title": "stalwart controller API", "version": version},
+            "paths": paths,
+            "components": {"schemas": components,
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "security": [{"bearer": []}]}
+
+
+ROUTES: list[Route] = [
+    Route.of("POST", "/api/agents/{machine}/register", "agent_register", protocol.Registration,
+             "an agent (re-)registers with what it runs"),
+    Route.of("POST", "/api/agents/{machine}/heartbeat", "agent_heartbeat", Heartbeat, "an agent's heartbeat"),
+    Route.of("POST", "/api/agents/{machine}/events", "agent_events", AgentEvents, "a batch of an agent's events"),
+    Route.of("GET", "/api/agents/{machine}/commands", "agent_commands", None,
+             "an agent's commands (long poll: ?wait=SECONDS)"),
+    Route.of("POST", "/api/jobs", "job_submit", SubmitJob, "submit a job"),
+    Route.of("GET", "/api/jobs/{job}", "job_status", None, "a job's status and report (job: ID or 'latest')"),
+    Route.of("GET", "/api/jobs/{job}/report", "job_status", None, "the same"),
+    Route.of("POST", "/api/jobs/{job}/inject", "job_inject", InjectChaos, "inject a fault"),
+    Route.of("POST", "/api/jobs/{job}/cancel", "job_cancel", CancelJob, "cancel a job"),
+    Route.of("POST", "/api/jobs/{job}/versions", "job_update", UpdateCode, "register a code version (hot update)"),
+    Route.of("GET", "/api/jobs/{job}/versions", "job_versions", None, "a job's code versions"),
+    Route.of("GET", "/api/machines", "machines", None, "the machines and their states"),
+    Route.of("GET", "/api/jobs/{job}/dashboard", "job_dashboard", None, "the dashboard's overview"),
+    Route.of("GET", "/api/jobs/{job}/series", "job_series", None, "steps and ETTR series (?since=&points=)"),
+    Route.of("GET", "/api/jobs/{job}/incidents/{incident}", "job_incident", None, "one incident in full"),
+    Route.of("GET", "/api/jobs/{job}/report.html", "job_report_html", None, "the HTML report"),
+    Route.of("GET", "/metrics", "metrics", None, "Prometheus exposition"),
+]
+# open routes (stalwart.auth.is_public): liveness, this description, the dashboard's page shell
+ROUTES += [
+    Route.of("GET", "/api/health", "health", None, "liveness", public=True),
+    Route.of("GET", "/api/openapi.json", "openapi", None, "this document", public=True),
+    Route.of("GET", "/static/{name}", "static", None, "the dashboard's script and style",
+             param=r"[A-Za-z0-9_.-]+", public=True),
+    Route.of("GET", "/", "dashboard", None, "the dashboard's page", public=True),
+]

@@ -1,0 +1,102 @@
+"""Issue 12, item 2: typed request bodies (unknown fields and wrong types refused with the field's
+name), bounded sizes, a handler bug is a 500, and the OpenAPI document describes every route.
+A real controller and API server in this process, spoken to over a real socket."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from stalwart.controller.api import ApiServer
+from stalwart.controller.api_models import MAX_EVENTS, ROUTES
+from stalwart.controller.service import Controller
+
+TOKEN = "validation-test-token"
+
+
+@pytest.fixture
+def api(tmp_path):
+    ctl = Controller(f"sqlite:///{tmp_path}/stalwart.db", str(tmp_path))
+    srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
+    srv.start()
+    try:
+        yield ctl, f"http://127.0.0.1:{srv.port}"
+    finally:
+        srv.stop()
+        ctl.close()
+
+
+def call(url: str, method="GET", body=None, token=TOKEN) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+SPEC = {"machines": 1, "gpus_per_machine": 1, "steps": 1, "command": ["python", "-c", "pass"]}
+
+
+@pytest.mark.timeout(60)
+def test_unknown_fields_and_wrong_types_are_refused_with_their_names(api):
+    ctl, url = api
+    cases = [
+        ("POST", "/api/jobs", {"spec": SPEC, "priority": 3}, "priority"),
+        ("POST", "/api/jobs", {"spec": dict(SPEC, stepz=5)}, "stepz"),
+        ("POST", "/api/jobs", {"spec": dict(SPEC, policy={"heartbeat": 1})}, "heartbeat"),
+        ("POST", "/api/jobs", {"spec": [1, 2]}, "spec"),
+        ("POST", "/api/jobs", {}, "spec"),
+        ("POST", "/api/jobs/1/inject", {"chaos": "crash@machine=0", "when": 1}, "when"),
+        ("POST", "/api/jobs/1/inject", {"chaos": 7}, "chaos"),
+        ("POST", "/api/jobs/1/versions", {"code": "/x", "window_s": "soon"}, "window_s"),
+        ("POST", "/api/jobs/1/versions", {"code": "/x", "mode": "now"}, "mode"),
+        ("POST", "/api/jobs/1/cancel", {"reason": "x" * 1001}, "reason"),
+        ("POST", "/api/agents/m0/events", {"events": [{}] * (MAX_EVENTS + 1)}, "events"),
+        ("POST", "/api/agents/m0/register", {"address": "a", "gpus": "eight"}, "gpus"),
+    ]
+    for method, path, body, field in cases:
+        code, out = call(url + path, method, body)
+        assert code == 400 and field in out["error"], (path, body if len(str(body)) < 200 else "...", code, out)
+    for raw in (b"{not json", b"[1, 2]", b'"text"'):
+        code, out = call(url + "/api/jobs", "POST", raw)
+        assert code == 400 and "invalid request body" in out["error"], (raw, out)
+    assert ctl.store.latest_job() is None                    # nothing was submitted
+    # an agent's registration ignores fields it does not know (a newer agent, a rolling upgrade)
+    code, out = call(url + "/api/agents/m0/register", "POST", {"address": "127.0.0.1", "gpus": 1, "nic": "x"})
+    assert code == 200 and out["ok"], out
+
+
+@pytest.mark.timeout(60)
+def test_a_handler_bug_is_a_500_not_the_clients_fault(api, monkeypatch):
+    ctl, url = api
+
+    def broken():
+        raise KeyError("machine_state")
+    monkeypatch.setattr(ctl, "machines", broken)
+    code, out = call(url + "/api/machines")
+    assert code == 500 and "internal error" in out["error"], out
+    assert call(url + "/api/health")[0] == 200             # the server goes on
+
+
+@pytest.mark.timeout(60)
+def test_openapi_document_describes_every_route(api):
+    _, url = api
+    code, doc = call(url + "/api/openapi.json", token=None)    # open: it holds no data
+    assert code == 200 and doc["openapi"].startswith("3.")
+    for r in ROUTES:
+        op = doc["paths"][r.template][r.method.lower()]
+        assert "200" in op["responses"]
+        assert ("401" in op["responses"]) != r.public, r.template
+    submit = doc["paths"]["/api/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    name = submit["$ref"].rsplit("/", 1)[1]
+    schema = doc["components"]["schemas"][name]
+    assert schema["required"] == ["spec"] and schema.get("additionalProperties") is False
+    update = doc["components"]["schemas"]["UpdateCode"]
+    assert update["properties"]["mode"]["enum"] == ["lazy", "urgent", "window"]
+    assert doc["paths"]["/api/jobs/{job}/incidents/{incident}"]["get"]["parameters"][1]["schema"] == \
+        {"type": "integer"}
