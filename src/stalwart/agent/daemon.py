@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -33,6 +34,16 @@ from stalwart.jsonlines import JsonLineSocket
 log = logging.getLogger("stalwart.agent")
 
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
+
+
+RETRY_CAP_S = 4.0      # well inside a restarted controller's reconcile grace (missed beats + 5 s)
+
+
+def retry_delay(failures: int, heartbeat_s: float, rand: float) -> float:
+    """Seconds before the next attempt to reach the controller after `failures` failed ones:
+    doubling from a heartbeat up to RETRY_CAP_S, times a jitter in [0.5, 1) (`rand` in [0, 1))."""
+    base = min(RETRY_CAP_S, heartbeat_s * (2 ** min(max(failures - 1, 0), 16)))
+    return base * (0.5 + rand / 2)
 
 
 class Agent:
@@ -63,6 +74,7 @@ class Agent:
         self._events = Outbox()
         self._last_step: dict[int, int] = {}    # rank -> the last step its SDK reported
         self._stop = threading.Event()
+        self._failures = 0          # failed attempts to reach the controller in a row
         self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
         self._standby_ready: list[int] = []              # pids of warm workers at the barrier
         self._lock = threading.Lock()
@@ -171,11 +183,16 @@ class Agent:
             return True
         try:
             self._register()
-            return True
         except (ControllerUnreachable, ApiError) as e:
-            log.warning("%s; retrying", e)
+            self._failures += 1
+            if self._failures == 1 or self._failures % 20 == 0:
+                log.warning("%s; retrying with backoff (attempt %d)", e, self._failures)
             self._find_controller()
             return False
+        if self._failures:
+            log.info("controller back after %d failed attempt(s)", self._failures)
+        self._failures = 0
+        return True
 
     def _find_controller(self) -> None:
         """Re-read the controller's address where it is published (it may have restarted on
@@ -193,18 +210,22 @@ class Agent:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
-            if self._ensure_registered():
-                try:
-                    reply = self.client.post(f"/api/agents/{self.machine_id}/heartbeat",
-                                             {"t": time.time(), "workers": self.workers.pids()},
-                                             timeout=max(2.0, 3 * self.heartbeat_s))
-                    if reply.get("reregister"):
-                        self.registered.clear()
-                except ControllerUnreachable:
+            if not self._ensure_registered():
+                # back off (with jitter) while the controller is away: thousands of agents must
+                # not knock on a restarting controller in step
+                self._stop.wait(retry_delay(self._failures, self.heartbeat_s, random.random()))
+                continue
+            try:
+                reply = self.client.post(f"/api/agents/{self.machine_id}/heartbeat",
+                                         {"t": time.time(), "workers": self.workers.pids()},
+                                         timeout=max(2.0, 3 * self.heartbeat_s))
+                if reply.get("reregister"):
                     self.registered.clear()
-                except ApiError as e:
-                    log.warning("heartbeat refused: %s", e)
-                    self.registered.clear()
+            except ControllerUnreachable:
+                self.registered.clear()
+            except ApiError as e:
+                log.warning("heartbeat refused: %s", e)
+                self.registered.clear()
             self._stop.wait(self.heartbeat_s)
 
     def _command_loop(self) -> None:
@@ -241,6 +262,8 @@ class Agent:
         """Deliver events in order; while the controller is away keep them (bounded, see Outbox).
         A batch the controller refuses (4xx) is logged and dropped: sending it again cannot help."""
         while not self._stop.is_set():
+            if not self.registered.wait(0.5):       # away: keep the events, the heartbeat loop
+                continue                            # knocks (with backoff) for everyone
             batch = self._events.take(timeout=0.5)
             if not batch:
                 continue
