@@ -174,11 +174,13 @@ def arm(state_dir, phase: str) -> None:
         f.write(phase)
 
 
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 @pytest.mark.timeout(480)
-def test_controller_killed_during_recovery_and_during_checks(tmp_path):
+def test_controller_killed_during_recovery_and_during_checks(tmp_path, store, request):
+    db_url = request.getfixturevalue("pg_url") if store == "postgresql" else None
     # 1. a machine-certain fault (Xid 79 on m1); the controller dies right after it stopped the run
     cluster, job, _ = start(tmp_path / "a", gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=40, standby=1,
-                                                     chaos=["gpu-xid@step=12,machine=1"]))
+                                                     chaos=["gpu-xid@step=12,machine=1"]), db_url)
     try:
         arm(tmp_path / "a", "recovering")
         rep = finish(cluster, job)
@@ -193,7 +195,7 @@ def test_controller_killed_during_recovery_and_during_checks(tmp_path):
         cluster.stop()
     # 2. a crash with no culprit; the controller dies while the stop-time checks run
     cluster, job, _ = start(tmp_path / "b", gpt_spec(machines=2, gpus=2, tp=2, dp=2, steps=40,
-                                                     chaos=["crash@step=12,machine=1"]))
+                                                     chaos=["crash@step=12,machine=1"]), db_url)
     try:
         arm(tmp_path / "b", "diagnosing")
         rep = finish(cluster, job)
