@@ -90,8 +90,10 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(400)
 def test_version_that_keeps_crashing_is_rolled_back_after_the_reattempt(tmp_path):
-    s = gpt_spec(machines=2, gpus=1, steps=120)
-    s["command"] = [sys.executable, "train.py", "--layers", "2", "--log-every", "0"]
+    s = gpt_spec(machines=2, gpus=1, steps=200)
+    # >= 50 ms a step: the update (prewarmed for up to a few seconds) lands with steps to spare for
+    # two runs of the bad version (each crashes 6 steps in); at full speed the job could end first
+    s["command"] = [sys.executable, "train.py", "--layers", "2", "--log-every", "0", "--min-compute-s", "0.05"]
     s["code_dir"] = code(tmp_path, "v1")
     # applied within 2 s (warm or not): the job is short, and this test is about the rollback
     s["policy"]["hot_update_prewarm_s"] = 2.0
