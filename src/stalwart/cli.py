@@ -157,6 +157,19 @@ def _int_arg(name: str, v: str) -> int:
         raise UserError(f"{name} takes a number or 'auto' (got {v!r})") from None
 
 
+def cmd_submit(a) -> int:
+    """Queue a job on a running controller; it starts when enough machines are free (FIFO)."""
+    spec = _spec_from_args(a)
+    client = _client(a, 30)
+    job = client.post("/api/jobs", {"spec": spec.to_dict()})["job"]
+    st = client.get(f"/api/jobs/{job}")
+    state = (st.get("live") or {}).get("state") or st.get("state")
+    where = f" --state-dir {a.state_dir}" if not a.controller else f" --controller {a.controller}"
+    print(f"stalwart: job {job} submitted ({state}): {' '.join(spec.command)}\n"
+          f"stalwart: follow it with: stalwart status --job {job} --watch{where}", flush=True)
+    return 0
+
+
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.controller.pool import standby_count
@@ -428,6 +441,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a job on a local cluster", epilog=_chaos_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _job_options(r)
+    r.add_argument("--spare", type=int, default=0,
+                   help="extra idle machines the standby pool refills from after a failover (default 0)")
+    r.add_argument("--state-dir", default=DEFAULT_STATE)
+    r.add_argument("--fresh", action="store_true", help="delete the state dir first")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    r.set_defaults(fn=cmd_run)
+
+    sb = sub.add_parser("submit", help="queue a job on a running controller (FIFO until enough machines "
+                                       "are free)", epilog=_chaos_help(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _job_options(sb)
+    sb.add_argument("--state-dir", default=DEFAULT_STATE)
+    sb.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
+    _client_options(sb)
+    sb.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    sb.set_defaults(fn=cmd_submit)
+    return _more_commands(p, sub)
+
+
+def _job_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--config", help="job spec in YAML; options given here override it")
     r.add_argument("--name")
     r.add_argument("--machines", type=int)
@@ -437,15 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int)
     r.add_argument("--ckpt-every", type=int, help="durable checkpoint every K steps")
     r.add_argument("--standby", help="standby machines: a number or 'auto' (P99 sizing)")
-    r.add_argument("--spare", type=int, default=0,
-                   help="extra idle machines the standby pool refills from after a failover (default 0)")
     r.add_argument("--chaos", action="append", help="KIND@step=S,machine=M[,rank=R] (repeatable)")
     r.add_argument("--env", action="append", help="KEY=VALUE for the workers (repeatable)")
-    r.add_argument("--state-dir", default=DEFAULT_STATE)
-    r.add_argument("--fresh", action="store_true", help="delete the state dir first")
-    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
-    r.set_defaults(fn=cmd_run)
 
+
+def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     for name, fn, hlp in (("status", cmd_status, "live state of the current/last job"),
                           ("report", cmd_report, "the job's report (ETTR, incidents)"),
                           ("machines", cmd_machines, "machines and their states")):

@@ -71,14 +71,14 @@ class Api:
         return self.ctl.status(self.ctl.resolve_job(job))
 
     def job_inject(self, job, q, body: models.InjectChaos):
-        return self.ctl.inject(self.ctl.resolve_job(job), body.chaos)
+        return self.ctl.inject(self.ctl.resolve_job(job, acting=True), body.chaos)
 
     def job_cancel(self, job, q, body: models.CancelJob):
-        self.ctl.cancel(self.ctl.resolve_job(job), body.reason)
+        self.ctl.cancel(self.ctl.resolve_job(job, acting=True), body.reason)
         return {"ok": True}
 
     def job_update(self, job, q, body: models.UpdateCode):
-        return self.ctl.register_version(self.ctl.resolve_job(job), body.code, body.mode, body.window_s)
+        return self.ctl.register_version(self.ctl.resolve_job(job, acting=True), body.code, body.mode, body.window_s)
 
     def job_versions(self, job, q, body):
         return {"versions": self.ctl.list_versions(self.ctl.resolve_job(job))}

@@ -46,10 +46,10 @@ def natural_key(s: str):
 
 
 class MachineView:
-    """The controller's registry as the job cores see it (`ClusterView`)."""
+    """The controller's registry as one job's core sees it (`ClusterView`)."""
 
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
+    def __init__(self, ctl: "Controller", job_id: int):
+        self.ctl, self.job_id = ctl, job_id
 
     def alive(self, machine: str) -> bool:
         return self.ctl.machine_alive(machine)
@@ -58,7 +58,7 @@ class MachineView:
         return self.ctl.last_heard(machine)
 
     def free(self) -> list[str]:
-        return self.ctl.free_machines()
+        return self.ctl.free_for(self.job_id)
 
 
 class Controller:
@@ -74,7 +74,6 @@ class Controller:
         self.missed_beats = missed_beats
         self.backend = backend
         self.rendezvous = Rendezvous()
-        self.view = MachineView(self)
         self._lock = threading.RLock()
         self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False, last_beat=None)
                                            for m in self.store.machines()}
@@ -270,6 +269,23 @@ class Controller:
             m = self._machines.get(machine) if machine else None
             return (m.get("info") or {}).get("peer") if m else None
 
+    def view(self, job_id: int) -> MachineView:
+        return MachineView(self, job_id)
+
+    def free_for(self, job_id: int) -> list[str]:
+        """Idle machines this job may take: jobs wait in submission order (FIFO), so only the
+        oldest waiting job sees any, and a running job refills its standbys only while nobody
+        waits. Machines a live job has just decided to take (its state names them before its
+        assignment reaches this registry) are not free."""
+        runners = sorted((r for r in list(self.jobs.values()) if not r.terminal), key=lambda r: r.job_id)
+        waiting = [r.job_id for r in runners if r.waiting]
+        if waiting and waiting[0] != job_id:
+            return []
+        held: set[str] = set()
+        for r in runners:
+            held |= r.held()
+        return [m for m in self.free_machines() if m not in held]
+
     def free_machines(self) -> list[str]:
         with self._lock:
             return sorted((m["id"] for m in self._machines.values()
@@ -330,8 +346,6 @@ class Controller:
                                            spec.machines)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if any(not r.terminal for r in self.jobs.values()):
-            raise Conflict("a job is already running on this controller")
         now = time.time()
         off = snapshot.versionable(spec.code_dir, self.state_dir)
         job_id = self.store.create_job(spec.name, spec.to_dict(), now)
@@ -358,7 +372,13 @@ class Controller:
         runner.start()
         return job_id
 
-    def resolve_job(self, job: str | int) -> int:
+    def resolve_job(self, job: str | int, acting: bool = False) -> int:
+        """A job's id from an id or 'latest'. An action (inject, cancel, update) on 'latest' while
+        several jobs run is refused: it must say which."""
+        live = sorted(j for j, r in list(self.jobs.items()) if not r.terminal)
+        if acting and job in ("latest", "current") and len(live) > 1:
+            raise InvalidRequest(f"{len(live)} jobs run on this controller ({', '.join(map(str, live))}): "
+                                 f"say which with --job ID")
         if job in ("latest", "current"):
             row = self.store.latest_job()
             if row is None:

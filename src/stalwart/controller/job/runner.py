@@ -28,7 +28,7 @@ class JobRunner:
     def __init__(self, ctl: "Controller", spec: JobSpec, state: S.JobState):
         self.ctl = ctl
         self.job_id, self.spec, self.state = state.job_id, spec, state
-        self.core = JobCore(spec, ctl.view)
+        self.core = JobCore(spec, ctl.view(state.job_id))
         self.executor = Executor(ctl, state.job_id, spec)
         self.inbox: queue.Queue[JobEvent] = queue.Queue()
         self._saved_key: tuple | None = None
@@ -48,6 +48,15 @@ class JobRunner:
 
     def live(self) -> dict:
         return self.core.live(self.state)
+
+    @property
+    def waiting(self) -> bool:
+        return self.state.phase == S.JobPhase.WAITING
+
+    def held(self) -> set[str]:
+        """The machines this job has a role for (slots and standbys)."""
+        st = self.state
+        return set(st.slots) | set(st.pool.standby)
 
     def holds(self, machine: str) -> bool:
         """Whether the machine has a role in this job (a slot or a standby); a read from another
