@@ -47,12 +47,13 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def watch_on_a_tty(url: str, until: str, timeout: float = 30.0) -> str:
+def watch_on_a_tty(url: str, token: str, until: str, timeout: float = 30.0) -> str:
     """`stalwart status --watch` under a pseudo-terminal until it has shown `until` twice (two
     refreshes), then stopped; its output."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(CLI + ["status", "--watch", "--interval", "0.5", "--controller", url],
-                            stdin=slave, stdout=slave, stderr=slave, env=dict(os.environ, COLUMNS="140"))
+                            stdin=slave, stdout=slave, stderr=slave,
+                            env=dict(os.environ, COLUMNS="140", STALWART_TOKEN=token))
     os.close(slave)
     out = b""
     try:
@@ -153,7 +154,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
               f"(build {value(during, 'stalwart_metrics_build_seconds') * 1000:.1f} ms)")
 
         # stalwart status --watch on a terminal: refreshed in place by rich
-        tty_out = watch_on_a_tty(url, "sliding ETTR")
+        tty_out = watch_on_a_tty(url, c.token, "sliding ETTR")
         assert "\x1b[" in tty_out and "sliding ETTR" in tty_out and "gpu_xid" in tty_out, tty_out[-2000:]
 
         assert wait_for(lambda: client.get(f"/api/jobs/{job}")["state"] != "running", 150, every=0.5)
@@ -180,7 +181,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
 
         # stalwart status --watch in a pipe: plain lines, ends with the job
         p = subprocess.run(CLI + ["status", "--watch", "--controller", url], capture_output=True,
-                           text=True, timeout=60, check=False)
+                           text=True, timeout=60, check=False, env=dict(os.environ, STALWART_TOKEN=c.token))
         assert p.returncode == 0, p.stderr
         assert "\x1b[" not in p.stdout and "succeeded: step 220/220" in p.stdout
         assert "incident " in p.stdout and "evicted m1" in p.stdout
@@ -188,7 +189,7 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         # stalwart report --html, rendered in the browser
         html_path = str(tmp_path / "report.html")
         p = subprocess.run(CLI + ["report", "--controller", url, "--html", html_path], capture_output=True,
-                           text=True, timeout=60, check=False)
+                           text=True, timeout=60, check=False, env=dict(os.environ, STALWART_TOKEN=c.token))
         assert p.returncode == 0, p.stderr
         with open(html_path) as f:
             page = f.read()
