@@ -55,6 +55,11 @@ def cmd_controller(a) -> int:
                      heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
+    # where this host's CLI finds it (`stalwart submit/status --state-dir`); a local cluster's
+    # supervisor writes the same file
+    local_host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    _write_json(os.path.join(a.state_dir, "controller.json"),
+                {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()})
     if a.port_file:
         tmp = a.port_file + ".tmp"
         with open(tmp, "w") as f:
@@ -79,6 +84,14 @@ def cmd_controller(a) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
 
 
 def cmd_agent(a) -> int:
