@@ -100,3 +100,18 @@ def test_openapi_document_describes_every_route(api):
     assert update["properties"]["mode"]["enum"] == ["lazy", "urgent", "window"]
     assert doc["paths"]["/api/jobs/{job}/incidents/{incident}"]["get"]["parameters"][1]["schema"] == \
         {"type": "integer"}
+
+
+@pytest.mark.timeout(60)
+def test_an_agents_nan_loss_reaches_the_controller(api):
+    """Python's JSON writes a NaN loss as `NaN`: the agents' routes take it (a NaN detector that
+    never hears the NaN detects nothing)."""
+    ctl, url = api
+    assert call(url + "/api/agents/m0/register", "POST", {"address": "127.0.0.1", "gpus": 1})[0] == 200
+    body = json.dumps({"events": [{"type": "step", "run": 1, "rank": 0, "step": 3, "loss": float("nan"),
+                                   "t": 1.0}]}).encode()
+    assert b"NaN" in body
+    code, out = call(url + "/api/agents/m0/events", "POST", body)
+    assert code == 200, out
+    code, out = call(url + "/api/jobs", "POST", b'{"spec": {"steps": NaN}}')
+    assert code == 400                                   # operators' bodies are strict JSON

@@ -12,6 +12,7 @@ bound; the whole body is bounded by `MAX_BODY`.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -79,11 +80,22 @@ class Route:
         return cls(method, template, handler, body, summary, public, re.compile(f"^{rx}$"))
 
 
+AGENT_BODIES = (protocol.Registration, AgentEvents, Heartbeat)
+
+
 def decode(route: Route, raw: bytes) -> Any:
     """The body of a request to `route`, typed (msgspec.ValidationError/DecodeError name the
-    problem and the field)."""
+    problem and the field). An agent's body is Python's JSON, which writes a NaN loss as `NaN`
+    (outside strict JSON, and the very value a NaN detector must hear): it is parsed with the
+    standard library first, then typed."""
     if route.body is None:
         return None
+    if route.body in AGENT_BODIES:
+        try:
+            obj = json.loads(raw or b"{}")
+        except ValueError as e:
+            raise msgspec.DecodeError(f"JSON is malformed: {e}") from None
+        return msgspec.convert(obj, type=route.body)
     return msgspec.json.decode(raw or b"{}", type=route.body)
 
 
