@@ -210,6 +210,7 @@ class ApiServer:
 
     def __init__(self, ctl: Controller, host: str, port: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None):
+        self.ctl = ctl
         self.httpd = _Server((host, port), make_handler(Api(ctl), token))
         if tls is not None:
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True,
@@ -221,6 +222,7 @@ class ApiServer:
 
     def start(self) -> None:
         self.thread.start()
+        self.ctl.serving()
 
     def stop(self) -> None:
         self.httpd.shutdown()

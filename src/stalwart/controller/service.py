@@ -80,6 +80,8 @@ class Controller:
         self._queues: dict[str, list[dict]] = {}
         self._wake: dict[str, threading.Condition] = {}
         self.jobs: dict[int, JobRunner] = {}
+        self._taken_over: list[JobRunner] = []     # started once the API serves (see serving)
+        self._down_at: float | None = None
         self._stop = threading.Event()
         down_at = float(self.store.get_meta("alive_at") or time.time())
         self.store.set_meta("alive_at", repr(time.time()))
@@ -119,10 +121,20 @@ class Controller:
                 continue
             runner = JobRunner(self, spec, st)
             self.jobs[st.job_id] = runner
-            runner.post(Resumed(down_at=down_at, up_at=up_at))
-            runner.start()
+            self._taken_over.append(runner)
+            self._down_at = down_at
             log.info("job %s taken over in phase %s (controller down since %.1fs)", st.job_id,
                      st.phase.value, up_at - down_at)
+
+    def serving(self) -> None:
+        """The API listens: jobs taken over start reconciling now. Their agents can only come
+        back from this moment, so the reconciliation's grace counts from here, not from the
+        start of this process (which may take seconds to get to listening)."""
+        up_at = time.time()
+        taken, self._taken_over = self._taken_over, []
+        for runner in taken:
+            runner.post(Resumed(down_at=self._down_at or up_at, up_at=up_at))
+            runner.start()
 
     def phase_entered(self, job_id: int, phase: str) -> None:
         """Called by a runner after each transition it carried out (see SELF_KILL_FILE)."""
