@@ -69,6 +69,11 @@ def test_unknown_fields_and_wrong_types_are_refused_with_their_names(api):
     # an agent's registration ignores fields it does not know (a newer agent, a rolling upgrade)
     code, out = call(url + "/api/agents/m0/register", "POST", {"address": "127.0.0.1", "gpus": 1, "nic": "x"})
     assert code == 200 and out["ok"], out
+    # a re-registration names its ranks, steps and checkpoint slots: maps keyed by rank (strings in JSON)
+    code, out = call(url + "/api/agents/m0/register", "POST", {
+        "address": "127.0.0.1", "gpus": 2, "running_run": 1, "job": 1, "ranks": {"0": 100, "1": 101},
+        "last_step": {"0": 30, "1": 30}, "inventory": {"own": {"0": [29, 30]}}, "peer": ["127.0.0.1", 9000]})
+    assert code == 200 and out["ok"], out
 
 
 @pytest.mark.timeout(60)

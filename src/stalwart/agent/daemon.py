@@ -185,7 +185,8 @@ class Agent:
             self._register()
         except (ControllerUnreachable, ApiError) as e:
             self._failures += 1
-            if self._failures == 1 or self._failures % 20 == 0:
+            # a refusal is never transient: say it every time; an absence once in a while
+            if isinstance(e, ApiError) or self._failures == 1 or self._failures % 20 == 0:
                 log.warning("%s; retrying with backoff (attempt %d)", e, self._failures)
             self._find_controller()
             return False

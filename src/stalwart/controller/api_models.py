@@ -95,7 +95,8 @@ def decode(route: Route, raw: bytes) -> Any:
             obj = json.loads(raw or b"{}")
         except ValueError as e:
             raise msgspec.DecodeError(f"JSON is malformed: {e}") from None
-        return msgspec.convert(obj, type=route.body)
+        # strict=False: JSON object keys are strings, the models' rank maps have int keys
+        return msgspec.convert(obj, type=route.body, strict=False)
     return msgspec.json.decode(raw or b"{}", type=route.body)
 
 
