@@ -357,6 +357,7 @@ class Registration(msgspec.Struct, kw_only=True):
     running_run: int | None = None
     job: int | None = None
     ranks: dict[int, int] = {}             # rank -> pid of its live worker
+    done_ranks: list[int] = []             # ranks of `running_run` whose worker finished (exit 0)
     last_step: dict[int, int] = {}         # rank -> last step it reported
     inventory: dict[str, dict[int, list[int]]] = {}
     warm: int = 0                          # warm spare workers waiting at the barrier

@@ -279,6 +279,20 @@ def test_a_run_that_kept_training_is_adopted_after_a_restart():
     assert len(records(acts, "step")) == 3 and not of(acts, a.OpenIncident)
 
 
+def test_a_run_that_finished_while_the_controller_was_away_is_adopted():
+    from stalwart.controller.job.events import AgentBack
+    h = started(Harness())
+    h.steps(10)
+    resumed(h)
+    for m in ("m0", "m1"):           # no live rank, each of them finished cleanly
+        i = h.st.slots.index(m)
+        done = p.Registration(address="127.0.0.1", gpus=2, running_run=1, ranks={},
+                              done_ranks=[i * 2, i * 2 + 1])
+        acts = h.event(AgentBack(machine=m, reg=done))
+    acts += h.event(AgentBack(machine="m2", reg=reg(h, "m2", None, [])))
+    assert records(acts, "run_adopted") and not of(acts, a.OpenIncident)
+
+
 def test_a_run_cut_short_at_its_start_is_restarted_through_a_control_plane_incident():
     from stalwart.controller.job.events import AgentBack
     h = started(Harness())

@@ -164,11 +164,16 @@ class Agent:
         """Who this agent is and what it runs now (a restarted controller adopts a live run)."""
         ranks = {w.rank: w.proc.pid for w in self.workers.workers
                  if w.rank is not None and w.proc.poll() is None}
+        # a run may end while the controller is away: its workers' clean exits say so (their
+        # steps and `done` follow from the outbox)
+        done = sorted(w.rank for w in self.workers.workers
+                      if w.rank is not None and w.run == self._run and w.proc.poll() == 0)
         with self._lock:
             warm = len([pid for pid in self._standby_ready if pid in set(self.warm.pids())])
         return p.Registration(address=self.address, gpus=self.gpus, hostname=socket.gethostname(),
                               pid=os.getpid(), workdir=self.workdir, peer=tuple(self.ckpt.peer_addr),
-                              running_run=self._run if ranks else None, job=self._job, ranks=ranks,
+                              running_run=self._run if ranks or done else None, job=self._job, ranks=ranks,
+                              done_ranks=done,
                               last_step={r: s for r, s in self._last_step.items() if r in ranks},
                               inventory=self.ckpt.inventory(), warm=warm)
 

@@ -4,8 +4,9 @@ The new controller loads the saved `JobState`, hears the agents re-register with
 (run, live ranks, steps, checkpoint slots), and reconciles once every machine of the job is back
 or a bound passed:
 
-- a run that kept training (every machine reports the run with all its ranks alive, and the run
-  had completed a step, so its rendezvous is done) is adopted as it is;
+- a run that kept training (every machine reports the run with all its ranks alive or finished
+  cleanly, and the run had completed a step, so its rendezvous is done) is adopted as it is: the
+  steps and `done` its workers sent meanwhile arrive from the agents' outboxes;
 - a run whose start was cut short (no step completed: its workers may wait on the rendezvous
   store, which died with the old controller), or whose ranks are gone, is restarted through an
   incident (`control_plane`);
@@ -120,7 +121,7 @@ class ReconcileFlow:
                     gone.append(m)          # alive but unreported: its ranks cannot be confirmed
                 continue
             want = set(range(i * G, (i + 1) * G))
-            if reg.running_run != run.seq or not want <= set(reg.ranks):
+            if reg.running_run != run.seq or not want <= set(reg.ranks) | set(reg.done_ranks):
                 gone.append(m)
         if run.committed == 0:
             why = (f"the controller restarted before run {run.seq} completed a step; its workers may "
