@@ -55,16 +55,13 @@ def cmd_controller(a) -> int:
                      heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
-    # where this host's CLI finds it (`stalwart submit/status --state-dir`); a local cluster's
-    # supervisor writes the same file
+    # where this host's CLI, a local cluster's agents and its supervisor find it (written before
+    # the port file, which says the controller is up)
     local_host = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    _write_json(os.path.join(a.state_dir, "controller.json"),
-                {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()})
+    _write_atomic(os.path.join(a.state_dir, "controller.json"), json.dumps(
+        {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()}))
     if a.port_file:
-        tmp = a.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(srv.port))
-        os.replace(tmp, a.port_file)
+        _write_atomic(a.port_file, str(srv.port))
     logging.getLogger("stalwart").info("controller listening on %s://%s:%s (token in %s)",
                                        "https" if tls else "http", host, srv.port, token_path)
     stop = threading.Event()
@@ -86,11 +83,12 @@ def cmd_controller(a) -> int:
     os._exit(0)
 
 
-def _write_json(path: str, obj: dict) -> None:
+def _write_atomic(path: str, text: str) -> None:
+    """Readers see the old file or the whole new one, never a half-written one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f)
+        f.write(text)
     os.replace(tmp, path)
 
 

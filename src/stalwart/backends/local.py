@@ -123,12 +123,8 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the controller did not start within %.0fs" % timeout)
             time.sleep(0.05)
-        with open(port_file) as f:
+        with open(port_file) as f:       # (the controller wrote controller.json before it)
             self.url = f"http://127.0.0.1:{int(f.read().strip())}"
-        tmp = self.controller_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"url": self.url, "pid": proc.pid}, f)
-        os.replace(tmp, self.controller_file)
 
     def _supervise(self) -> None:
         """Restart the controller when it dies (not when we stop it): same database, same port

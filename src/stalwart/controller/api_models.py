@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from stalwart import protocol
+from stalwart import auth, protocol
 
 MAX_BODY = 8 << 20
 MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
@@ -69,15 +69,15 @@ class Route:
     handler: str                         # the Api method
     body: type | None = None             # the request model (POST)
     summary: str = ""
-    public: bool = False                 # no token needed (see stalwart.auth)
+    public: bool = False                 # no token needed: stalwart.auth.is_public decides
     pattern: re.Pattern = re.compile("")
 
     @classmethod
     def of(cls, method: str, template: str, handler: str, body: type | None = None, summary: str = "",
-           param: str = "[^/]+", public: bool = False) -> "Route":
+           param: str = "[^/]+") -> "Route":
         rx = re.sub(r"\{(\w+)\}", lambda m: f"({r'[0-9]+' if m.group(1) == 'incident' else param})",
                     re.escape(template).replace(r"\{", "{").replace(r"\}", "}"))
-        return cls(method, template, handler, body, summary, public, re.compile(f"^{rx}$"))
+        return cls(method, template, handler, body, summary, auth.is_public(template), re.compile(f"^{rx}$"))
 
 
 AGENT_BODIES = (protocol.Registration, AgentEvents, Heartbeat)
@@ -157,9 +157,9 @@ ROUTES: list[Route] = [
 ]
 # open routes (stalwart.auth.is_public): liveness, this description, the dashboard's page shell
 ROUTES += [
-    Route.of("GET", "/api/health", "health", None, "liveness", public=True),
-    Route.of("GET", "/api/openapi.json", "openapi", None, "this document", public=True),
+    Route.of("GET", "/api/health", "health", None, "liveness"),
+    Route.of("GET", "/api/openapi.json", "openapi", None, "this document"),
     Route.of("GET", "/static/{name}", "static", None, "the dashboard's script and style",
-             param=r"[A-Za-z0-9_.-]+", public=True),
-    Route.of("GET", "/", "dashboard", None, "the dashboard's page", public=True),
+             param=r"[A-Za-z0-9_.-]+"),
+    Route.of("GET", "/", "dashboard", None, "the dashboard's page"),
 ]

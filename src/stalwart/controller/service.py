@@ -232,7 +232,7 @@ class Controller:
         """The live job whose state names the machine (a slot or a standby): the job's own record
         decides, whatever the machine's row says (a row can lag its job's decision by a moment)."""
         for runner in list(self.jobs.values()):
-            if not runner.terminal and runner.holds(machine):
+            if not runner.terminal and machine in runner.held():
                 return runner
         return None
 

@@ -54,15 +54,10 @@ class JobRunner:
         return self.state.phase == S.JobPhase.WAITING
 
     def held(self) -> set[str]:
-        """The machines this job has a role for (slots and standbys)."""
+        """The machines this job has a role for (slots and standbys); read from other threads
+        without a lock: the loop replaces or appends to those lists, never leaves them torn."""
         st = self.state
         return set(st.slots) | set(st.pool.standby)
-
-    def holds(self, machine: str) -> bool:
-        """Whether the machine has a role in this job (a slot or a standby); a read from another
-        thread of two lists the loop replaces whole, so no lock is needed."""
-        st = self.state
-        return machine in st.slots or machine in st.pool.standby
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
