@@ -336,6 +336,11 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
 Event = Union[Step, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
               Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
               Restored, StandbyReady]
+# An agent that lost its controller retries with a delay that doubles up to this cap (times a
+# jitter); a restarted controller waits for its agents at least two such delays before it calls
+# a machine that did not come back lost.
+AGENT_RETRY_CAP_S = 4.0
+
 EVENT_TYPES = frozenset(t.__struct_config__.tag for t in Event.__args__)  # type: ignore[attr-defined]
 # Events whose loss would lose evidence of a failure: an agent's bounded buffer never drops them.
 EVIDENCE = frozenset({"worker_exit", "health", "stopped", "stacks", "diag_result", "restore_failed",

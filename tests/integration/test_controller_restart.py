@@ -92,15 +92,30 @@ def finish(cluster, job, timeout=300):
         time.sleep(0.3)
 
 
-def story(db_url: str) -> list:
+def story(db_url: str, job: int = 1) -> list:
     """The job's events but steps and metrics: what to read when a restart test fails."""
     from stalwart.controller.store import Store
     store = Store(db_url)
     try:
-        return [(round(e["t"] % 1000, 2), e["kind"], e["data"]) for e in store.events(1)
+        return [(round(e["t"] % 1000, 2), e["kind"], e["data"]) for e in store.events(job)
                 if e["kind"] not in ("step", "health")]
     finally:
         store.close()
+
+
+def warnings(state_dir, n: int = 40) -> list[str]:
+    """The controller's and agents' warnings: why a machine was called lost, what was refused."""
+    out = []
+    logs = os.path.join(state_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), errors="replace") as f:
+            out += [f"{name}: {line.rstrip()}" for line in f if " WARNING " in line or " ERROR " in line]
+    return out[-n:]
+
+
+def why(state_dir, db_url, job) -> tuple:
+    """What to read when a job here did not succeed: its story and the logs' warnings."""
+    return story(db_url or f"sqlite:///{state_dir}/stalwart.db", job), warnings(state_dir)
 
 
 def controller_pid(state_dir) -> int:
@@ -128,7 +143,7 @@ def killed_at_step_30(tmp_path, db_url=None):
         assert wait_for(lambda: cluster.controller_restarts == 1, timeout=60)
         assert controller_pid(tmp_path) != pid
         rep = finish(cluster, job)
-        assert rep["state"] == "succeeded", (rep.get("reason"), story(db_url or f"sqlite:///{tmp_path}/stalwart.db"))
+        assert rep["state"] == "succeeded", (rep.get("reason"), why(tmp_path, db_url, job))
         assert rep["steps_completed"] == 60
         assert len(rep["runs"]) == 1 and rep["incidents"] == []        # the same run went on
         [gap] = rep["control_plane"]
@@ -185,7 +200,7 @@ def test_controller_killed_during_recovery_and_during_checks(tmp_path, store, re
         arm(tmp_path / "a", "recovering")
         rep = finish(cluster, job)
         assert cluster.controller_restarts == 1
-        assert rep["state"] == "succeeded", rep.get("reason")
+        assert rep["state"] == "succeeded", (rep.get("reason"), why(tmp_path / "a", db_url, job))
         [inc] = rep["incidents"]
         assert inc["symptom"] == "gpu_xid" and inc["machines_evicted"] == ["m1"]
         assert {m["id"]: m["state"] for m in rep["machines"]}["m1"] == "evicted"
@@ -200,7 +215,7 @@ def test_controller_killed_during_recovery_and_during_checks(tmp_path, store, re
         arm(tmp_path / "b", "diagnosing")
         rep = finish(cluster, job)
         assert cluster.controller_restarts == 1
-        assert rep["state"] == "succeeded", rep.get("reason")
+        assert rep["state"] == "succeeded", (rep.get("reason"), why(tmp_path / "b", db_url, job))
         [inc] = rep["incidents"]
         assert inc["mechanism"] == "reattempt" and inc["machines_evicted"] == []
         assert inc["stop_time_checks"]["checks"] == ["selftest", "intra", "inter"]

@@ -319,7 +319,7 @@ def test_recovery_cut_short_is_finished_and_a_silent_machine_is_lost():
     resumed(h)
     h.event(AgentBack(machine="m0", reg=reg(h, "m0", None, [])))
     h.cluster.dead.add("m1")
-    acts = h.advance(8.0)                              # m1 never comes back
+    acts = h.advance(h.core.reconcile.grace_s() + 0.5)  # m1 never comes back
     assert records(acts, "control_plane_reconciled")
     assert of(acts, a.StopWorkers)[0].machines == ["m0"]     # the stop is sent again (m1 is lost)
     acts += h.stopped(["m0"]) + h.advance(2.0)

@@ -86,7 +86,10 @@ def test_cause_in_hand_only_when_more_evidence_cannot_change_the_verdict():
 
 
 def test_a_machine_silent_for_two_beats_after_the_stop_is_lost():
-    heard = {"m0": 9.8, "m1": 8.9, "m2": None}
-    assert policy.silent_during_stop({"m0", "m1", "m2"}, heard, now=10.0, heartbeat_s=0.5) == ["m1", "m2"]
-    assert policy.silent_during_stop({"m0"}, heard, now=10.0, heartbeat_s=0.5) == []
-    assert policy.silent_during_stop({"m1"}, heard, now=10.0, heartbeat_s=1.0) == []   # 1.1 s < 2 beats
+    heard = {"m0": 9.8, "m1": 7.9, "m2": None}
+    assert policy.silent_during_stop({"m0", "m1", "m2"}, heard, now=10.0, heartbeat_s=1.0) == ["m1", "m2"]
+    assert policy.silent_during_stop({"m0"}, heard, now=10.0, heartbeat_s=1.0) == []
+    assert policy.silent_during_stop({"m1"}, heard, now=10.0, heartbeat_s=1.5) == []   # 2.1 s < 2 beats
+    # short beats: never less than the floor (one late beat on a loaded host is no silence)
+    assert policy.silent_during_stop({"m1"}, {"m1": 8.5}, now=10.0, heartbeat_s=0.5) == []
+    assert policy.silent_during_stop({"m1"}, {"m1": 7.9}, now=10.0, heartbeat_s=0.5) == ["m1"]

@@ -36,7 +36,7 @@ log = logging.getLogger("stalwart.agent")
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
-RETRY_CAP_S = 4.0      # well inside a restarted controller's reconcile grace (missed beats + 5 s)
+RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 
 
 def retry_delay(failures: int, heartbeat_s: float, rand: float) -> float:
@@ -186,6 +186,10 @@ class Agent:
     def _ensure_registered(self) -> bool:
         if self.registered.is_set():
             return True
+        if self._failures:
+            # where it is published, the controller may have come back on another address: knock
+            # there now, not one more backoff after a failure at the old one
+            self._find_controller()
         try:
             self._register()
         except (ControllerUnreachable, ApiError) as e:
@@ -193,7 +197,6 @@ class Agent:
             # a refusal is never transient: say it every time; an absence once in a while
             if isinstance(e, ApiError) or self._failures == 1 or self._failures % 20 == 0:
                 log.warning("%s; retrying with backoff (attempt %d)", e, self._failures)
-            self._find_controller()
             return False
         if self._failures:
             log.info("controller back after %d failed attempt(s)", self._failures)

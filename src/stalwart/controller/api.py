@@ -179,8 +179,9 @@ def make_handler(api: Api, token: str | None = None):
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            # observed before the body leaves: a client that got its answer finds its request counted
             api.prom.observe_request(self._route, self.command, code, time.perf_counter() - self._t0)
+            self.wfile.write(data)
 
         def do_GET(self):
             self._dispatch("GET")
@@ -221,8 +222,11 @@ class ApiServer:
                                        name="api", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        # the socket listens already (agents' connections wait in its backlog): taken-over jobs
+        # start reconciling before the first request is read, so no re-registration reaches a
+        # job before it knows it is being taken over
         self.ctl.serving()
+        self.thread.start()
 
     def stop(self) -> None:
         self.httpd.shutdown()

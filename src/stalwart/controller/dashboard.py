@@ -25,7 +25,8 @@ from stalwart.errors import NotFound
 MACHINE_STATES = ("active", "standby", "evicted", "idle", "provisioning", "released")
 PHASE_KEYS = ("detection", "localization", "failover", "lost_progress", "hot_update")
 EVIDENCE_KINDS = ("health", "chaos_sent", "chaos_applied", "command_failed", "run_stopped", "run_started",
-                  "failslow_cleared", "failslow_no_standby", "version_applied", "version_rolled_back")
+                  "failslow_cleared", "failslow_no_standby", "version_applied", "version_rolled_back",
+                  "machine_silent", "machine_unstopped", "machine_not_back")
 RATE_WINDOW = 20            # steps/s over the last 20 committed steps of a run
 STATIC_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
                 "style.css": "text/css; charset=utf-8"}

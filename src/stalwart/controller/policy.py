@@ -100,6 +100,9 @@ def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
 
 
 SILENT_BEATS = 2
+# ... and never less than this: with short heartbeats on a loaded host, one agent's beat can come a
+# second late (a slow request, a busy process), and that is no reason to evict its machine
+SILENT_FLOOR_S = 2.0
 
 
 def silent_during_stop(awaiting: Iterable[str], last_heard: Mapping[str, float | None], now: float,
@@ -110,9 +113,11 @@ def silent_during_stop(awaiting: Iterable[str], last_heard: Mapping[str, float |
     open the evidence already points at a failure and every live agent answers the stop at once
     (its heartbeats go on meanwhile), so a shorter silence is enough to act on.
     """
+    limit = max(beats * heartbeat_s, SILENT_FLOOR_S)
+
     def silent(m: str) -> bool:
         heard = last_heard.get(m)
-        return heard is None or now - heard >= beats * heartbeat_s
+        return heard is None or now - heard >= limit
     return sorted(m for m in awaiting if silent(m))
 
 

@@ -93,18 +93,24 @@ class FailureFlow:
         # read heartbeats (a backlog after a restart, a loaded host) hears every machine late, and
         # that is no machine's fault; a dead machine falls behind the live ones
         latest = max((t for t in heard.values() if t is not None), default=now)
+        noted: Actions = []
         for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s):
             inc.awaiting.discard(m)
             inc.lost.add(m)
-            log.warning("job %s: %s silent for %d heartbeats after the stop: lost", st.job_id, m,
-                        policy.SILENT_BEATS)
+            seen = heard.get(m)
+            silent_s = None if seen is None else latest - seen
+            log.warning("job %s: %s silent after the stop (%s behind the freshest machine): lost",
+                        st.job_id, m, "never heard" if silent_s is None else f"{silent_s:.1f}s")
+            noted.append(record("machine_silent", now, machine=m, incident=inc.seq, behind_s=silent_s))
         explained = policy.cause_in_hand(inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits),
                                          tuple(inc.alerts), tuple(inc.lost))
         if (inc.awaiting and now < limit) or (not explained and now < inc.detected_at + EVIDENCE_SETTLE_S):
-            return []
-        inc.lost |= inc.awaiting          # alive but did not stop: cannot be trusted with ranks
+            return noted
+        if inc.awaiting:                  # alive but did not stop: cannot be trusted with ranks
+            noted.append(record("machine_unstopped", now, machine=sorted(inc.awaiting), incident=inc.seq))
+        inc.lost |= inc.awaiting
         inc.awaiting = set()
-        acts: Actions = [record("run_stopped", now, run=st.run_seq),
+        acts: Actions = noted + [record("run_stopped", now, run=st.run_seq),
                          UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done})]
         return acts + self.localize(st, now)
 

@@ -38,8 +38,11 @@ class ReconcileFlow:
         self.ctx, self.core = ctx, core
 
     def grace_s(self) -> float:
+        """How long a machine may take to come back: its agent knocks again within one capped
+        backoff delay of the controller listening; two of them and the missed beats leave room
+        for a slow registration on a loaded host."""
         p = self.ctx.policy
-        return p.heartbeat_s * p.missed_beats + 5.0
+        return p.heartbeat_s * p.missed_beats + 2 * protocol.AGENT_RETRY_CAP_S + 1.0
 
     def on_resumed(self, st: JobState, down_at: float, up_at: float, now: float) -> Actions:
         st.gaps.append(ControlPlaneGap(down_at=down_at, up_at=up_at))
@@ -86,6 +89,7 @@ class ReconcileFlow:
                 continue
             log.warning("job %s: %s did not come back within %.0fs of the controller restart: lost",
                         st.job_id, m, now - gap.up_at)
+            acts.append(record("machine_not_back", now, machine=m, after_s=now - gap.up_at))
             acts += self.core.failure.on_machine_lost(st, m, now)   # as without a restart
         if st.phase == JobPhase.RUNNING:
             acts += self._running(st, reports, now)
