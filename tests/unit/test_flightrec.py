@@ -46,12 +46,20 @@ def _worker(rank, world, store_path, out_dir):
     sub = dist.new_group([0, 1])
     dist.all_reduce(t, group=sub)
 
+    # the collective each rank blocks in: (pg_id, collective_seq_id)
+    last = (0, 5) if rank == 0 else (1, 2)
+
     def dump_when_blocked():
+        """Dump once the blocking collective is in the recorder and everything before it retired
+        (an earlier collective can show unretired for a moment after it completed)."""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             raw = torch._C._distributed_c10d._dump_fr_trace_json()
             raw = raw.decode() if isinstance(raw, bytes) else raw
-            if any(not e["retired"] for e in json.loads(raw)["entries"]):
+            entries = json.loads(raw)["entries"]
+            blocked = [e for e in entries if (e["pg_id"], e["collective_seq_id"]) == last]
+            if blocked and not blocked[0]["retired"] and all(e["retired"] for e in entries
+                                                             if e is not blocked[0]):
                 tmp = os.path.join(out_dir, f".fr_rank{rank}.tmp")
                 with open(tmp, "w") as f:
                     f.write(raw)
