@@ -220,16 +220,18 @@ class HangWatch:
         longest = max(max(d) for d in self._recent.values() if d)
         return max(p.hang_timeout_floor_s, p.hang_safety_factor * longest)
 
-    def _progress(self, st: _RankState) -> tuple[float | None, float]:
-        """(last progress time, timeout that applies to it) for one rank."""
+    def _progress(self, st: _RankState, warmup: float, current: float) -> tuple[float | None, float]:
+        """(last progress time, timeout that applies to it) for one rank; `warmup` and `current`
+        are `warmup_timeout()` and `timeout()`, computed once per check (each looks at every
+        rank's history: per rank, a check over thousands of ranks would be quadratic)."""
         if st.step is None:
             times = [x for x in (st.activity_t, self.started_at, self._resumed_at) if x is not None]
-            return (max(times) if times else None), self.warmup_timeout()
+            return (max(times) if times else None), warmup
         if not self._calibrated:
             times = [x for x in (st.step_t, st.activity_t, self._resumed_at) if x is not None]
-            return max(times), self.timeout()
+            return max(times), current
         times = [x for x in (st.step_t, self._resumed_at) if x is not None]
-        return max(times), self.timeout()
+        return max(times), current
 
     # ------------------------------------------------------------------ check
     def check(self, now: float) -> HangVerdict | None:
@@ -243,8 +245,9 @@ class HangWatch:
             return self._latched
         stalled: dict[int, float] = {}
         timeouts = []
+        warmup, current = self.warmup_timeout(), self.timeout()
         for rank, st in self._state.items():
-            last, limit = self._progress(st)
+            last, limit = self._progress(st, warmup, current)
             if last is not None and now - last > limit:
                 stalled[rank] = last
                 timeouts.append(limit)
