@@ -1,7 +1,7 @@
 """One job in the controller: a thread that takes events from its inbox, asks the job core what to
 do, and hands the actions to the executor; the state is saved with them at every transition (and
-at least every second while anything changes), so a controller killed at any moment can be
-replaced by one that loads the state and carries on."""
+every second while anything changes, less often where the state is large: SAVE_COST_SHARE), so
+a controller killed at any moment can be replaced by one that loads the state and carries on."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("stalwart.controller")
 TICK_S = 0.2
 SAVE_EVERY_S = 1.0
+# Saves between transitions (steps, monitoring windows) never take more than this share of the
+# job's thread: a job of thousands of machines has a state of megabytes (tens of ms to encode),
+# saved less often than every second; transitions are always saved at once.
+SAVE_COST_SHARE = 0.05
 
 
 class JobRunner:
@@ -33,6 +37,7 @@ class JobRunner:
         self.inbox: queue.Queue[JobEvent] = queue.Queue()
         self._saved_key: tuple | None = None
         self._saved_at = 0.0
+        self._save_cost = 0.0          # seconds the last save took to encode
         self._dirty = True
         self.thread = threading.Thread(target=self._loop, name=f"job-{state.job_id}", daemon=True)
 
@@ -85,9 +90,15 @@ class JobRunner:
         if acts or not isinstance(ev, Tick):
             self._dirty = True
         key = self._key()
-        save = key != self._saved_key or (self._dirty and time.monotonic() - self._saved_at >= SAVE_EVERY_S)
+        every = max(SAVE_EVERY_S, self._save_cost / SAVE_COST_SHARE)
+        save = key != self._saved_key or (self._dirty and time.monotonic() - self._saved_at >= every)
+        data = None
+        if save:
+            t0 = time.perf_counter()
+            data = S.dumps(self.state)
+            self._save_cost = time.perf_counter() - t0
         try:
-            self.executor.perform(self.state, acts, S.dumps(self.state) if save else None)
+            self.executor.perform(self.state, acts, data)
         except Exception as e:
             log.exception("job %s: carrying out %d action(s) failed", self.job_id, len(acts))
             if not self.state.terminal:
