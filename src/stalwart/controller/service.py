@@ -20,6 +20,7 @@ from stalwart import protocol
 from stalwart.chaos import catalogue
 from stalwart.controller import snapshot, versions
 from stalwart.controller.job import state as S
+from stalwart.controller.commands import CommandQueues
 from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
                                             VersionRegistered)
 from stalwart.controller.job.runner import JobRunner
@@ -77,8 +78,7 @@ class Controller:
         self._lock = threading.RLock()
         self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False, last_beat=None)
                                            for m in self.store.machines()}
-        self._queues: dict[str, list[dict]] = {}
-        self._wake: dict[str, threading.Condition] = {}
+        self.command_queues = CommandQueues()
         self.jobs: dict[int, JobRunner] = {}
         self._taken_over: list[JobRunner] = []     # started once the API serves (see serving)
         self._down_at: float | None = None
@@ -155,10 +155,7 @@ class Controller:
         """Stop serving. Jobs are left as they are: the next controller on this store takes them
         over (cancel a job through the API to end it)."""
         self._stop.set()
-        with self._lock:
-            for cond in self._wake.values():
-                with cond:
-                    cond.notify_all()
+        self.command_queues.close()
         self.rendezvous.close()
         self.store.close()
 
@@ -177,15 +174,13 @@ class Controller:
                    "registered_at": now, "last_beat": now, "alive": True,
                    "job_id": m.get("job_id") if m else None, "reason": m.get("reason") if m else None}
             self._machines[machine] = rec
-            self._queues.setdefault(machine, [])
-            self._wake.setdefault(machine, threading.Condition(self._lock))
         self.store.upsert_machine(machine, state=state, address=reg.address, info=rec["info"],
                                   registered_at=now, last_beat=now, job_id=rec["job_id"])
         log.info("machine %s registered (%s, %s)", machine, reg.address, state)
         runner = self._runner_of(rec["job_id"]) or self._runner_holding(machine)
         if runner is not None:
             runner.post(AgentBack(machine=machine, reg=reg))
-        return {"ok": True, "heartbeat_s": self.heartbeat_s, "role": state}
+        return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats, "role": state}
 
     def heartbeat(self, machine: str) -> dict:
         with self._lock:
@@ -310,32 +305,24 @@ class Controller:
 
     # -- commands to agents -------------------------------------------------------------------------
     def send(self, machine: str, cmd: protocol.Command) -> None:
-        with self._lock:
-            self._queues.setdefault(machine, []).append(protocol.encode(cmd))
-            cond = self._wake.setdefault(machine, threading.Condition(self._lock))
-            cond.notify_all()           # only the agent the command is for wakes up
+        self.command_queues.put(machine, protocol.encode(cmd))   # wakes only that machine's poll
 
-    def commands(self, machine: str, wait: float) -> list[dict]:
-        deadline = time.monotonic() + min(wait, 30.0)
-        with self._lock:
-            cond = self._wake.setdefault(machine, threading.Condition(self._lock))
-            while not self._queues.get(machine) and not self._stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                cond.wait(left)
-            cmds, self._queues[machine] = self._queues.get(machine, []), []
-            return cmds
+    async def commands(self, machine: str, wait: float) -> list[dict]:
+        """The machine's commands, waiting up to `wait` s for one (on the API's event loop)."""
+        return await self.command_queues.take(machine, wait)
 
-    def agent_events(self, machine: str, events: list[dict]) -> None:
+    def agent_events(self, machine: str, events: list[dict]) -> dict:
+        """A batch of the machine's events; it counts as a heartbeat (an agent whose events flow
+        skips its heartbeats). The reply says when the agent must register again."""
         with self._lock:
             m = self._machines.get(machine)
             job_id = m.get("job_id") if m else None
-            if m is not None:
+            if m is not None and m["alive"]:
                 m["last_beat"] = time.time()
+            reply = {"ok": True} if m is not None and m["alive"] else {"ok": True, "reregister": True}
         runner = self._runner_of(job_id)
         if runner is None:
-            return
+            return reply
         for raw in events:
             try:
                 ev = protocol.decode_event(raw)
@@ -344,6 +331,7 @@ class Controller:
                 continue
             if ev is not None:
                 runner.post(AgentEvent(machine=machine, event=ev))
+        return reply
 
     # -- jobs ---------------------------------------------------------------------------------------
     def ckpt_dir(self, job_id: int) -> str:
