@@ -1,0 +1,427 @@
+"""How many agents one controller holds: heartbeat latency, false losses and CPU at N agents.
+
+A real controller (`stalwart controller`, its own process, SQLite) and N simulated agents that
+speak the real protocol over real sockets: each registers, beats once a second, long-polls its
+commands and posts its events (one step event per rank per step, at one step a second, and one
+metrics sample a second) for one running job of N machines. The agents are asyncio tasks on
+aiohttp client sessions, spread over a few processes; they start no workers (a `start` command
+makes them report steps, a `stop` makes them report stopped).
+
+Printed: heartbeat round-trip p50/p99 over the measurement window (the round trip of each
+request that carried a machine's beat: as the real agent, a simulated one whose batch of events
+went through skips its heartbeat, so while the job trains the beat rides on the events), machines the controller
+called lost although their agents kept beating (false losses), and the controller's CPU per
+agent; the same for the controller as it was before issue 12 (from git, `--before REF`), side by
+side. `--json FILE` writes the current controller's figures:
+{"agents", "heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent"}
+(`controller_cpu_per_agent`: CPU-seconds per second per agent, i.e. the share of a core).
+
+    python bench/controller_scale.py --agents 256 --json /tmp/scale.json
+    python bench/controller_scale.py --agents 2048 --duration 60 --before none
+
+A benchmark, not a test: run it on an idle host (the load generator shares the cores).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import psutil
+
+from stalwart.client import ApiError, Client, ControllerUnreachable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the last commit before issue 12 (auth, typed API, several jobs, agents' backoff)
+BEFORE_ISSUE_12 = "9740bb6"
+
+
+# -- one load process: its share of the simulated agents -----------------------------------------
+
+class SimAgent:
+    def __init__(self, mid: str, base: str, headers: dict, gpus: int, hb_s: float, rtts: list,
+                 lags: list, errors: dict, measuring):
+        self.mid, self.base, self.headers, self.gpus, self.hb_s = mid, base, headers, gpus, hb_s
+        self.rtts, self.lags, self.errors, self.measuring = rtts, lags, errors, measuring
+        self.run: int | None = None
+        self.ranks: list[int] = []
+        self.step = 0
+        self.outbox: list[dict] = []
+        self.registered = asyncio.Event()
+        self.delivered_at = float("-inf")
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/api/agents/{self.mid}/{path}"
+
+    async def post(self, session, path: str, body: dict, timeout: float = 10.0) -> dict:
+        import aiohttp
+        async with session.post(self.url(path), json=body, headers=self.headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status >= 400:
+                raise RuntimeError(f"{path}: HTTP {r.status}: {(await r.text())[:200]}")
+            return await r.json()
+
+    def failed(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    async def register(self, session) -> None:
+        body = {"address": "127.0.0.1", "gpus": self.gpus, "hostname": self.mid, "pid": os.getpid(),
+                "workdir": "/nonexistent"}
+        while True:
+            try:
+                await self.post(session, "register", body)
+                self.registered.set()
+                return
+            except Exception:
+                self.failed("register")
+                await asyncio.sleep(1.0 + random.random())
+
+    def beat_sent(self, t0: float, due: float) -> None:
+        """A request that carried the machine's beat (a heartbeat, or a batch of events) came back."""
+        self.delivered_at = time.perf_counter()
+        if self.measuring.is_set():
+            self.rtts.append((self.delivered_at - t0) * 1000.0)
+            # the load generator's own lateness: an overloaded generator sends late, not the controller
+            self.lags.append(max(0.0, t0 - due) * 1000.0)
+
+    async def heartbeats(self, session, stop: asyncio.Event) -> None:
+        """As the real agent: a heartbeat only when no batch of events went through within the
+        last interval (a delivered batch counts as the beat)."""
+        await asyncio.sleep(random.random() * self.hb_s)        # agents do not beat in step
+        while not stop.is_set():
+            if time.perf_counter() - self.delivered_at < self.hb_s:
+                await asyncio.sleep(self.hb_s)
+                continue
+            t0 = time.perf_counter()
+            try:
+                reply = await self.post(session, "heartbeat", {"t": time.time(), "workers": []})
+                self.beat_sent(t0, self.delivered_at + self.hb_s)
+                if reply.get("reregister"):
+                    self.failed("reregister")
+                    await self.register(session)
+            except Exception:
+                self.failed("heartbeat")
+            await asyncio.sleep(max(0.0, t0 + self.hb_s - time.perf_counter()))
+
+    async def commands(self, session, stop: asyncio.Event) -> None:
+        import aiohttp
+        while not stop.is_set():
+            try:
+                async with session.get(self.url("commands?wait=5"), headers=self.headers,
+                                       timeout=aiohttp.ClientTimeout(total=15)) as r:
+                    reply = await r.json()
+            except Exception:
+                self.failed("commands")
+                await asyncio.sleep(0.5)
+                continue
+            for cmd in reply.get("commands", []):
+                kind = cmd.get("type")
+                if kind == "start":
+                    self.run = cmd["spec"]["run"]
+                    self.ranks = [w["rank"] for w in cmd["workers"]]
+                    self.step = int(cmd["spec"].get("restore_step", -1)) + 1
+                    self.outbox.append({"type": "started", "run": self.run, "pids": [], "t": time.time()})
+                    self.outbox += [{"type": "hello", "run": self.run, "rank": r, "pid": 0, "t": time.time()}
+                                    for r in self.ranks]
+                elif kind in ("stop", "shutdown"):
+                    self.run = None
+                    self.outbox.append({"type": "stopped", "run": cmd.get("run"), "inventory": {},
+                                        "t": time.time()})
+
+    async def events(self, session, stop: asyncio.Event) -> None:
+        await asyncio.sleep(random.random())
+        due = time.perf_counter()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            now = time.time()
+            if self.run is not None:
+                self.outbox += [{"type": "step", "run": self.run, "rank": r, "step": self.step, "t": now,
+                                 "dur": 1.0, "compute_s": 0.8, "loss": 2.0, "grad_norm": 1.0,
+                                 "tokens": 4096} for r in self.ranks]
+                self.step += 1
+            self.outbox.append({"type": "metrics", "t": now,
+                                "values": {"cpu_percent": 12.5, "mem_percent": 40.0, "gpu_util": 95.0}})
+            batch, self.outbox = self.outbox, []
+            try:
+                reply = await self.post(session, "events", {"events": batch})
+                self.beat_sent(t0, due)
+                if reply.get("reregister"):
+                    self.failed("reregister")
+                    await self.register(session)
+            except Exception:
+                self.failed("events")
+            due = t0 + 1.0
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+
+    async def live(self, session, stop: asyncio.Event) -> None:
+        await self.register(session)
+        await asyncio.gather(self.heartbeats(session, stop), self.commands(session, stop),
+                             self.events(session, stop))
+
+
+def load_process(ids: list[str], base: str, token: str | None, gpus: int, ramp_s: float,
+                 measuring, stopping, out) -> None:
+    """Run the agents `ids` until `stopping` is set; put (rtts, errors) on `out`."""
+    import aiohttp
+
+    async def main() -> tuple[list, list, dict]:
+        rtts: list[float] = []
+        lags: list[float] = []
+        errors: dict[str, int] = {}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        stop = asyncio.Event()
+        # three connections per agent at most: its beat, its long poll and its events
+        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+        async with aiohttp.ClientSession(connector=conn) as session:
+            agents = [SimAgent(m, base, headers, gpus, 1.0, rtts, lags, errors, measuring) for m in ids]
+            tasks = []
+            for a in agents:       # a ramp: the agents of a new cluster do not all start at once
+                tasks.append(asyncio.create_task(a.live(session, stop)))
+                await asyncio.sleep(ramp_s / max(1, len(agents)))
+            while not stopping.is_set():
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.wait(tasks, timeout=20)
+            for t in tasks:
+                t.cancel()
+        return rtts, lags, errors
+
+    out.put(asyncio.run(main()))
+
+
+# -- the controller under test --------------------------------------------------------------------
+
+def source_of(ref: str, into: str) -> str:
+    """The package source at git `ref`, unpacked under `into`; returns the directory to put on
+    PYTHONPATH."""
+    archive = os.path.join(into, "src.tar")
+    subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", "-o", archive, ref, "src"],
+                   check=True, capture_output=True)
+    with tarfile.open(archive) as tf:
+        tf.extractall(into, filter="data")
+    return os.path.join(into, "src")
+
+
+def start_controller(state_dir: str, src: str | None) -> tuple[subprocess.Popen, str]:
+    port_file = os.path.join(state_dir, "port")
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart.cli", "controller", "--db",
+                             f"sqlite:///{state_dir}/stalwart.db", "--listen", "127.0.0.1:0",
+                             "--state-dir", state_dir, "--port-file", port_file, "--heartbeat", "1",
+                             "--missed-beats", "3", "--log-level", "WARNING"], env=env, cwd=state_dir,
+                            stdout=open(os.path.join(state_dir, "controller.log"), "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the controller did not start; see {state_dir}/controller.log")
+        time.sleep(0.1)
+    with open(port_file) as f:
+        return proc, f"http://127.0.0.1:{int(f.read().strip())}"
+
+
+def api(base: str, token: str | None, path: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    client = Client(base, timeout=timeout, token=token)
+    return client.get(path) if body is None else client.post(path, body)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def measure(n: int, src: str | None, args) -> dict:
+    """One controller (current code, or `src`) under `n` simulated agents."""
+    state_dir = tempfile.mkdtemp(prefix="stalwart-scale-")
+    proc, base = start_controller(state_dir, src)
+    token_file = os.path.join(state_dir, "token")
+    token = open(token_file).read().strip() if os.path.exists(token_file) else None
+    ctx = mp.get_context("spawn")
+    measuring, stopping, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    ids = [f"m{i}" for i in range(n)]
+    procs = [ctx.Process(target=load_process, args=(ids[i::args.procs], base, token, args.gpus,
+                                                   args.ramp, measuring, stopping, out), daemon=True)
+             for i in range(args.procs)]
+    label = "before issue 12" if src else "this controller"
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + args.ramp + 120
+        alive: set[str] = set()
+        while len(alive) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(alive)} of {n} agents registered")
+            time.sleep(1.0)
+            try:
+                alive = {m["id"] for m in api(base, token, "/api/machines")["machines"] if m.get("alive")}
+            except (ControllerUnreachable, ApiError):
+                continue
+            print(f"  [{label}] {len(alive)}/{n} agents registered", flush=True)
+        code_dir = os.path.join(state_dir, "code")      # nothing runs it: the agents are simulated
+        os.makedirs(code_dir, exist_ok=True)
+        spec = {"name": "scale", "machines": n, "gpus_per_machine": args.gpus, "steps": 10 ** 7,
+                "command": ["python", "-c", "pass"], "code_dir": code_dir,
+                "policy": {"heartbeat_s": 1.0, "missed_beats": 3}}
+        try:
+            job = api(base, token, "/api/jobs", {"spec": spec})["job"]
+        except ApiError as e:
+            raise RuntimeError(f"the job was refused: {e}") from None
+        deadline = time.monotonic() + 120
+        while True:
+            st = api(base, token, f"/api/jobs/{job}")
+            if (st.get("steps_completed") or 0) >= 3 or st["state"] not in ("pending", "waiting", "running"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job did not train within 120s: {st['state']} {st.get('reason')}")
+            time.sleep(1.0)
+        if st["state"] == "running":
+            print(f"  [{label}] job {job} trains; warming up {args.warmup:.0f}s, measuring "
+                  f"{args.duration:.0f}s", flush=True)
+            time.sleep(args.warmup)
+        else:       # the controller could not hold the job: that is the figure (its losses are counted)
+            print(f"  [{label}] job {job} {st['state']}: {str(st.get('reason'))[:200]}", flush=True)
+        ctl = psutil.Process(proc.pid)
+        cpu0, t0 = sum(ctl.cpu_times()[:2]), time.monotonic()
+        steps0 = api(base, token, f"/api/jobs/{job}")["steps_completed"]
+        spy = None
+        if args.profile and not src:
+            pyspy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+            spy = subprocess.Popen([pyspy, "record", "-p", str(proc.pid), "-d", str(int(args.duration) + 60),
+                                    "-r", "50", "--nonblocking", "--format", "raw", "-o", args.profile],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        measuring.set()
+        lost: set[str] = set()
+        polls = []
+        while time.monotonic() - t0 < args.duration:
+            time.sleep(2.0)
+            q0 = time.perf_counter()
+            ms = api(base, token, "/api/machines")["machines"]
+            polls.append(time.perf_counter() - q0)
+            lost |= {m["id"] for m in ms if not m.get("alive")}
+        measuring.clear()
+        cpu1, t1 = sum(ctl.cpu_times()[:2]), time.monotonic()
+        if spy is not None:      # (with thousands of threads it samples slower than asked: stop it)
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(120)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+            print(f"  [{label}] py-spy profile of the controller (collapsed stacks): {args.profile}")
+        st = api(base, token, f"/api/jobs/{job}")
+        # every loss is false (the simulated agents never stop beating): machines seen not alive,
+        # and machines the job evicted as lost
+        for inc in st.get("incidents", []):
+            lost |= set(inc.get("machines_evicted") or [])
+        stopping.set()
+        rtts: list[float] = []
+        lags: list[float] = []
+        errors: dict[str, int] = {}
+        for _ in procs:
+            r, lg, e = out.get(timeout=60)
+            rtts += r
+            lags += lg
+            for k, v in e.items():
+                errors[k] = errors.get(k, 0) + v
+        return {"agents": n, "heartbeat_p50_ms": round(pct(rtts, 0.50), 2),
+                "heartbeat_p99_ms": round(pct(rtts, 0.99), 2), "false_lost": len(lost),
+                "controller_cpu_per_agent": round((cpu1 - cpu0) / (t1 - t0) / n, 6),
+                "_beats": len(rtts), "_errors": errors, "_state": st["state"],
+                "_reason": str(st.get("reason") or "")[:60],
+                "_generator_lag_p99_ms": round(pct(lags, 0.99), 1),
+                "_steps_per_s": round((st["steps_completed"] - steps0) / (t1 - t0), 2),
+                "_status_s": round(pct(polls, 0.5), 3)}
+    finally:
+        stopping.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+        if args.keep:
+            print(f"  [{label}] kept {state_dir} (controller.log, stalwart.db)")
+        else:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", type=int, default=256, help="simulated agents (machines); default 256")
+    ap.add_argument("--gpus", type=int, default=1, help="ranks per simulated machine (default 1)")
+    ap.add_argument("--duration", type=float, default=30.0, help="measurement window, seconds (default 30)")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of training before measuring")
+    ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which the agents start")
+    ap.add_argument("--procs", type=int, default=2, help="load-generating processes (default 2)")
+    ap.add_argument("--before", default=BEFORE_ISSUE_12,
+                    help=f"git ref of the controller to compare with (default {BEFORE_ISSUE_12}, the last "
+                         "commit before issue 12); 'none' to skip")
+    ap.add_argument("--json", help="write this controller's figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the controllers' state dirs (logs, database)")
+    ap.add_argument("--profile", help="py-spy the controller during the window; collapsed stacks here")
+    args = ap.parse_args(argv)
+    if args.agents < 1 or args.procs < 1 or args.duration <= 0:
+        ap.error("--agents, --procs and --duration must be positive")
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        ap.error("the load generator needs aiohttp: pip install -e '.[test]'")
+
+    rows = [("this controller", measure(args.agents, None, args))]
+    if args.before != "none":
+        tmp = tempfile.mkdtemp(prefix="stalwart-before-")
+        try:
+            src = source_of(args.before, tmp)
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"no comparison: cannot unpack {args.before} from git ({e})", file=sys.stderr)
+        else:
+            try:
+                rows.append((f"before issue 12 ({args.before})", measure(args.agents, src, args)))
+            except (RuntimeError, ApiError, ControllerUnreachable) as e:
+                print(f"the controller of {args.before} failed under {args.agents} agents: {e}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent", "_steps_per_s",
+            "_status_s", "_beats", "_generator_lag_p99_ms", "_errors", "_state"]
+    print(f"\n{args.agents} agents, {args.gpus} rank(s) each, 1 beat/s, 1 step/s, {args.duration:.0f}s window")
+    print(f"{'':28s}" + "".join(f"{label:>30s}" for label, _ in rows))
+    for k in keys:
+        print(f"{k.lstrip('_'):28s}" + "".join(f"{str(r[k]):>30s}" for _, r in rows))
+    for label, r in rows:
+        if r["_reason"]:
+            print(f"{label}: the job {r['_state']}: {r['_reason']}")
+    if len(rows) == 2:
+        now, before = rows[0][1], rows[1][1]
+        if before["heartbeat_p99_ms"] and now["heartbeat_p99_ms"]:
+            print(f"heartbeat p99: {before['heartbeat_p99_ms'] / now['heartbeat_p99_ms']:.2f}x lower than before")
+        if before["controller_cpu_per_agent"] and now["controller_cpu_per_agent"]:
+            print(f"controller CPU per agent: "
+                  f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.2f}x of before")
+    if args.json:
+        mine = rows[0][1]
+        with open(args.json, "w") as f:
+            json.dump({k: mine[k] for k in ("agents", "heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost",
+                                            "controller_cpu_per_agent")}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
