@@ -2,8 +2,9 @@
 
 A real controller (`stalwart controller`, its own process, SQLite) and N simulated agents that
 speak the real protocol over real sockets: each registers, beats once a second, long-polls its
-commands and posts its events (one step event per rank per step, at one step a second, and one
-metrics sample a second) for one running job of N machines. The agents are asyncio tasks on
+commands and posts its events (its ranks' reports of a step, at one step a second, merged into one
+message as the real agent merges them for a controller that takes it, and one metrics sample a
+second) for one running job of N machines. The agents are asyncio tasks on
 aiohttp client sessions, spread over a few processes; they start no workers (a `start` command
 makes them report steps, a `stop` makes them report stopped).
 
@@ -40,6 +41,7 @@ import time
 import psutil
 
 from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.protocol import merge_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the last commit before issue 12 (auth, typed API, several jobs, agents' backoff)
@@ -59,6 +61,7 @@ class SimAgent:
         self.outbox: list[dict] = []
         self.registered = asyncio.Event()
         self.delivered_at = float("-inf")
+        self.merge_steps = False
 
     def url(self, path: str) -> str:
         return f"{self.base}/api/agents/{self.mid}/{path}"
@@ -79,7 +82,8 @@ class SimAgent:
                 "workdir": "/nonexistent"}
         while True:
             try:
-                await self.post(session, "register", body)
+                reply = await self.post(session, "register", body)
+                self.merge_steps = bool(reply.get("steps_batch"))   # as the real agent
                 self.registered.set()
                 return
             except Exception:
@@ -152,6 +156,8 @@ class SimAgent:
             self.outbox.append({"type": "metrics", "t": now,
                                 "values": {"cpu_percent": 12.5, "mem_percent": 40.0, "gpu_util": 95.0}})
             batch, self.outbox = self.outbox, []
+            if self.merge_steps:
+                batch = merge_steps(batch)
             try:
                 reply = await self.post(session, "events", {"events": batch})
                 self.beat_sent(t0, due)

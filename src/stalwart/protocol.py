@@ -198,6 +198,68 @@ class Step(_Msg, tag="step", kw_only=True):
     compute_s: float | None = None
 
 
+class StepOfRank(msgspec.Struct, kw_only=True):
+    """One rank's part of a `Steps` message (the fields of its `Step`)."""
+    rank: int
+    t: float
+    dur: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int | None = None
+    local_grad_norm: float | None = None
+    compute_s: float | None = None
+
+
+class Steps(_Msg, tag="steps", kw_only=True):
+    """One step of several ranks of a machine in one message: the agent merges its ranks'
+    consecutive reports of a step (one message per machine per step, not one per rank)."""
+    run: int | None = None
+    step: int
+    ranks: list[StepOfRank]
+    t: float = 0.0
+
+    def expand(self) -> list[Step]:
+        return [Step(run=self.run, rank=r.rank, step=self.step, t=r.t, dur=r.dur, loss=r.loss,
+                     grad_norm=r.grad_norm, tokens=r.tokens, local_grad_norm=r.local_grad_norm,
+                     compute_s=r.compute_s) for r in self.ranks]
+
+
+STEP_FIELDS = ("dur", "loss", "grad_norm", "tokens", "local_grad_norm", "compute_s")
+
+
+def merge_steps(events: list[dict]) -> list[dict]:
+    """Consecutive `step` events of one (run, step) merged into one `steps` event. Nothing moves:
+    a rank's reports keep their order (time never runs backwards for a rank) and every other
+    event keeps its place; a step one rank alone reported stays as it is. The ranks of a machine
+    train in lockstep, so their reports of a step arrive together: one message per step."""
+    out: list[dict] = []
+    group: list[dict] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            out.append(group[0])
+        elif group:
+            ranks = [{"rank": e["rank"], "t": e.get("t", 0.0),
+                      **{k: e[k] for k in STEP_FIELDS if e.get(k) is not None}} for e in group]
+            merged = {"type": "steps", "run": group[0].get("run"), "step": group[0]["step"], "ranks": ranks,
+                      "t": max(r["t"] for r in ranks)}
+            if "machine" in group[0]:
+                merged["machine"] = group[0]["machine"]
+            out.append(merged)
+        group.clear()
+
+    for ev in events:
+        if ev.get("type") == "step" and isinstance(ev.get("rank"), int) and isinstance(ev.get("step"), int):
+            if group and (group[0].get("run"), group[0]["step"]) != (ev.get("run"), ev["step"]):
+                flush()
+            group.append(ev)
+            continue
+        flush()
+        out.append(ev)
+    flush()
+    return out
+
+
 class Ckpt(_Msg, tag="ckpt", kw_only=True):
     run: int | None = None
     rank: int
@@ -333,7 +395,7 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
     t: float = 0.0
 
 
-Event = Union[Step, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
+Event = Union[Step, Steps, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
               Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
               Restored, StandbyReady]
 # An agent that lost its controller retries with a delay that doubles up to this cap (times a

@@ -45,6 +45,40 @@ def test_steps_commit_when_every_rank_reported_and_the_job_ends():
     assert kinds(acts)[-3:] == ["UpdateRun", "Record:job_finished", "FinishJob"]
 
 
+def test_a_machines_merged_step_reports_commit_like_its_ranks_reports():
+    """An agent sends its ranks' reports of a step as one `steps` message (protocol.merge_steps):
+    the job counts each rank, exactly as from separate reports."""
+    h = started(Harness(steps=3))
+    for step in range(2):
+        events = [{"type": "step", "run": 1, "rank": r, "step": step, "t": h.now + 0.1, "dur": 0.1,
+                   "loss": 2.0, "compute_s": 0.05} for r in range(4)]
+        by_machine: dict[str, list] = {}
+        for ev in events:
+            by_machine.setdefault(h.machine_of(ev["rank"]), []).append(ev)
+        for m, evs in by_machine.items():
+            [merged] = p.merge_steps(evs)
+            assert merged["type"] == "steps" and len(merged["ranks"]) == 2
+            assert step == h.st.steps_done              # not committed before the last machine's
+            h.agent(m, p.decode_event(merged))
+        assert h.st.steps_done == step + 1
+    assert h.st.run is not None and h.st.run.committed == 2
+
+
+def test_merge_steps_keeps_every_other_event_in_place():
+    st = lambda r, s: {"type": "step", "run": 2, "rank": r, "step": s, "t": float(s), "loss": 1.5}  # noqa: E731
+    exit_ = {"type": "worker_exit", "run": 2, "rank": 1, "code": 1}
+    out = p.merge_steps([st(0, 5), st(1, 5), st(0, 6), exit_, st(1, 6), {"type": "metrics"}])
+    assert [e["type"] for e in out] == ["steps", "step", "worker_exit", "step", "metrics"]
+    # nothing moves: rank 1's step 5 never overtakes its step 4 (time would run backwards)
+    lag = p.merge_steps([st(0, 5), st(1, 4), st(1, 5), st(0, 6), st(1, 6)])
+    assert [(e["type"], e["step"]) for e in lag] == [("step", 5), ("step", 4), ("step", 5), ("steps", 6)]
+    assert out[0]["step"] == 5 and [r["rank"] for r in out[0]["ranks"]] == [0, 1]
+    assert out[0]["ranks"][0] == {"rank": 0, "t": 5.0, "loss": 1.5}
+    expanded = p.decode_event(out[0]).expand()
+    assert [(s.rank, s.step, s.loss, s.run) for s in expanded] == [(0, 5, 1.5, 2), (1, 5, 1.5, 2)]
+    assert p.merge_steps([]) == [] and p.merge_steps(out) == out       # merged once is merged
+
+
 def crash(h: Harness, rank: int = 2, code: int = -9) -> list:
     return h.agent(h.machine_of(rank), p.WorkerExit(run=h.st.run_seq, rank=rank, code=code, signal=9,
                                                     t=h.now, log_tail=""))

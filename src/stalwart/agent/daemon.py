@@ -78,6 +78,7 @@ class Agent:
         self._failures = 0          # failed attempts to reach the controller in a row
         self._delivered_at = float("-inf")   # when the controller last took a batch of events
         self._skip_beats = False
+        self._merge_steps = False
         self._conns: dict[int, JsonLineSocket] = {}      # worker pid -> connection
         self._standby_ready: list[int] = []              # pids of warm workers at the barrier
         self._lock = threading.Lock()
@@ -186,6 +187,7 @@ class Agent:
         # beats may ride on events when the controller allows 3 missed beats or more (a
         # controller that does not say so gets every heartbeat)
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
+        self._merge_steps = bool(reply.get("steps_batch"))      # one step message per machine
         self.registered.set()
         log.info("registered with the controller as %s (%s)", self.machine_id, reply.get("role"))
 
@@ -288,6 +290,8 @@ class Agent:
             batch = self._events.take(timeout=0.5)
             if not batch:
                 continue
+            if self._merge_steps:
+                batch = p.merge_steps(batch)
             try:
                 reply = self.client.post(f"/api/agents/{self.machine_id}/events", {"events": batch})
                 self._delivered_at = time.monotonic()        # a delivered batch is a heartbeat

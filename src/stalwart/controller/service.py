@@ -180,7 +180,8 @@ class Controller:
         runner = self._runner_of(rec["job_id"]) or self._runner_holding(machine)
         if runner is not None:
             runner.post(AgentBack(machine=machine, reg=reg))
-        return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats, "role": state}
+        return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats, "role": state,
+                "steps_batch": True}     # this controller takes merged step reports (protocol.Steps)
 
     def heartbeat(self, machine: str) -> dict:
         with self._lock:

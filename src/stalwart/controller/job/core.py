@@ -65,6 +65,11 @@ class JobCore:
         raise TypeError(f"unknown job event {ev!r}")
 
     def on_agent(self, st: JobState, machine: str, ev: p.Event, now: float) -> Actions:
+        if isinstance(ev, p.Steps):         # several ranks' reports of one step: each in turn
+            acts: Actions = []
+            for one in ev.expand():
+                acts += self.on_agent(st, machine, one, now)
+            return acts
         if st.phase == JobPhase.REPLAYING and isinstance(ev, REPLAY_EVENTS):
             return self.replay.on_event(st, machine, ev, now)
         if isinstance(ev, p.Step):
