@@ -79,3 +79,14 @@ def test_gpu_means_and_sampler_rates():
     sum(i * i for i in range(200000))
     row = s.sample(101.0)
     assert row["cpu"] >= 0 and row["rss_mb"] > 1 and row["gpu_temp"] == 41 and "net_mbps" not in row
+
+
+def test_the_peer_check_thins_out_on_large_jobs_but_keeps_a_candidates_run_alive():
+    from stalwart.analyzer.similarity import Continuity
+    from stalwart.controller.job.flows.implicit import peer_check_period
+    assert peer_check_period(1.0, 16) == 1.0 and peer_check_period(1.0, 256) == 1.0
+    assert peer_check_period(1.0, 1024) == 4.0
+    assert peer_check_period(1.0, 2048) == 5.0                    # capped
+    assert peer_check_period(0.5, 8192) == 5.0
+    assert peer_check_period(30.0, 4) == 30.0                     # never more often than a heartbeat
+    assert peer_check_period(1.0, 100_000) < Continuity().grace_s  # a candidate's run survives the gaps

@@ -30,6 +30,18 @@ HISTORY_N = 50                  # loss and grad-norm history kept for the jump r
 FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 
 
+# Comparing every machine with its peers is quadratic in the group (pairwise distances): beyond
+# this many machines the check runs less often than every heartbeat, never less often than every
+# PEER_CHECK_MAX_S (a candidate's run of windows survives gaps of Continuity.grace_s = 10 s). A
+# suspect must stay unlike its peers for minutes (similarity_continuity_s), so seconds do not matter.
+PEER_CHECK_MACHINES = 256
+PEER_CHECK_MAX_S = 5.0
+
+
+def peer_check_period(heartbeat_s: float, machines: int) -> float:
+    return max(heartbeat_s, min(heartbeat_s * machines / PEER_CHECK_MACHINES, PEER_CHECK_MAX_S))
+
+
 class ImplicitFlow:
     def __init__(self, ctx: Ctx, core: "JobCore"):
         self.ctx, self.core = ctx, core
@@ -185,7 +197,7 @@ class ImplicitFlow:
         sig, p = st.signals, self.ctx.policy
         if sig.peerwatch is None or now < sig.peer_next_check:
             return []
-        sig.peer_next_check = now + p.heartbeat_s
+        sig.peer_next_check = now + peer_check_period(p.heartbeat_s, len(st.slots))
         found, seen = sig.peerwatch.check(now)
         if found is None:
             return []
