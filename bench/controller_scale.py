@@ -100,10 +100,10 @@ class SimAgent:
 
     async def heartbeats(self, session, stop: asyncio.Event) -> None:
         """As the real agent: a heartbeat only when no batch of events went through within the
-        last interval (a delivered batch counts as the beat)."""
+        last half interval (a delivered batch counts as the beat)."""
         await asyncio.sleep(random.random() * self.hb_s)        # agents do not beat in step
         while not stop.is_set():
-            if time.perf_counter() - self.delivered_at < self.hb_s:
+            if time.perf_counter() - self.delivered_at < self.hb_s / 2:
                 await asyncio.sleep(self.hb_s)
                 continue
             t0 = time.perf_counter()
