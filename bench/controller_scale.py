@@ -349,7 +349,7 @@ def measure(n: int, src: str | None, args) -> dict:
                 "_reason": str(st.get("reason") or "")[:60],
                 "_generator_lag_p99_ms": round(pct(lags, 0.99), 1),
                 "_steps_per_s": round((st["steps_completed"] - steps0) / (t1 - t0), 2),
-                "_status_s": round(pct(polls, 0.5), 3)}
+                "_machines_api_s": round(pct(polls, 0.5), 3)}
     finally:
         stopping.set()
         for p in procs:
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
     keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent", "_steps_per_s",
-            "_status_s", "_beats", "_generator_lag_p99_ms", "_errors", "_state"]
+            "_machines_api_s", "_beats", "_generator_lag_p99_ms", "_errors", "_state"]
     print(f"\n{args.agents} agents, {args.gpus} rank(s) each, 1 beat/s, 1 step/s, {args.duration:.0f}s window")
     print(f"{'':28s}" + "".join(f"{label:>30s}" for label, _ in rows))
     for k in keys:

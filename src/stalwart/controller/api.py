@@ -35,8 +35,8 @@ def _int_query(q: dict, name: str, default: int) -> int:
         value = int(q.get(name, [str(default)])[0])
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer") from None
-    if value < 0:
-        raise InvalidRequest(f"{name} must be >= 0")
+    if not 0 <= value < 2**63:
+        raise InvalidRequest(f"{name} must be between 0 and 2**63-1")
     return value
 
 
@@ -113,7 +113,11 @@ class Api:
         return self.views.series(job, _int_query(q, "since", 0), _int_query(q, "points", 120))
 
     def job_incident(self, job, inc, q, body):
-        return self.views.incident(job, int(inc))
+        try:
+            inc_id = int(inc)
+        except ValueError:
+            raise InvalidRequest("an incident id is a number") from None
+        return self.views.incident(job, inc_id)
 
     def job_report_html(self, job, q, body):
         return render_html(self.ctl.status(self.ctl.resolve_job(job)), self.views.series(job, 0, 200))
@@ -179,7 +183,8 @@ class ApiServer:
         self.loop.set_exception_handler(self._loop_error)
         app = web.Application(client_max_size=models.MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # at stop, requests in flight (agents' long polls) get a second, not aiohttp's 60
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         try:
             self.loop.run_until_complete(runner.setup())
             self.loop.run_until_complete(web.SockSite(runner, self.sock, ssl_context=self.tls,

@@ -389,7 +389,7 @@ class Controller:
             job_id = int(job)
         except ValueError:
             raise NotFound(f"no job {job!r}") from None
-        if self.store.job(job_id) is None:
+        if not 0 < job_id < 2**63 or self.store.job(job_id) is None:      # (the store's integers)
             raise NotFound(f"no job {job_id}")
         return job_id
 
