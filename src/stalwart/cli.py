@@ -108,13 +108,23 @@ def cmd_agent(a) -> int:
         raise UserError(str(e)) from None
     agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
                   address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
-                  kmsg=a.kmsg, controller_file=a.controller_file)
+                  kmsg=a.kmsg, controller_file=a.controller_file, labels=_labels(a.label))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
         agent.serve_forever()
     except KeyboardInterrupt:
         agent.shutdown()
     return 0
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--label takes KEY=VALUE (got {item!r})")
+        out[key.strip()] = value.strip()
+    return out
 
 
 # -- run --------------------------------------------------------------------------------------
@@ -448,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
                                              "address from when it is unreachable (it may restart elsewhere)")
+    g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="a topology label of this machine, e.g. switch=leaf3 or pod=p1 (repeatable); the "
+                        "controller prefers standbys near an evicted machine's group")
     g.set_defaults(fn=cmd_agent)
 
     r = sub.add_parser("run", help="run a job on a local cluster", epilog=_chaos_help(),

@@ -51,7 +51,7 @@ class Agent:
     def __init__(self, client: Client, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
                  kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
-                 controller_file: str | None = None):
+                 controller_file: str | None = None, labels: dict[str, str] | None = None):
         self.client = client        # the controller's address and credentials (token, CA)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
@@ -59,6 +59,7 @@ class Agent:
         self.workdir = os.path.abspath(workdir)
         self.address = address
         self.gpus = gpus
+        self.labels = dict(labels or {})        # topology labels (switch, pod...) the controller reads
         self.heartbeat_s = heartbeat_s
         self.keep_warm = keep_warm
         os.makedirs(self.workdir, exist_ok=True)
@@ -179,7 +180,7 @@ class Agent:
                               running_run=self._run if ranks or done else None, job=self._job, ranks=ranks,
                               done_ranks=done,
                               last_step={r: s for r, s in self._last_step.items() if r in ranks},
-                              inventory=self.ckpt.inventory(), warm=warm)
+                              inventory=self.ckpt.inventory(), warm=warm, labels=self.labels)
 
     def _register(self) -> None:
         reply = self.client.post(f"/api/agents/{self.machine_id}/register", p.encode(self.registration()))
