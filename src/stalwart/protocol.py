@@ -157,6 +157,8 @@ class Chaos(_Msg, tag="chaos", kw_only=True):
     rank: int | None = None
     step: int = 0
     params: dict[str, Any] = {}
+    at_step: int | None = None      # armed: apply when a rank of the machine completed this many
+                                    # steps (agent/armed.py); None: at once
 
 
 class Trace(_Msg, tag="trace", kw_only=True):

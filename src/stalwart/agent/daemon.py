@@ -22,6 +22,7 @@ from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.outbox import Outbox
+from stalwart.agent.armed import ArmedChaos
 from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
 from stalwart.agent.probes.kmsg import KmsgProbe
@@ -74,6 +75,7 @@ class Agent:
         self._refill_at: tuple[float, p.Start] | None = None   # when to top up the spares, for which run
         self._spares_for: str | None = None     # `spares` asked: report when those are all ready
         self._events = Outbox()
+        self.armed = ArmedChaos()               # faults waiting for their step
         self._last_step: dict[int, int] = {}    # rank -> the last step its SDK reported
         self._stop = threading.Event()
         self._failures = 0          # failed attempts to reach the controller in a row
@@ -350,6 +352,8 @@ class Agent:
                 self._on_worker_failing(pid, msg)
             if kind == "step" and isinstance(msg.get("rank"), int):
                 self._last_step[msg["rank"]] = int(msg.get("step", -1))
+                if len(self.armed):
+                    self._fire_armed()
             if kind in FORWARDED:
                 msg["run"] = self._run
                 self.emit(msg)
@@ -548,6 +552,24 @@ class Agent:
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
     def _chaos(self, chaos: p.Chaos) -> None:
+        if chaos.at_step is not None:       # armed: goes off at its step (agent/armed.py)
+            self.armed.arm(chaos)
+            self._fire_armed()
+            return
+        self._apply_chaos(chaos)
+
+    def _fire_armed(self) -> None:
+        for chaos in self.armed.due(dict(self._last_step)):
+            threading.Thread(target=self._armed_chaos, args=(chaos,), name="chaos", daemon=True).start()
+
+    def _armed_chaos(self, chaos: p.Chaos) -> None:
+        try:
+            self._apply_chaos(chaos)
+        except Exception as e:              # reported like a failed command
+            log.exception("chaos %s failed", chaos.kind)
+            self.emit({"type": "command_failed", "command": "chaos", "kind": chaos.kind, "error": str(e)})
+
+    def _apply_chaos(self, chaos: p.Chaos) -> None:
         cmd = {"type": "chaos", "kind": chaos.kind, "rank": chaos.rank, "step": chaos.step,
                "from_step": chaos.step, **chaos.params}
         if cmd["kind"] == "machine-down":

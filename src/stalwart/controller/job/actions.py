@@ -183,6 +183,7 @@ class SendChaos:
     rank: int | None
     step: int
     params: dict[str, Any] = field(default_factory=dict)
+    at_step: int | None = None      # armed on the agent until its ranks completed this many steps
 
 
 Action = Union[Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,

@@ -134,7 +134,9 @@ class RunFlow:
 
     # -- chaos ------------------------------------------------------------------------------------
     def fire_chaos(self, st: JobState, now: float) -> Actions:
-        due = [c for c in st.chaos if c.step is not None and st.steps_done >= c.step]
+        """Send the scheduled faults, armed with their step (agent/armed.py): the agent applies
+        one the moment its own ranks completed that many steps, however late the commits here."""
+        due = [c for c in st.chaos if c.step is not None]
         acts: Actions = []
         for c in due:
             st.chaos.remove(c)
@@ -144,8 +146,9 @@ class RunFlow:
     def inject(self, st: JobState, c: ChaosPlan, now: float) -> Actions:
         data = {"kind": c.kind, "machine": c.machine, "rank": c.rank, "step": c.step, "params": c.params}
         return [record("chaos_sent", now, **data),
-                SendChaos(machine=f"m{c.machine}", kind=c.kind, rank=c.rank, step=st.steps_done,
-                          params=dict(c.params))]
+                SendChaos(machine=f"m{c.machine}", kind=c.kind, rank=c.rank,
+                          step=c.step if c.step is not None else st.steps_done, params=dict(c.params),
+                          at_step=c.step)]
 
     def on_chaos_applied(self, st: JobState, machine: str, ev: protocol.ChaosApplied, now: float) -> Actions:
         if ev.injected_at is not None:
