@@ -199,6 +199,43 @@ def test_nan_with_a_named_rank_evicts_its_machine():
     assert of(acts, a.StartRun)[0].restore_step == 3          # never the corrupted step
 
 
+def test_the_steps_after_a_nan_are_restorable_again_once_a_later_run_rewrote_them():
+    h = started(Harness(spare=1))
+    h.steps(5)
+    for s in (3, 4):
+        h.ckpt(s)
+    h.step(loss=NAN, local={2: float("inf")})           # step 5: the bad run's copy of 5
+    h.ckpt(5)
+    h.stopped()
+    assert of(h.advance(2.0), a.StartRun)[0].restore_step == 4
+    # the new run trains 5, 6 ... again: until it is well past 5 (the bad run's newest copy), a copy
+    # of 5 may still be the bad run's (a backup that trailed), so 5 is not restored
+    h.steps(2)
+    h.ckpt(5)
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    run = of(h.diag(checks), a.StartRun)[0]
+    assert run.restore_step == 4
+    # once it has gone past them (and the slots a backup trails by), its own copies count
+    h.steps(12)
+    last = h.st.steps_done - 1
+    h.ckpt(last)
+    assert h.st.bad_steps == []
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    assert of(h.diag(checks), a.StartRun)[0].restore_step == last
+
+
+def test_a_restart_from_further_back_forgets_the_signals_of_the_steps_it_trains_again():
+    h = started(Harness())
+    h.steps(10)
+    h.ckpt(3)
+    assert len(h.st.signals.loss_hist) == 10
+    crash(h)
+    run = of(h.diag(of(h.stopped(), a.RunChecks)[0]), a.StartRun)[0]
+    assert run.restore_step == 3 and len(h.st.signals.loss_hist) == 4        # steps 0..3
+
+
 def test_fail_slow_rounds_evict_the_rank_that_computes_slowly():
     h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
                         policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))

@@ -53,6 +53,7 @@ class LocalCluster:
         self.network_mode = network
         self.net = None                    # backends.netns.Network when machines have their own network
         self.network_file: str | None = None
+        self._netns_machines: dict[str, dict] = {}      # machine -> its namespace (network.json)
         self.store_host = "127.0.0.1"
         self.controller_restarts = 0
         self.on_controller_restart: Callable[[str], None] | None = None   # told what happened
@@ -167,15 +168,49 @@ class LocalCluster:
         prefix = "sw" + os.urandom(3).hex()
         self.net = netns.Network(prefix, state_dir=os.path.join(self.state_dir, "netns"))
         self.net.create()
-        machines = {}
-        for i in range(self.n):
-            m = self.net.add_machine(i)
-            machines[f"m{i}"] = {k: getattr(m, k) for k in ("name", "index", "ns", "ifname", "host_ifname",
-                                                             "address", "gateway", "prefix")}
         self.network_file = os.path.join(self.state_dir, "network.json")
-        with open(self.network_file, "w") as f:
-            json.dump({"prefix": prefix, "gateway": self.net.gateway, "machines": machines}, f)
+        for i in range(self.n):
+            self._add_namespace(i)
         return self.net.gateway
+
+    def _add_namespace(self, i: int) -> None:
+        """Machine `i`'s namespace, recorded in the network file its agent reads at start."""
+        assert self.net is not None and self.network_file is not None
+        m = self.net.add_machine(i)
+        self._netns_machines[f"m{i}"] = {k: getattr(m, k) for k in ("name", "index", "ns", "ifname",
+                                                                      "host_ifname", "address", "gateway",
+                                                                      "prefix")}
+        tmp = self.network_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"prefix": self.net.prefix, "gateway": self.net.gateway, "machines": self._netns_machines}, f)
+        os.replace(tmp, self.network_file)
+
+    # -- machines coming and going while the cluster runs ----------------------------------------
+    def add_machine(self, timeout: float = 60.0) -> str:
+        """One more machine (the next free name), registered idle: what a cluster's provisioning
+        hands back (a repaired or a new host); a running job's standby pool refills from it."""
+        with self._ctl_lock:
+            i, self.n = self.n, self.n + 1
+            machine = f"m{i}"
+            if self.net is not None:
+                self._add_namespace(i)
+            self.start_agent(machine)
+        self.wait_registered(timeout)
+        return machine
+
+    def retire_machine(self, machine: str) -> None:
+        """Stop a machine's agent and workers and remove its namespace (an evicted machine handed
+        back to the cluster); the controller calls it lost if a job still held it."""
+        with self._ctl_lock:
+            proc = self.agents.pop(machine, None)
+        if proc is not None:
+            kill_tree(proc.pid)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.net is not None and machine in self._netns_machines:
+            self.net.remove_machine(int(self._netns_machines.pop(machine)["index"]))
 
     def start_agent(self, machine: str) -> None:
         extra = ["--network-file", self.network_file] if self.network_file else []

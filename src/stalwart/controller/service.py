@@ -411,7 +411,8 @@ class Controller:
         try:
             c = catalogue.parse(text)
             catalogue.validate_against(c, len(self._machines), runner.spec.gpus_per_machine,
-                                       runner.spec.machines)
+                                       runner.spec.machines, slots=list(runner.state.slots),
+                                       known=set(self._machines))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         runner.post(Inject(kind=c.kind, machine=c.machine, rank=c.rank, params=dict(c.params)))

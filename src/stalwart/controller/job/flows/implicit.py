@@ -14,7 +14,8 @@ from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
 from stalwart.controller.job.actions import TraceStacks
 from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
-from stalwart.controller.job.state import FailSlow, JobPhase, JobState, PendingStep, Signals
+from stalwart.controller.job.state import (OPEN_END, BadSteps, FailSlow, JobPhase, JobState, PendingStep,
+                                           Signals)
 from stalwart.controller.peerwatch import PeerWatch
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class ImplicitFlow:
             return None
         local = {r: v for r, v in acc.local.items() if v is not None}
         culprits = [st.slots[i] for i in culprit_machines(local, self.ctx.topo)] if local else []
-        st.bad_steps.append((s, s + 10_000))          # never restore the corrupted state
+        st.bad_steps.append(BadSteps(lo=s, hi=OPEN_END))      # never restore the corrupted state
         kind = "nan" if "nan" in reason.lower() or "inf" in reason.lower() else "loss_spike"
         acts = self.core.failure.open(st, kind, now)
         if st.incident is not None:

@@ -12,7 +12,7 @@ from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
-from stalwart.controller.job.state import ChaosPlan, JobPhase, JobState, PendingStep, RunState
+from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
 from stalwart.controller.pool import standby_count
 
 if TYPE_CHECKING:
@@ -64,9 +64,27 @@ class RunFlow:
                           machines=list(st.slots),
                           hang=HangWatch(self.ctx.policy, ranks=range(self.ctx.world), started_at=now))
         self.core.implicit.new_run(st, now)
+        lost = max(0, st.steps_done - start_step)
+        if lost:            # the rolling signals forget the steps this run trains again
+            sig = st.signals
+            sig.loss_hist, sig.grad_hist = sig.loss_hist[:-lost], sig.grad_hist[:-lost]
         st.steps_done = start_step
         st.progress_at_run_start = st.best_steps
+        self._close_bad_steps(st)
         return acts
+
+    def _close_bad_steps(self, st: JobState) -> None:
+        """A run starts from before every bad range: an open range ends at the newest copy held
+        now (the bad run's), and lapses once this run's copies have replaced those (its commits
+        past the range, plus the memory slots a backup may trail by)."""
+        held = [s for tiers in st.avail.copies.values() for by_step in tiers.values() for s in by_step]
+        for b in st.bad_steps:
+            if b.until is None:
+                b.hi = min(b.hi, max([s + 1 for s in held if s >= b.lo], default=b.lo + 1))
+                b.until = b.hi + self.ctx.policy.mem_slots
+
+    def _lapse_bad_steps(self, st: JobState) -> None:
+        st.bad_steps = [b for b in st.bad_steps if b.until is None or st.steps_done <= b.until]
 
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
@@ -106,6 +124,8 @@ class RunFlow:
                                 grad_norm=acc.grad_norm, tokens=acc.tokens)]
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
+        if st.bad_steps:
+            self._lapse_bad_steps(st)
         st.run.committed += 1
         if acc.loss is not None:
             st.last_loss = acc.loss
@@ -187,7 +207,7 @@ class RunFlow:
     def on_restore_failed(self, st: JobState, ev: protocol.RestoreFailed, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
-        st.bad_steps.append((ev.step, ev.step + 1))
+        st.bad_steps.append(BadSteps(lo=ev.step, hi=ev.step + 1))
         acts: Actions = [record("restore_failed", ev.t or now, run=st.run_seq, rank=ev.rank, error=ev.error)]
         if st.phase == JobPhase.RUNNING:
             acts += self.core.failure.open(st, "restore_failed", now)
