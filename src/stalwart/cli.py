@@ -51,13 +51,14 @@ def cmd_controller(a) -> int:
     if auth.loose_permissions(token_path):
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
-    ctl = Controller(a.db, a.state_dir, store_host=store_host,
-                     heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
+    from stalwart.backends.base import load as load_backend
+    ctl = Controller(a.db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat, missed_beats=a.missed_beats,
+                     abandon_running=a.abandon_running, backend=load_backend(a.backend) if a.backend else None)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
     # where this host's CLI, a local cluster's agents and its supervisor find it (written before
     # the port file, which says the controller is up)
-    local_host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    local_host = a.advertise or ("127.0.0.1" if host in ("", "0.0.0.0") else host)
     _write_atomic(os.path.join(a.state_dir, "controller.json"), json.dumps(
         {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()}))
     if a.port_file:
@@ -442,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--abandon-running", action="store_true",
                    help="fail jobs an earlier controller left running instead of taking them over "
                         "(their machines are gone: a fresh local cluster)")
+    c.add_argument("--backend", metavar="CONFIG", help="the cluster's backend (JSON: slurm, kubernetes)")
+    c.add_argument("--advertise", help="host the agents reach this controller at (in controller.json)")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
@@ -555,6 +558,8 @@ def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     k = sub.add_parser("cleanup", help="stop processes a crashed `stalwart run` left behind")
     k.add_argument("--state-dir", default=DEFAULT_STATE)
     k.set_defaults(fn=cmd_cleanup)
+    from stalwart.backends.commands import add_commands
+    add_commands(sub)        # stalwart slurm …, stalwart k8s …
     return p
 
 

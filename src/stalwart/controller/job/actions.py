@@ -86,6 +86,12 @@ class AssignMachine:
     incident: int | None = None
 
 
+@dataclass(frozen=True)
+class RequestMachines:
+    """The standby pool is short and no machine is free: ask the cluster's backend for more."""
+    count: int
+
+
 # -- agents ------------------------------------------------------------------------------------------
 
 

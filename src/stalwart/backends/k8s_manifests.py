@@ -1,0 +1,5 @@
+"""placeholder during development"""
+
+
+def add_parser(sub) -> None:
+    pass
