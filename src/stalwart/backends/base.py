@@ -15,11 +15,12 @@ Two processes use one backend object each, built from the same JSON config (`loa
   its job executor (the side effects of a decision, after it is saved) and `ended` from a watcher
   thread. Its calls must not raise for a cluster's refusal: they log and return, the job goes on.
 
-| backend | machines | evict | request (refill) |
-| --- | --- | --- | --- |
-| local | agent processes on this host, started with the cluster | nothing: the controller's role keeps the machine out | none: a fixed cluster refills from its `--spare` machines |
-| slurm | the nodes of an `sbatch --no-kill` allocation | `scontrol update state=drain reason=…` | a new single-node allocation |
-| kubernetes | one agent pod per node | cordon and label the node, delete the pod | a new agent pod |
+- local: agent processes on this host, started with the cluster. Evict: nothing (the controller's
+  role keeps the machine out). Request: none (a fixed cluster refills from its `--spare` machines).
+- slurm: the nodes of an `sbatch --no-kill` allocation. Evict: `scontrol update state=drain
+  reason=…`. Request: a new single-node allocation.
+- kubernetes: one agent pod per node. Evict: cordon and label the node, delete the pod. Request:
+  a new agent pod.
 """
 from __future__ import annotations
 

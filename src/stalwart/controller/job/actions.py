@@ -192,6 +192,6 @@ class SendChaos:
 
 
 Action = Union[Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,
-               FinishJob, AssignMachine, StartRun, StopWorkers, Prewarm, PrepareSpares, TraceStacks,
+               FinishJob, AssignMachine, RequestMachines, StartRun, StopWorkers, Prewarm, PrepareSpares, TraceStacks,
                RunChecks, StartReplayGroup, CloseScratch, SendChaos]
 STORE_ACTIONS = (Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint)
