@@ -25,8 +25,10 @@ Two processes use one backend object each, built from the same JSON config (`loa
 from __future__ import annotations
 
 import abc
+import fcntl
 import json
-from typing import Any, ClassVar
+import os
+from typing import Any, Callable, ClassVar
 
 REASON_MAX = 120          # Slurm and Kubernetes show reasons on one line
 
@@ -71,6 +73,41 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Give every machine back to the cluster and stop every agent this backend started."""
+
+
+class BackendState:
+    """A backend's small state file shared by the launcher and the controller (and a restarted
+    controller): its allocations or pods, the next machine index. Read and changed under a lock."""
+
+    def __init__(self, directory: str, defaults: dict[str, Any]):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, "state.json")
+        self.defaults = defaults
+
+    def read(self, update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        with open(self.path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(self.path) as f:
+                    st = json.load(f)
+            except (OSError, ValueError):
+                st = json.loads(json.dumps(self.defaults))
+            if update is not None:
+                update(st)
+                with open(self.path + ".tmp", "w") as f:
+                    json.dump(st, f)
+                os.replace(self.path + ".tmp", self.path)
+            return st
+
+    def take_names(self, count: int) -> list[str]:
+        """`count` new machine names, m<next>…, never handed out twice."""
+        got: list[int] = []
+
+        def take(st: dict[str, Any]) -> None:
+            got.append(int(st.get("next", 0)))
+            st["next"] = got[0] + count
+        self.read(take)
+        return [f"m{got[0] + i}" for i in range(count)]
 
 
 def load(path: str) -> Backend:

@@ -18,7 +18,6 @@ next to it (the main allocation's id, the next machine index), so a restarted co
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stalwart.backends.base import Backend
+from stalwart.backends.base import Backend, BackendState
 
 log = logging.getLogger("stalwart.slurm")
 CLI_TIMEOUT_S = 30.0
@@ -211,6 +210,7 @@ class SlurmBackend(Backend):
     def __init__(self, cfg: SlurmConfig):
         self.cfg = cfg
         os.makedirs(os.path.join(cfg.dir, "logs"), exist_ok=True)
+        self.state = BackendState(cfg.dir, {"main": None, "next": 0, "allocations": []})
 
     @classmethod
     def from_config(cls, d: dict[str, Any]) -> "SlurmBackend":
@@ -219,34 +219,6 @@ class SlurmBackend(Backend):
             return cls(SlurmConfig(**d))
         except TypeError as e:
             raise ValueError(f"slurm backend config: {e}") from None
-
-    # -- state shared by the launcher and the controller ----------------------------------------
-    def _state(self, update=None) -> dict[str, Any]:
-        """The backend's state file (main allocation, next machine index, allocations), read and
-        optionally changed under a lock."""
-        path = os.path.join(self.cfg.dir, "state.json")
-        with open(path + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                with open(path) as f:
-                    st = json.load(f)
-            except (OSError, ValueError):
-                st = {"main": None, "next": 0, "allocations": []}
-            if update is not None:
-                update(st)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(st, f)
-                os.replace(path + ".tmp", path)
-            return st
-
-    def _take_names(self, count: int) -> list[str]:
-        got: list[int] = []
-
-        def take(st: dict[str, Any]) -> None:
-            got.append(st["next"])
-            st["next"] += count
-        self._state(take)
-        return [f"m{got[0] + i}" for i in range(count)]
 
     # -- allocations ----------------------------------------------------------------------------
     def agent_command(self, first: int) -> list[str]:
@@ -276,7 +248,7 @@ class SlurmBackend(Backend):
             st["allocations"].append(job_id)
             if main:
                 st["main"] = job_id
-        self._state(note)
+        self.state.read(note)
         log.info("Slurm allocation %s: %d node(s) for m%d..m%d", job_id, nodes, first, first + nodes - 1)
         return job_id
 
@@ -284,12 +256,12 @@ class SlurmBackend(Backend):
         if controller_url != self.cfg.controller_url:
             self.cfg.controller_url = controller_url
             self.cfg.save()
-        names = self._take_names(count)
+        names = self.state.take_names(count)
         self._submit(count, int(names[0][1:]), main=True)
         return names
 
     def main_allocation(self) -> str | None:
-        return self._state().get("main")
+        return self.state.read().get("main")
 
     def labels(self, machine: str) -> dict[str, str]:
         return node_labels(machine)
@@ -305,7 +277,7 @@ class SlurmBackend(Backend):
     def request(self, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            name = self._take_names(1)[0]
+            name = self.state.take_names(1)[0]
             self._submit(1, int(name[1:]), main=False)
             names.append(name)
         return names
@@ -328,7 +300,7 @@ class SlurmBackend(Backend):
         return rec.get("JobState", "?"), rec.get("Reason", "")
 
     def release(self) -> None:
-        jobs = self._state().get("allocations", [])
+        jobs = self.state.read().get("allocations", [])
         if jobs:
             try:
                 run_cli(["scancel", "--quiet"] + list(jobs))
