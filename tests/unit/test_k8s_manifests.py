@@ -77,7 +77,7 @@ def test_what_the_backend_relies_on(job):
     pod = objs[("Pod", "stalwart-llm7-m4")]                    # the standby
     spec = pod["spec"]
     assert spec["hostPID"] and spec["hostNetwork"] and spec["restartPolicy"] == "Never"
-    assert spec["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert spec["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"

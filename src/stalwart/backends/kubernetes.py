@@ -88,7 +88,7 @@ class K8sConfig:
 def agent_pod(cfg: K8sConfig, machine: str) -> dict[str, Any]:
     """The agent pod of one machine (a manifest, and what a refill creates)."""
     labels = {"app.kubernetes.io/name": "stalwart-agent", CLUSTER_LABEL: cfg.tag, MACHINE_LABEL: machine}
-    resources: dict[str, Any] = {"limits": {cfg.gpu_resource: cfg.gpus}} if cfg.gpu_resource else {}
+    resources: dict[str, Any] = {"limits": {cfg.gpu_resource: str(cfg.gpus)}} if cfg.gpu_resource else {}
     env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "STALWART_TOKEN", "valueFrom": {"secretKeyRef": {"name": cfg.token_secret, "key": TOKEN_KEY}}}]
@@ -156,7 +156,9 @@ class KubernetesBackend(Backend):
             self.core.patch_node(node, {
                 "spec": {"unschedulable": True},
                 "metadata": {"labels": {EVICTED_LABEL: f"incident-{incident.group(1)}" if incident else "true"},
-                             "annotations": {REASON_ANNOTATION: reason}}})
+                             "annotations": {REASON_ANNOTATION: reason}}},
+                # a dict body is a merge patch (the client's default for a patch is a JSON Patch list)
+                _content_type="application/strategic-merge-patch+json")
             log.info("cordoned node %s (%s): %s", node, machine, reason)
         else:
             log.warning("cannot cordon the node of %s: neither its agent nor its pod says which", machine)
