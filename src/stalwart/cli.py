@@ -195,7 +195,6 @@ def cmd_submit(a) -> int:
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.controller.pool import standby_count
-    from stalwart.progress import Progress, summary
     spec = _spec_from_args(a)
     if a.fresh and os.path.isdir(a.state_dir):
         shutil.rmtree(a.state_dir)
@@ -206,48 +205,8 @@ def cmd_run(a) -> int:
                            missed_beats=spec.policy.missed_beats, log_level=a.log_level)
     print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
           f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
-    rep = None
-    job = None
-    cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
-    try:
-        cluster.start()
-        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
-        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
-              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
-        prog = Progress()
-        while True:
-            st = _poll(cluster, f"/api/jobs/{job}")
-            prog.update(st)
-            if st["state"] != "running":
-                rep = st
-                break
-            time.sleep(0.5)
-        prog.close()
-    except KeyboardInterrupt:
-        print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
-        if job is not None:
-            try:
-                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
-            except (ControllerUnreachable, ApiError):
-                pass
-        return 130
-    finally:
-        cluster.stop()
-    print(summary(rep))
-    return 0 if rep["state"] == "succeeded" else 1
-
-
-def _poll(cluster, path: str, patience_s: float = 90.0) -> dict:
-    """GET from the cluster's controller, riding out a controller restart (its supervisor brings
-    it back, maybe on another port)."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return cluster.client(timeout=10).get(path)
-        except ControllerUnreachable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    from stalwart.backends.launch import run_job
+    return run_job(cluster, spec, cluster.start)
 
 
 # -- status / report / inject / machines -------------------------------------------------------

@@ -16,12 +16,11 @@ import argparse
 import os
 import shlex
 import socket
-import sys
 import time
 
 from stalwart.backends.local import LocalCluster
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError
-from stalwart.client import ApiError, ControllerUnreachable
+from stalwart.client import ControllerUnreachable
 
 
 def default_advertise() -> str:
@@ -102,9 +101,9 @@ class SlurmCluster(LocalCluster):
 
 
 def cmd_slurm_submit(a) -> int:
-    from stalwart.cli import UserError, _poll, _spec_from_args
+    from stalwart.backends.launch import run_job
+    from stalwart.cli import UserError, _spec_from_args
     from stalwart.controller.pool import standby_count
-    from stalwart.progress import Progress, summary
     spec = _spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
@@ -131,38 +130,15 @@ def cmd_slurm_submit(a) -> int:
             print(line, flush=True)
             shown.append(line)
     cluster.on_wait = waiting
-    rep = job = None
-    try:
+
+    def start() -> None:
         try:
             cluster.start(timeout=a.start_timeout)
         except SlurmError as e:
             raise UserError(str(e)) from None
         print(f"stalwart: Slurm allocation {cluster.backend.main_allocation()}; machines "
               f"{', '.join(cluster.names)}", flush=True)
-        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
-        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
-              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
-        prog = Progress()
-        while True:
-            st = _poll(cluster, f"/api/jobs/{job}")
-            prog.update(st)
-            if st["state"] != "running":
-                rep = st
-                break
-            time.sleep(0.5)
-        prog.close()
-    except KeyboardInterrupt:
-        print("\nstalwart: interrupted; cancelling the job and its allocations", file=sys.stderr)
-        if job is not None:
-            try:
-                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
-            except (ControllerUnreachable, ApiError):
-                pass
-        return 130
-    finally:
-        cluster.stop()
-    print(summary(rep))
-    return 0 if rep["state"] == "succeeded" else 1
+    return run_job(cluster, spec, start)
 
 
 def add_parser(sub, job_options) -> None:
