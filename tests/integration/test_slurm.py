@@ -122,7 +122,7 @@ def steps_done(state_dir) -> int:
 @pytest.mark.timeout(420)
 def test_gpu_xid_and_lost_node_drained_and_pool_refilled_through_slurm(slurm, tmp_path):
     t0 = time.monotonic()
-    slow = tmp_path / "slow"          # steps last 0.25 s while it exists: the faults happen mid-job
+    slow = tmp_path / "slow"          # steps last 1 s while it exists: the faults happen mid-job
     slow.touch()
     spec = gpt_spec(machines=2, gpus=1, steps=200, standby=1, chaos=["gpu-xid@step=3,machine=0"])
     spec["command"] += ["--slow-while", str(slow)]
@@ -170,8 +170,16 @@ def test_gpu_xid_and_lost_node_drained_and_pool_refilled_through_slurm(slurm, tm
     assert len(refills) >= 2
     for job in refills[:2]:
         assert "NumNodes=1 " in slurm.run("scontrol", "-o", "show", "job", job)
-    # switch labels from topology/tree reached the controller
-    assert rep["machines"], rep
+    # each agent registered with its node's switch (topology/tree) and node name
+    from stalwart.controller.store import Store
+    store = Store(f"sqlite:///{tmp_path}/stalwart.db")
+    try:
+        labels = {m["id"]: (m["info"] or {}).get("labels", {}) for m in store.machines()}
+    finally:
+        store.close()
+    for m in ("m0", "m1"):
+        node = nodes[m][0]
+        assert labels[m]["slurm.node"] == node and labels[m]["switch"] == slurm.switch_of(node), labels
     assert wait_for(lambda: not stalwart_processes(slurm), 30), f"left running: {stalwart_processes(slurm)}"
     print(f"slurm job with two faults: {time.monotonic() - t0:.1f}s")
 
