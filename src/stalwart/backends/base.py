@@ -50,9 +50,10 @@ class Backend(abc.ABC):
         """Start agents on `count` machines that report to `controller_url`; their names, in
         order (they may take a while to register: an allocation can wait in a queue)."""
 
-    def labels(self, machine: str) -> dict[str, str]:
-        """The topology labels the cluster knows for one of its machines (a Slurm node, a
-        Kubernetes node), as its agent gets them; {} where it knows none."""
+    def labels(self, node: str) -> dict[str, str]:
+        """The topology labels the cluster knows for one of its nodes (a Slurm node, a Kubernetes
+        node: the cluster's own name, which the node's agent wrapper knows), as the agent
+        registers with them (`--label`); {} where it knows none."""
         return {}
 
     @abc.abstractmethod

@@ -149,6 +149,10 @@ class KubernetesBackend(Backend):
             self.core.create_namespaced_pod(self.cfg.namespace, agent_pod(self.cfg, m))
         return names
 
+    def labels(self, node: str) -> dict[str, str]:
+        c = self.cfg
+        return node_labels(self.core, node, c.switch_label, c.pod_label, c.zone_label)
+
     def evict(self, machine: str, reason: str, labels: dict[str, str]) -> None:
         node = labels.get("kubernetes.node") or self._node_of(machine)
         if node:

@@ -263,8 +263,8 @@ class SlurmBackend(Backend):
     def main_allocation(self) -> str | None:
         return self.state.read().get("main")
 
-    def labels(self, machine: str) -> dict[str, str]:
-        return node_labels(machine)
+    def labels(self, node: str) -> dict[str, str]:
+        return node_labels(node)
 
     def evict(self, machine: str, reason: str, labels: dict[str, str]) -> None:
         node = labels.get("slurm.node")

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 
-from stalwart.backends.slurm import SlurmConfig, SlurmError, node_labels, parse_record, run_cli
+from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, parse_record, run_cli
 
 
 def node_address(node: str) -> str:
@@ -43,7 +43,7 @@ def controller_url(cfg: SlurmConfig) -> str:
 def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str]) -> list[str]:
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     machine = f"m{first + int(env.get('SLURM_NODEID', '0'))}"
-    labels = node_labels(node)
+    labels = SlurmBackend(cfg).labels(node)
     if env.get("SLURM_JOB_ID"):
         labels["slurm.job"] = env["SLURM_JOB_ID"]
     argv = [cfg.python, "-m", "stalwart.cli", "agent", "--controller", controller_url(cfg),
