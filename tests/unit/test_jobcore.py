@@ -527,3 +527,20 @@ def test_silence_during_a_stop_is_judged_against_the_other_machines_not_the_cloc
     assert h.st.incident.lost == {"m1"}
     h.stopped(["m0"])
     assert ("m1", "evicted") in [(x.machine, x.state) for x in of(h.log, a.AssignMachine)]
+
+
+def test_a_short_pool_with_nothing_free_asks_the_backend_at_most_every_few_seconds():
+    h = started(Harness())
+    h.steps(3)
+    h.ckpt(2)
+    h.cluster.dead.add("m1")
+    h.event(MachineLost(machine="m1"))
+    h.stopped(["m0"])                        # m2 takes m1's slot: the pool (1) is empty, nothing free
+    h.step()
+    h.advance(5.0)
+    asked = of(h.advance(10.0), a.RequestMachines)
+    assert [x.count for x in asked] == [1, 1]        # every 5 s at most: the controller counts those coming
+    h.cluster.machines.append("m3")                        # a new machine registers
+    acts = h.advance(2.0)
+    assert ("m3", "standby") in [(x.machine, x.state) for x in of(acts, a.AssignMachine)]
+    assert not of(h.advance(10.0), a.RequestMachines)

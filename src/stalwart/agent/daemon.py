@@ -101,7 +101,10 @@ class Agent:
                 os.unlink(stale)
         self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
                                certain_kinds=frozenset({"disk_full"}))
-        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
+        # peers fetch backups at this machine's address (a local namespace machine's agent stays
+        # in the root namespace: loopback there)
+        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit,
+                                peer_host=self.address if self.netns is None else "127.0.0.1")
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
                                       self.emit, period_s=heartbeat_s)

@@ -98,6 +98,8 @@ class Executor:
             self._start_replay_group(act)
         elif isinstance(act, a.CloseScratch):
             ctl.rendezvous.close_scratch(self.job_id, act.name)
+        elif isinstance(act, a.RequestMachines):
+            ctl.request_machines(self.job_id, act.count)
         elif isinstance(act, a.SendChaos):
             ctl.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params,
                                              at_step=act.at_step))

@@ -269,6 +269,7 @@ class Pool:
     standby: list[str] = field(default_factory=list)
     warm: set[str] = field(default_factory=set)       # standbys whose workers are pre-spawned
     next_refill: float = 0.0
+    next_request: float = 0.0     # when the pool may next ask the cluster for machines
 
 
 @dataclass

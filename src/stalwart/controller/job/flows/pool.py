@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stalwart.controller.job.actions import AssignMachine, Prewarm
+from stalwart.controller.job.actions import AssignMachine, Prewarm, RequestMachines
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import JobState
 from stalwart.controller.pool import standby_count
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
 
 REFILL_EVERY_S = 1.0
+REQUEST_EVERY_S = 5.0     # asks the cluster again at most this often (the controller counts those coming)
 
 
 class PoolFlow:
@@ -39,4 +40,9 @@ class PoolFlow:
             st.pool.standby.append(m)
             acts += [AssignMachine(machine=m, state="standby")] + self.prewarm(st, m)
             acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
+        short = want - len(st.pool.standby)
+        if short > 0 and now >= st.pool.next_request:
+            # nothing free: the cluster's backend may provide (a Slurm allocation, a new pod)
+            st.pool.next_request = now + REQUEST_EVERY_S
+            acts.append(RequestMachines(count=short))
         return acts
