@@ -17,15 +17,13 @@ import time
 import msgspec
 
 from stalwart import protocol as p
-from stalwart.agent.ckpt import CkptManager, RestoreFailed, ckpt_root
+from stalwart.agent.ckpt import CkptManager, ckpt_root
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.outbox import Outbox
-from stalwart.agent.probes.disk import DiskProbe
-from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
-from stalwart.agent.probes.kmsg import KmsgProbe
-from stalwart.agent.probes.nic import NicProbe
+from stalwart.agent.probes.gpu import make_gpu_source
+from stalwart.agent.probeset import machine_probes
 from stalwart.agent.workers import Worker, WorkerSet, kill_tree, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
@@ -51,7 +49,12 @@ class Agent:
     def __init__(self, client: Client, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
                  kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
-                 controller_file: str | None = None, labels: dict[str, str] | None = None):
+                 controller_file: str | None = None, labels: dict[str, str] | None = None,
+                 nic: list[str] | None = None, shared_host: bool = False):
+        """`kmsg`: the host kernel log to follow (None: /dev/kmsg when readable; "off"); `nic`: the
+        interfaces to watch (None: the default route's and every RDMA port); `shared_host`: other
+        agents share this host (host-wide probes off; see agent/probeset.py). A probe option that
+        cannot work here raises probeset.ProbeSetupError."""
         self.client = client        # the controller's address and credentials (token, CA)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
@@ -97,8 +100,14 @@ class Agent:
         for stale in (self.disk_override,):
             if os.path.exists(stale):
                 os.unlink(stale)
-        self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
-                               certain_kinds=frozenset({"disk_full"}))
+        from stalwart.agent.probes.simgpu import SimGpu
+        if os.path.exists(self.simgpu_path):
+            os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
+        SimGpu(self.simgpu_path, self.gpus)
+        probes = machine_probes(self.workdir, self.simgpu_path, gpus, self.kmsg_path, self.disk_override,
+                                min_free_bytes, nic=nic, kmsg=kmsg, shared_host=shared_host,
+                                netns_ifname=self.netns.host_ifname if self.netns is not None else None)
+        self.monitor = Monitor(probes, self.emit, certain_kinds=frozenset({"disk_full"}))
         self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
@@ -111,26 +120,9 @@ class Agent:
     def _load_network(self, path: str | None) -> dict | None:
         if not path:
             return None
-        import json
         with open(path) as f:
             net = json.load(f)
         return {"self": net["machines"][self.machine_id], "machines": net["machines"]}
-
-    def _probes(self, kmsg: str | None, min_free_bytes: int) -> list:
-        """The machine's probes: GPU (NVML or simulated), kernel log, NIC, disk."""
-        from stalwart.agent.probes.simgpu import SimGpu
-        if os.path.exists(self.simgpu_path):
-            os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
-        SimGpu(self.simgpu_path, self.gpus)
-        open(self.kmsg_path, "a").close()
-        probes = [GpuProbe(make_gpu_source(self.simgpu_path, self.gpus), interval_s=1.0),
-                  KmsgProbe(kmsg or self.kmsg_path, interval_s=0.5),
-                  DiskProbe([self.workdir], min_free_bytes=min_free_bytes, min_free_ratio=0.5,
-                            interval_s=1.0, fake_free_bytes_file=self.disk_override)]
-        if self.netns is not None:
-            # The host end of the machine's veth mirrors its NIC the way a switch port does.
-            probes.append(NicProbe([self.netns.host_ifname], interval_s=1.0))
-        return probes
 
     def _send_to_rank(self, rank: int, msg: dict) -> None:
         w = self.workers.by_rank(rank)
@@ -412,26 +404,7 @@ class Agent:
         if cmd.spec.job != self._job:
             self.ckpt.clear_own()
             self._job = cmd.spec.job
-        if cmd.ckpt is not None:
-            backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
-                if cmd.ckpt.backup is not None else None
-            self.ckpt.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
-        extra = []
-        for w in cmd.workers:
-            env = p.rank_env(w)
-            if w.restore:
-                candidates = [msgspec.to_builtins(c) for c in w.restore]
-                try:
-                    tier, path, errors = self.ckpt.materialize(w.rank, candidates)
-                except RestoreFailed as e:
-                    self.emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
-                               "step": w.restore[0].step, "error": str(e)})
-                    return None
-                env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
-                self.emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
-                           "step": w.restore[0].step, "tier": tier, "skipped": errors})
-            extra.append(env)
-        return extra
+        return self.ckpt.prepare_run(cmd, self.emit)
 
     def _cold_start(self, cmd: p.Start, extra: list[dict[str, str]]) -> None:
         base = self._spec_env(cmd.spec)
