@@ -24,6 +24,8 @@ from stalwart.agent.monitor import Monitor
 from stalwart.agent.outbox import Outbox
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
+from stalwart.agent.progress import ProgressWatch, hook_env
+from stalwart.agent.tracer import trace_workers
 from stalwart.agent.workers import Worker, WorkerSet, kill_tree, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
@@ -108,6 +110,9 @@ class Agent:
                                 min_free_bytes, nic=nic, kmsg=kmsg, shared_host=shared_host,
                                 netns_ifname=self.netns.host_ifname if self.netns is not None else None)
         self.monitor = Monitor(probes, self.emit, certain_kinds=frozenset({"disk_full"}))
+        self.progress = ProgressWatch(os.path.join(self.workdir, "fr"), lambda: list(self.workers.workers),
+                                      self._has_sdk, lambda: dict(self._last_step), lambda: self._run,
+                                      self.emit, period_s=heartbeat_s)
         self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
@@ -123,6 +128,10 @@ class Agent:
         with open(path) as f:
             net = json.load(f)
         return {"self": net["machines"][self.machine_id], "machines": net["machines"]}
+
+    def _has_sdk(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self._conns
 
     def _send_to_rank(self, rank: int, msg: dict) -> None:
         w = self.workers.by_rank(rank)
@@ -140,12 +149,14 @@ class Agent:
                      "priority back needs root)")
         self.monitor.start()
         self.metrics.start()
+        self.progress.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
                              (self._sender_loop, "events")):
             threading.Thread(target=target, name=name, daemon=True).start()
         self._stop.wait()
         self.monitor.stop()
         self.metrics.stop()
+        self.progress.stop()
         self.chaos.cleanup()
         self.workers.stop()
         self.warm.stop()
@@ -177,6 +188,7 @@ class Agent:
     def _register(self) -> None:
         reply = self.client.post(f"/api/agents/{self.machine_id}/register", p.encode(self.registration()))
         self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
+        self.progress.period_s = self.heartbeat_s
         # beats may ride on events when the controller allows 3 missed beats or more (a
         # controller that does not say so gets every heartbeat)
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
@@ -396,7 +408,8 @@ class Agent:
         path = p.python_path(spec.code_path, env.get("PYTHONPATH"))
         if path:
             env["PYTHONPATH"] = path
-        return env
+        # the flight-recorder hook of every worker (worker/frhook.py): hang evidence without the SDK
+        return hook_env(env, self.progress.fr_dir, self.heartbeat_s)
 
     def _prepare_run(self, cmd: p.Start) -> list[dict[str, str]] | None:
         """Checkpoint set-up and restore shards for a run; the extra env of each worker, or None
@@ -416,6 +429,7 @@ class Agent:
         """Start a run's workers: hand the ranks to warm workers when they are ready, else cold."""
         self.workers.stop()
         self._last_step.clear()
+        self.progress.reset()
         extra = self._prepare_run(cmd)
         if extra is None:
             return
@@ -535,22 +549,9 @@ class Agent:
         self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
 
     def _trace(self, cmd: p.Trace) -> None:
-        """Stacks of every training process of this machine (workers and their children), with
-        each worker's process state: a stopped or frozen worker is itself evidence."""
-        import psutil
-
-        from stalwart.agent.tracer import capture
-        pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None}
-        try:
-            records = capture(pids, timeout_s=cmd.timeout_s, machine=self.machine_id)
-        except FileNotFoundError as e:      # py-spy missing: states alone still tell a lot
-            records = [{"rank": r, "pid": p, "role": "worker", "machine": self.machine_id,
-                        "threads": [], "error": str(e)} for r, p in pids.items()]
-        for rec in records:
-            try:
-                rec["status"] = psutil.Process(rec["pid"]).status()
-            except psutil.Error:
-                rec["status"] = "gone"
+        """Stacks, process states and flight-recorder summaries of this machine's workers."""
+        pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None and w.rank is not None}
+        records = trace_workers(pids, cmd.timeout_s, self.machine_id, self.progress.summaries)
         self.emit({"type": "stacks", "run": cmd.run, "records": records})
 
     # -- worker exits ----------------------------------------------------------------------------
