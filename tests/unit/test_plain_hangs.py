@@ -164,3 +164,20 @@ def test_activity_of_another_run_or_outside_the_world_is_ignored():
     h.agent("m0", p.Activity(run=7, ranks=[0], collectives={0: 3}, t=h.now + 1))
     h.agent("m0", p.Activity(run=1, ranks=[9], collectives={9: 3}, t=h.now + 1))
     assert h.st.run.hang.ranks == (0, 1)
+
+
+def test_an_sdk_jobs_hang_is_localized_by_the_flight_recorder_when_the_stacks_cannot_tell():
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))       # 2 machines x 2, SDK steps
+    h.steps(10)
+    acts = h.advance(3.0)
+    assert of(acts, a.TraceStacks)
+    worker = {"role": "worker", "threads": [], "status": "sleeping"}
+    waiting = summary([entry(0, 10, group="w"), entry(1, 11, retired=False, group="w")], t=h.now)
+    behind = summary([entry(0, 10, group="w")], t=h.now - 3)
+    h.agent("m0", p.Stacks(run=1, records=[dict(worker, rank=r, flight_recorder=waiting) for r in (0, 1)]))
+    acts = h.agent("m1", p.Stacks(run=1, records=[dict(worker, rank=2, flight_recorder=waiting),
+                                                  dict(worker, rank=3, flight_recorder=behind)]))
+    assert records(acts, "incident_traced") == [{"incident": 1, "machines": ["m1"]}]
+    fr = h.st.incident.data["flight_recorder"]
+    assert fr["groups"][0]["waiting"] == [0, 1, 2] and fr["laggards"] == [3]
+    assert "flight recorder: ranks [3] never entered gloo:all_reduce #11 of the world group" in h.st.incident.reason

@@ -176,8 +176,9 @@ def _from_flightrec(fr_dumps: Mapping[int, Any], pg_ranks: Mapping[str, list[int
     agg = Aggregation(groups=[("entered", others), ("laggards", lagging)], outliers=lagging,
                       ambiguous=False, healthy=others)
     d = decide_eviction(agg, topo, max_fraction)
-    where = "; ".join(f"pg {g.pg_id}: ranks {g.laggards} never entered {g.stuck_op or 'a collective'} "
-                      f"#{g.stuck_seq}" for g in lags.values() if g.laggards)
+    where = "; ".join(f"ranks {g.laggards} never entered {g.stuck_op or 'a collective'} #{g.stuck_seq} of "
+                      f"{describe_group(list(g.last_seq), topo)} (ranks {g.waiting} wait in it)"
+                      for g in lags.values())
     return d, where
 
 

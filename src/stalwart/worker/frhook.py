@@ -129,6 +129,8 @@ def _loop(directory: str, period: float) -> None:
             if c10d is None:
                 continue
             summary = rec.update(_dump(c10d))
+            if not summary["entries"]:
+                continue                    # no collective yet (or the recorder is off: size 0)
             rank = os.environ.get("RANK")
             summary.update(pid=os.getpid(), t=time.time(),
                            rank=int(rank) if rank and rank.lstrip("-").isdigit() else None,
