@@ -95,6 +95,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
+    from stalwart.agent.probeset import ProbeSetupError
     _setup_logging(a.log_level)
     try:
         token = auth.client_token(a.token_file)
@@ -107,9 +108,13 @@ def cmd_agent(a) -> int:
         client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
-    agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
-                  address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
-                  kmsg=a.kmsg, controller_file=a.controller_file, labels=_labels(a.label))
+    try:
+        agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+                      address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                      kmsg=a.kmsg, controller_file=a.controller_file, labels=_labels(a.label), nic=a.nic or None,
+                      shared_host=a.shared_host)
+    except ProbeSetupError as e:
+        raise UserError(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
         agent.serve_forever()
@@ -414,8 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", type=int, default=1)
     g.add_argument("--heartbeat", type=float, default=1.0)
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
-    g.add_argument("--kmsg", help="kernel log to follow (default: a per-machine file the chaos tool writes;"
-                                  " /dev/kmsg on a real machine)")
+    g.add_argument("--kmsg", help="host kernel log to follow: FILE or off (default: /dev/kmsg when readable)")
+    g.add_argument("--nic", action="append", default=[], metavar="IFACE", help="interface or RDMA device to "
+                   "watch (repeatable; default: the default route's interface and every RDMA port)")
+    g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
     g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
     g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "

@@ -40,6 +40,10 @@ class Env:
     SHM_DIR = "STALWART_SHM_DIR"
     SEED = "STALWART_SEED"
     FORCE_CPU = "STALWART_FORCE_CPU"
+    # the flight-recorder hook (worker/frhook.py, loaded through worker/hookdir/sitecustomize.py):
+    # where it writes each process' recorder summary, and how often
+    FR_DIR = "STALWART_FR_DIR"
+    FR_PERIOD = "STALWART_FR_PERIOD"
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
@@ -397,9 +401,19 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
     t: float = 0.0
 
 
+class Activity(_Msg, tag="activity", kw_only=True):
+    """Progress the agent saw in its workers without step reports (agent/progress.py): `ranks` used
+    CPU (or wrote to their log) outside a collective since the last sample; `collectives` is, per
+    rank without the SDK, how many collectives it has entered (its flight recorder), when that grew."""
+    run: int | None = None
+    ranks: list[int] = []
+    collectives: dict[int, int] = {}
+    t: float = 0.0
+
+
 Event = Union[Step, Steps, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
               Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
-              Restored, StandbyReady]
+              Restored, StandbyReady, Activity]
 # An agent that lost its controller retries with a delay that doubles up to this cap (times a
 # jitter); a restarted controller waits for its agents at least two such delays before it calls
 # a machine that did not come back lost.

@@ -19,6 +19,9 @@ import shutil
 import threading
 from typing import Callable
 
+import msgspec
+
+from stalwart import protocol as p
 from stalwart.agent.paths import ckpt_root  # noqa: F401  (re-exported for the agent)
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
@@ -164,3 +167,26 @@ class CkptManager:
         self.server.stop()
         self.store.close()
 
+    def prepare_run(self, cmd: p.Start, emit: Callable[[dict], None]) -> list[dict[str, str]] | None:
+        """Checkpoint set-up and restore shards for a run: the extra env of each worker, or None
+        (reported as `restore_failed`) when a rank has no valid copy anywhere."""
+        if cmd.ckpt is not None:
+            backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
+                if cmd.ckpt.backup is not None else None
+            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
+        extra = []
+        for w in cmd.workers:
+            env = p.rank_env(w)
+            if w.restore:
+                candidates = [msgspec.to_builtins(c) for c in w.restore]
+                try:
+                    tier, path, errors = self.materialize(w.rank, candidates)
+                except RestoreFailed as e:
+                    emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
+                          "step": w.restore[0].step, "error": str(e)})
+                    return None
+                env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
+                emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
+                      "step": w.restore[0].step, "tier": tier, "skipped": errors})
+            extra.append(env)
+        return extra

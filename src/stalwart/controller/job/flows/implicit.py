@@ -72,6 +72,9 @@ class ImplicitFlow:
         acts = self.core.failure.open(st, "hang", now, trace=True)
         if st.incident is not None:
             st.incident.reason = verdict.reason
+            st.incident.data["hang"] = {"timeout_s": round(verdict.timeout_s, 3), "calibrated": verdict.calibrated,
+                                        "stalled_since": verdict.stalled_since,
+                                        "stalled_ranks": sorted(verdict.stalled)}
         return acts
 
     def on_stacks(self, st: JobState, machine: str, ev: protocol.Stacks, now: float) -> Actions:
@@ -103,17 +106,28 @@ class ImplicitFlow:
         stacks = inc.stacks
         odd = sorted({rec["rank"] for recs in stacks.values() for rec in recs
                       if rec.get("role") == "worker" and rec.get("status") in ABNORMAL_STATES})
+        # each rank's flight-recorder summary, where its agent had one (agent/progress.py)
+        fr = {rec["rank"]: rec["flight_recorder"] for recs in stacks.values() for rec in recs
+              if rec.get("role") == "worker" and isinstance(rec.get("rank"), int)
+              and isinstance(rec.get("flight_recorder"), dict)}
+        evidence = implicit.flightrec_evidence(fr, self.ctx.topo, now) if fr else None
         if odd:
             machines = [st.slots[i] for i in self.ctx.topo.machines_of(odd)]
             reason = f"rank(s) {odd} stopped or frozen on {', '.join(machines)}"
+            if evidence is not None:
+                reason += f"; flight recorder: {evidence['summary']}"
         elif stacks:
-            d = implicit.decide_hang(stacks, self.ctx.topo, list(st.slots))
+            d = implicit.decide_hang(stacks, self.ctx.topo, list(st.slots), fr_dumps=fr or None)
             machines, reason = list(d.machines), d.reason
+            if evidence is not None and d.source != "flightrec":
+                reason += f"; flight recorder: {evidence['summary']}"
         else:
             machines, reason = [], "no machine answered the stack capture"
         inc.implicit_evict = machines
         inc.reason = f"{inc.reason or 'hang'}; {reason}"
         inc.data.update(stacks=stacks, analysis=inc.reason)
+        if evidence is not None:
+            inc.data["flight_recorder"] = evidence
         acts: Actions = [save_data(inc), record("incident_traced", now, incident=inc.seq, machines=machines)]
         return acts + self.core.failure.stop_run(st, now)
 

@@ -152,6 +152,21 @@ class RunFlow:
             return self.core.failure.finish(st, "succeeded", None, now)
         return []
 
+    def on_activity(self, st: JobState, ev: protocol.Activity) -> Actions:
+        """Progress without step reports (CPU outside a collective, new collectives): the hang
+        timer's evidence for a plain script, and for any rank before its first step."""
+        run = st.run
+        if run is None or run.hang is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
+            return []
+        world = self.ctx.world
+        for r in ev.ranks:
+            if 0 <= r < world:
+                run.hang.on_activity(r, ev.t)
+        for r, count in ev.collectives.items():
+            if 0 <= r < world and count >= 0:
+                run.hang.on_collectives(r, count, ev.t)
+        return []
+
     # -- chaos ------------------------------------------------------------------------------------
     def fire_chaos(self, st: JobState, now: float) -> Actions:
         """Send the scheduled faults, armed with their step (agent/armed.py): the agent applies
