@@ -44,7 +44,8 @@ def submit(slurm: SlurmTestCluster, state_dir, spec: dict, *extra: str) -> subpr
     with open(cfg, "w") as f:
         yaml.safe_dump(spec, f)
     argv = [sys.executable, "-m", "stalwart.cli", "slurm", "submit", "--config", cfg, "--state-dir", str(state_dir),
-            "--advertise", slurm.ctl_addr, "--log-level", "INFO", *extra]
+            "--advertise", slurm.ctl_addr, "--log-level", "INFO",
+            "--agent-arg=--shared-host", *extra]       # six nodes, one host: one kernel log, one memory
     return subprocess.Popen(argv, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -175,6 +175,7 @@ class SlurmConfig:
     agent_prefix: list[str] = field(default_factory=list)     # e.g. a container launcher
     workdir: str = "{state_dir}/machines/{machine}"
     env: dict[str, str] = field(default_factory=dict)         # for the agents (and their workers)
+    agent_args: list[str] = field(default_factory=list)       # more `stalwart agent` options
 
     @property
     def dir(self) -> str:

@@ -54,7 +54,7 @@ def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str]) -> list[str]:
             "--log-level", cfg.log_level]
     for k, v in sorted(labels.items()):
         argv += ["--label", f"{k}={v}"]
-    return argv
+    return argv + list(cfg.agent_args)
 
 
 def main(argv: list[str] | None = None) -> int:

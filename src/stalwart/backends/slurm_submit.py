@@ -41,14 +41,14 @@ class SlurmCluster(LocalCluster):
     def __init__(self, state_dir: str, nodes: int, gpus_per_node: int, advertise: str,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, log_level: str = "INFO",
                  sbatch_args: list[str] | None = None, agent_prefix: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, agent_args: list[str] | None = None):
         super().__init__(state_dir, nodes, gpus_per_node, heartbeat_s=heartbeat_s, missed_beats=missed_beats,
                          log_level=log_level, network="loopback")
         self.advertise = advertise
         self.cfg = SlurmConfig(state_dir=self.state_dir, tag=os.urandom(3).hex(), token_file=self.token_file,
                                gpus=gpus_per_node, heartbeat_s=heartbeat_s, log_level=log_level,
                                sbatch_args=list(sbatch_args or []), agent_prefix=list(agent_prefix or []),
-                               env=dict(env or {}))
+                               env=dict(env or {}), agent_args=list(agent_args or []))
         self.backend = SlurmBackend(self.cfg)
         self.names: list[str] = []
         self.on_wait = None          # called with (registered, wanted, allocation state) while waiting
@@ -115,7 +115,8 @@ def cmd_slurm_submit(a) -> int:
     total = spec.machines + standby_count(spec) + a.spare
     cluster = SlurmCluster(a.state_dir, total, spec.gpus_per_machine, a.advertise or default_advertise(),
                            heartbeat_s=spec.policy.heartbeat_s, missed_beats=spec.policy.missed_beats,
-                           log_level=a.log_level, sbatch_args=sbatch, agent_prefix=shlex.split(a.agent_prefix or ""))
+                           log_level=a.log_level, sbatch_args=sbatch, agent_prefix=shlex.split(a.agent_prefix or ""),
+                           agent_args=list(a.agent_arg))
     if a.dry_run:
         print("# " + " ".join(shlex.quote(x) for x in cluster.backend.sbatch_argv(total, "agents.sh")))
         print(cluster.backend.batch_script(0), end="")
@@ -154,6 +155,9 @@ def add_parser(sub, job_options) -> None:
     p.add_argument("--sbatch-arg", action="append", help="one more sbatch option, e.g. --account=ml (repeatable)")
     p.add_argument("--agent-prefix", help="a command line the agent runs under on each node (a container "
                                           "launcher, numactl...)")
+    p.add_argument("--agent-arg", action="append", default=[],
+                   help="one more option for every node's agent, e.g. --nic=ib0, or --shared-host where several "
+                        "Slurm nodes share one host (repeatable)")
     p.add_argument("--advertise", help="this host's address as the nodes reach it (default: its name's)")
     p.add_argument("--start-timeout", type=float, default=120.0,
                    help="seconds for the agents to register once the allocation runs (default 120)")
