@@ -22,12 +22,12 @@ from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.outbox import Outbox
-from stalwart.agent.armed import ArmedChaos
+from stalwart.agent.armed import ChaosCommands
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
 from stalwart.agent.progress import ProgressWatch, hook_env
 from stalwart.agent.tracer import trace_workers
-from stalwart.agent.workers import Worker, WorkerSet, kill_tree, renice, warm_nice
+from stalwart.agent.workers import Worker, WorkerSet, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -80,7 +80,6 @@ class Agent:
         self._refill_at: tuple[float, p.Start] | None = None   # when to top up the spares, for which run
         self._spares_for: str | None = None     # `spares` asked: report when those are all ready
         self._events = Outbox()
-        self.armed = ArmedChaos()               # faults waiting for their step
         self._last_step: dict[int, int] = {}    # rank -> the last step its SDK reported
         self._stop = threading.Event()
         self._failures = 0          # failed attempts to reach the controller in a row
@@ -126,6 +125,9 @@ class Agent:
                                    self._prefix, self.emit)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
+        self.chaos_cmds = ChaosCommands(self.chaos.apply, self.emit, lambda: self._last_step,
+                                        lambda: [pid for pid in self.workers.pids() + self.warm.pids()
+                                                 + [self.diagnoser.warm_pid() or 0] if pid])
 
     def _load_network(self, path: str | None) -> dict | None:
         if not path:
@@ -359,8 +361,7 @@ class Agent:
                 self._on_worker_failing(pid, msg)
             if kind == "step" and isinstance(msg.get("rank"), int):
                 self._last_step[msg["rank"]] = int(msg.get("step", -1))
-                if len(self.armed):
-                    self._fire_armed()
+                self.chaos_cmds.on_step()
             if kind in FORWARDED:
                 msg["run"] = self._run
                 self.emit(msg)
@@ -376,7 +377,7 @@ class Agent:
         elif isinstance(cmd, p.Stop):
             self._stop_workers(cmd.run, cmd.grace_s)
         elif isinstance(cmd, p.Chaos):
-            self._chaos(cmd)
+            self.chaos_cmds.command(cmd)
         elif isinstance(cmd, p.Trace):
             self._trace(cmd)
         elif isinstance(cmd, p.Diagnose):
@@ -540,38 +541,6 @@ class Agent:
             self.diagnoser.stop()
             self._warm_key = None
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
-
-    def _chaos(self, chaos: p.Chaos) -> None:
-        if chaos.at_step is not None:       # armed: goes off at its step (agent/armed.py)
-            self.armed.arm(chaos)
-            self._fire_armed()
-            return
-        self._apply_chaos(chaos)
-
-    def _fire_armed(self) -> None:
-        for chaos in self.armed.due(dict(self._last_step)):
-            threading.Thread(target=self._armed_chaos, args=(chaos,), name="chaos", daemon=True).start()
-
-    def _armed_chaos(self, chaos: p.Chaos) -> None:
-        try:
-            self._apply_chaos(chaos)
-        except Exception as e:              # reported like a failed command
-            log.exception("chaos %s failed", chaos.kind)
-            self.emit({"type": "command_failed", "command": "chaos", "kind": chaos.kind, "error": str(e)})
-
-    def _apply_chaos(self, chaos: p.Chaos) -> None:
-        cmd = {"type": "chaos", "kind": chaos.kind, "rank": chaos.rank, "step": chaos.step,
-               "from_step": chaos.step, **chaos.params}
-        if cmd["kind"] == "machine-down":
-            self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
-            time.sleep(0.05)  # let the sender thread carry the injection time out
-            for pid in self.workers.pids() + self.warm.pids() + [self.diagnoser.warm_pid() or 0]:
-                if not pid:
-                    continue
-                kill_tree(pid)
-            os._exit(137)
-        t = self.chaos.apply(cmd)
-        self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
 
     def _trace(self, cmd: p.Trace) -> None:
         """Stacks, process states and flight-recorder summaries of this machine's workers."""
