@@ -412,7 +412,7 @@ class Controller:
             raise InvalidRequest(str(e)) from None
         now = time.time()
         off = snapshot.versionable(spec.code_dir, self.state_dir)
-        job_id = self.store.create_job(spec.name, spec.to_dict(), now)
+        job_id = self.store.create_job(spec.name, spec.to_dict(), now, submitted=True)
         st = S.JobState(job_id=job_id, created_at=now, versioning_off=off,
                         chaos=[S.ChaosPlan(kind=c.kind, machine=c.machine, rank=c.rank, step=c.step,
                                            params=dict(c.params)) for c in chaos],
@@ -428,9 +428,7 @@ class Controller:
             st.versions, st.version_id, st.code_path = [row], row["id"], row["path"]
         else:
             log.info("job %s: hot update off: %s", job_id, off)
-        self.store.commit(job_id, [("event", {"kind": "job_submitted", "data": {"spec": spec.to_dict()},
-                                              "t": now}),
-                                   ("job", {"state": "running"})], S.dumps(st))
+        self.store.commit(job_id, [("job", {"state": "running"})], S.dumps(st))
         runner = JobRunner(self, spec, st)
         self.jobs[job_id] = runner
         runner.start()
