@@ -94,6 +94,9 @@ class Context:
         self._init_process_groups()
         self._step_t0 = time.time()
         self._compute_s = 0.0
+        # seconds the training thread spent inside the SDK's per-step calls (begin_step,
+        # on_gradients, report, the in-memory checkpoint): what stalwart costs a step
+        self.blocking_s = 0.0
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
         self._begin_t = time.time()
@@ -199,18 +202,21 @@ class Context:
         A step's duration runs from the end of the previous step (its report) so that the time
         between steps (checkpointing, logging) counts as part of training, not as lost time.
         """
+        t0 = time.perf_counter()
         if self._last_report is None:
             self._step_t0 = time.time()
         err = self.gpu.fatal()
         if err is not None:
             raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
         slow = self.gpu.slowdown()
+        self.blocking_s += time.perf_counter() - t0
         if slow > 1.0 and self._compute_s > 0:
             time.sleep((slow - 1.0) * self._compute_s)   # a throttled GPU: every step takes longer
         self._begin_t = time.time()
 
     def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
         """Call after backward and before the data-parallel reduction of the gradients."""
+        t0 = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
         self._compute_s = time.time() - self._begin_t
         if self.chaos_active("nan", step):
@@ -223,10 +229,12 @@ class Context:
             # wrong although the norm this rank computed looked fine, so the per-rank norms do not
             # name the machine; the non-finite update shows only after the reduction.
             grads[0].view(-1)[0] = float("inf")
+        self.blocking_s += time.perf_counter() - t0
 
     def report(self, step: int, loss: float | None = None, grad_norm: float | None = None,
                tokens: int | None = None, **extra: float) -> None:
         """Report step metrics (sent to the agent off the training thread)."""
+        t0 = time.perf_counter()
         now = time.time()
         msg = {"type": "step", "rank": self.rank, "step": step, "t": now, "dur": now - self._step_t0,
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
@@ -234,6 +242,7 @@ class Context:
         msg.update(extra)
         self.link.send(msg)
         self._last_report = self._step_t0 = now
+        self.blocking_s += time.perf_counter() - t0
 
     def checkpoint(self, state: Any, step: int) -> None:
         """Checkpoint the state reached after `step`.
@@ -243,7 +252,9 @@ class Context:
         steps). Without one: a durable file every `ckpt_every` steps.
         """
         if self.mem is not None:
+            t0 = time.perf_counter()
             self.mem.snapshot(state, step)
+            self.blocking_s += time.perf_counter() - t0
             return
         if self.replay:
             return
