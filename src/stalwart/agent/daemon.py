@@ -359,6 +359,9 @@ class Agent:
                 self._report_spares()
             if kind == "failing":
                 self._on_worker_failing(pid, msg)
+            if kind == "shard" and isinstance(msg.get("rank"), int):
+                self.ckpt.on_shard(msg["rank"], int(msg.get("step", -1)), str(msg.get("path", "")))
+                continue
             if kind == "step" and isinstance(msg.get("rank"), int):
                 self._last_step[msg["rank"]] = int(msg.get("step", -1))
                 self.chaos_cmds.on_step()

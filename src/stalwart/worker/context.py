@@ -84,7 +84,8 @@ class Context:
         # ...on fewer layers where the job honours it (0: keep the job's own depth)
         self.replay_layers = _env_int(Env.REPLAY_LAYERS, 0) if self.replay else 0
         shm = None if self.replay else env.get(Env.SHM_DIR)
-        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2))) \
+        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2)),
+                                           on_commit=self._shard_committed) \
             if shm else None
         self.cuda = torch.cuda.is_available() and env.get(Env.FORCE_CPU) != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
@@ -101,6 +102,11 @@ class Context:
         self._last_report: float | None = None
         self._begin_t = time.time()
         self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
+
+    def _shard_committed(self, step: int, path: str) -> None:
+        """A snapshot is complete (the background commit thread): tell the agent at once, so it
+        streams the backup and makes durable copies without polling the shared memory."""
+        self.link.send({"type": "shard", "rank": self.rank, "step": step, "path": path})
 
     # -- set-up ------------------------------------------------------------------------------
     def _wait_for_activation(self) -> None:
