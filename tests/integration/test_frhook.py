@@ -76,7 +76,14 @@ def test_progress_watch_on_real_workers(tmp_path):
     workers = WorkerSet(str(tmp_path / "logs"), lambda w: None)
     fr = tmp_path / "fr"
     workers.spawn([sys.executable, "-c", busy], [dict(os.environ)] * 2, [0, 1], 1, None, "run1")
-    workers.spawn([sys.executable, "-c", "import time; time.sleep(60)"], [dict(os.environ)], [2], 1, None, "run1")
+    asleep = tmp_path / "asleep"
+    sleeper = "import pathlib, sys, time\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n"
+    workers.spawn([sys.executable, "-c", sleeper, str(asleep)], [dict(os.environ)], [2], 1, None, "run1")
+    deadline = time.monotonic() + 30       # the sleeper's start-up (imports) is CPU, not yet its sleep
+    while not asleep.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert asleep.exists()
+    time.sleep(0.2)
     events = []
     watch = ProgressWatch(str(fr), lambda: list(workers.workers), lambda pid: False, lambda: {}, lambda: 1,
                           events.append, period_s=0.5)
