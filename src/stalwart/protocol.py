@@ -385,6 +385,8 @@ class Hello(_Msg, tag="hello", kw_only=True):
     rank: int | None = None
     pid: int | None = None
     t: float = 0.0
+    imported: float | None = None      # the SDK began (torch imported; a warm worker: activated)
+    ready: float | None = None         # its process groups are up (the rendezvous is over)
 
 
 class Restored(_Msg, tag="restored", kw_only=True):

@@ -25,10 +25,21 @@ def test_waits_for_machines_then_starts_with_warm_standbys():
     acts = h.tick()
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [
         ("m0", "active"), ("m1", "active"), ("m2", "standby")]
-    assert [x.machine for x in of(acts, a.Prewarm)] == ["m2"]
+    assert of(acts, a.Prewarm) == []          # not yet: the first start has the CPUs to itself
     run = of(acts, a.StartRun)[0]
     assert (run.run, run.restore_step, run.warm) == (1, -1, [])
     assert records(acts, "run_started") == [{"run": 1, "start_step": 0, "machines": ["m0", "m1"]}]
+    assert [x.machine for x in of(h.step(), a.Prewarm)] == ["m2"]      # the first step is done
+    assert of(h.step(), a.Prewarm) == []
+
+
+def test_the_runs_start_up_is_recorded_once_every_rank_said_hello():
+    h = started(Harness())
+    acts = []
+    for r in range(h.world):
+        acts += h.agent(h.machine_of(r), p.Hello(run=1, rank=r, imported=h.now + r, ready=h.now + 2 * r))
+        acts += h.agent(h.machine_of(r), p.Hello(run=1, rank=r, imported=h.now, ready=h.now))   # again
+    assert records(acts, "workers_ready") == [{"run": 1, "imported": h.now + 3, "ready": h.now + 6}]
 
 
 def test_steps_commit_when_every_rank_reported_and_the_job_ends():

@@ -47,11 +47,13 @@ class Context:
     def __init__(self, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  cp: int | None = None, ep: int | None = None, timeout_s: float = 60.0):
         self._chaos: dict[str, dict] = {}
+        self._imported_at = time.time()       # torch and the training script are loaded
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
         self.link = AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
         if os.environ.get(Env.STANDBY) == "1":
             self._wait_for_activation()
+            self._imported_at = time.time()   # (a warm worker was loaded long before)
         env = os.environ
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
@@ -101,7 +103,8 @@ class Context:
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
         self._begin_t = time.time()
-        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
+        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run,
+                        "imported": self._imported_at, "ready": time.time()})
 
     def _shard_committed(self, step: int, path: str) -> None:
         """A snapshot is complete (the background commit thread): tell the agent at once, so it

@@ -118,6 +118,10 @@ class RunState:
     restore_tiers: dict[int, str] = field(default_factory=dict)
     restore_skipped: dict[int, list[str]] = field(default_factory=dict)
     hang: HangWatch | None = None
+    # the workers' start-up as their SDK tells it (hello): ranks heard, latest import/ready times
+    hello_ranks: set[int] = field(default_factory=set)
+    imported_at: float = 0.0
+    ready_at: float = 0.0
 
 
 @dataclass

@@ -39,8 +39,9 @@ class RunFlow:
         st.slots = free[:spec.machines]
         st.pool.standby = free[spec.machines:spec.machines + want]
         acts: Actions = [AssignMachine(machine=m, state="active") for m in st.slots]
-        for m in st.pool.standby:      # standbys warm up on the code the runs use
-            acts += [AssignMachine(machine=m, state="standby")] + self.core.pool.prewarm(st, m)
+        # standbys warm up once the first step is done (pool.refill): their `import torch` must not
+        # compete with the first run's start-up for the machines' (or, locally, the host's) CPUs
+        acts += [AssignMachine(machine=m, state="standby") for m in st.pool.standby]
         if st.versioning_off:
             log.info("job %s: hot update off: %s", st.job_id, st.versioning_off)
         return acts + self.start_run(st, -1, {}, now)
@@ -122,8 +123,11 @@ class RunFlow:
         assert st.run is not None
         acts: Actions = [record("step", acc.t, run=st.run_seq, step=s, dur=acc.dur, loss=acc.loss,
                                 grad_norm=acc.grad_norm, tokens=acc.tokens)]
+        first = st.best_steps == 0
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
+        if first:                   # the job trains: the standbys may warm up now
+            acts += self.core.pool.warm_standbys(st)
         if st.bad_steps:
             self._lapse_bad_steps(st)
         st.run.committed += 1
@@ -166,6 +170,22 @@ class RunFlow:
             if 0 <= r < world and count >= 0:
                 run.hang.on_collectives(r, count, ev.t)
         return []
+
+    def on_hello(self, st: JobState, ev: protocol.Hello) -> Actions:
+        """A worker's SDK is up; once every rank of the run is, the run's start-up is recorded
+        (the ledger splits the job's start-up into waiting, spawn, import, rendezvous, first step)."""
+        run = st.run
+        if run is None or ev.run != st.run_seq or ev.rank is None or ev.imported is None or ev.ready is None:
+            return []
+        if ev.rank in run.hello_ranks:
+            return []
+        run.hello_ranks.add(ev.rank)
+        run.imported_at = max(run.imported_at, ev.imported)
+        run.ready_at = max(run.ready_at, ev.ready)
+        if len(run.hello_ranks) < self.ctx.world:
+            return []
+        return [record("workers_ready", run.ready_at, run=run.seq, imported=run.imported_at,
+                       ready=run.ready_at)]
 
     # -- chaos ------------------------------------------------------------------------------------
     def fire_chaos(self, st: JobState, now: float) -> Actions:
