@@ -38,6 +38,7 @@ PLAIN_REFILL_AFTER_S = 55.0     # a run without step reports gets its spares thi
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
+EVENT_LINGER_S = 0.2   # steps and metrics wait this long for company: one request per batch, not per step
 SKIP_BEATS_FROM = 3    # missed beats the controller allows before an agent's batches stand in for beats
 RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 
@@ -308,7 +309,7 @@ class Agent:
         while not self._stop.is_set():
             if not self.registered.wait(0.5):       # away: keep the events, the heartbeat loop
                 continue                            # knocks (with backoff) for everyone
-            batch = self._events.take(timeout=0.5)
+            batch = self._events.take(timeout=0.5, linger=EVENT_LINGER_S)
             if not batch:
                 continue
             if self._merge_steps:
