@@ -231,8 +231,11 @@ class Context:
         if self.chaos_active("nan", step):
             for g in grads:
                 g.fill_(float("nan"))
-        sq = sum(float(g.detach().float().pow(2).sum()) for g in grads)
-        self._local_grad_norm = sq ** 0.5
+        if grads:   # one reduction and one sync for every gradient, not one per tensor
+            norms = torch._foreach_norm([g.detach().float() for g in grads])
+            self._local_grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        else:
+            self._local_grad_norm = 0.0
         if self.gpu.corrupts() and grads:
             # Silent data corruption (a mercurial core): the buffers handed to the reduction are
             # wrong although the norm this rank computed looked fine, so the per-rank norms do not

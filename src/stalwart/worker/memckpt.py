@@ -181,6 +181,17 @@ def _eligible(obj) -> bool:
             and obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
 
 
+class _TensorTypes:
+    """`type(x) in _TENSOR_TYPES` without importing torch at module load."""
+
+    def __contains__(self, t: type) -> bool:
+        import torch
+        return t is torch.Tensor or t is torch.nn.Parameter
+
+
+_TENSOR_TYPES = _TensorTypes()
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, buf):
         super().__init__(buf, protocol=5)
@@ -188,6 +199,8 @@ class _Pickler(pickle.Pickler):
         self._ids: dict[int, int] = {}
 
     def persistent_id(self, obj):
+        if type(obj) not in _TENSOR_TYPES:      # the cheap test first: most of a state is not tensors
+            return None
         if _eligible(obj):
             idx = self._ids.get(id(obj))
             if idx is None:
@@ -232,6 +245,9 @@ class _Slot:
         self.buf = None           # torch uint8 tensor mapping base.data
         self.layout_key = None    # tuple of (offset, nbytes) last written
         self.pending: Future | None = None
+        self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
+        self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
+        self.views: list | None = None     # ...and the views of `buf` they were copied into
 
 
 class MemCheckpointer:
@@ -292,22 +308,24 @@ class MemCheckpointer:
         except Exception as e:
             raise ValueError(f"checkpoint state is not picklable: {e}") from e
         meta = buf.getvalue()
-        table, nbytes = _plan(p.tensors)
+        shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
+        if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
+            slot.plan, slot.views, slot.shapes = _plan(p.tensors), None, None
+        table, nbytes = slot.plan
         self._ensure(slot, nbytes)
         try:                      # invalidate first: a crash from here on never looks complete
             os.unlink(slot.base + ".hdr")
         except FileNotFoundError:
             pass
         key = tuple((e["offset"], e["nbytes"]) for e in table)
-        if key != slot.layout_key:
+        if key != slot.layout_key or slot.views is None:
             slot.buf[:nbytes].zero_()  # keep padding bytes zero so the checksum is deterministic
-        with torch.no_grad():
-            for t, e in zip(p.tensors, table):
-                n = e["nbytes"]
-                if n == 0:
-                    continue
-                dst = slot.buf[e["offset"]:e["offset"] + n].view(t.dtype).view(t.shape)
-                dst.copy_(t.detach())
+            slot.views = [slot.buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape)
+                          for t, e in zip(p.tensors, table)]
+            slot.shapes = shapes
+        pairs = [(d, t) for d, t, e in zip(slot.views, p.tensors, table) if e["nbytes"]]
+        with torch.no_grad():     # one call for every tensor: the step blocks for the copy alone
+            torch._foreach_copy_([d for d, _ in pairs], [t.detach() for _, t in pairs])
         slot.layout_key = key
         hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
                "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
