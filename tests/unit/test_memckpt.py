@@ -228,3 +228,19 @@ def test_slot_grows_and_header_is_json(shm_dir):
     hdr_view, view = memckpt.encode_shard(path)
     assert len(view) == hdr_view["nbytes"] and memckpt.still_current(path, hdr_view)
     view.release()
+
+
+def test_prune_keeps_the_newest_steps_of_one_rank_by_name(tmp_path):
+    from stalwart.agent.shards import prune
+    for rank, step in [(0, 5), (0, 12), (0, 7), (1, 3), (0, 100)]:
+        base = memckpt.step_base(str(tmp_path), rank, step)
+        for ext in (".data", ".hdr"):
+            open(base + ext, "w").close()
+    open(memckpt.slot_base(str(tmp_path), 0, 0) + ".hdr", "w").close()        # own slots: not steps
+    open(memckpt.step_base(str(tmp_path), 0, 1) + ".data", "w").close()       # no header: not a shard
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 0)] == [5, 7, 12, 100]
+    prune(str(tmp_path), 0, keep=2)
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 0)] == [12, 100]
+    assert not os.path.exists(memckpt.step_base(str(tmp_path), 0, 5) + ".data")
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 1)] == [3]
+    assert memckpt.step_shards(str(tmp_path / "none"), 0) == []

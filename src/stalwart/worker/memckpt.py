@@ -122,6 +122,22 @@ def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]
     return out
 
 
+def step_shards(dir: str, rank: int) -> list[tuple[int, str]]:
+    """Per-step shards of `rank` in `dir` whose header is there, as sorted (step, header path),
+    from their names alone (headers not read: see `list_shards` for that)."""
+    try:
+        names = os.listdir(dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _NAME.match(name)
+        if m and int(m.group(1)) == rank and m.group(2).startswith("step"):
+            out.append((int(m.group(2)[4:]), os.path.join(dir, name)))
+    out.sort()
+    return out
+
+
 def verify_shard(path: str) -> dict:
     """Re-read a shard's data and check it against its header; returns the header or raises CorruptShard."""
     hdr = read_header(path)
