@@ -204,8 +204,7 @@ def test_nan_with_a_named_rank_evicts_its_machine():
     h.ckpt(3)
     acts = h.step(loss=NAN, local={2: float("inf")})
     assert of(acts, a.OpenIncident)[0].symptom == "nan"
-    h.stopped()
-    acts = h.advance(2.0)
+    acts = h.stopped()              # the named machine is the evidence: no wait for more
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     assert of(acts, a.StartRun)[0].restore_step == 3          # never the corrupted step
 
@@ -217,8 +216,7 @@ def test_the_steps_after_a_nan_are_restorable_again_once_a_later_run_rewrote_the
         h.ckpt(s)
     h.step(loss=NAN, local={2: float("inf")})           # step 5: the bad run's copy of 5
     h.ckpt(5)
-    h.stopped()
-    assert of(h.advance(2.0), a.StartRun)[0].restore_step == 4
+    assert of(h.stopped() + h.advance(2.0), a.StartRun)[0].restore_step == 4
     # the new run trains 5, 6 ... again: until it is well past 5 (the bad run's newest copy), a copy
     # of 5 may still be the bad run's (a backup that trailed), so 5 is not restored
     h.steps(2)

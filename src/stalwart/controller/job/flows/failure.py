@@ -102,8 +102,10 @@ class FailureFlow:
             log.warning("job %s: %s silent after the stop (%s behind the freshest machine): lost",
                         st.job_id, m, "never heard" if silent_s is None else f"{silent_s:.1f}s")
             noted.append(record("machine_silent", now, machine=m, incident=inc.seq, behind_s=silent_s))
-        explained = policy.cause_in_hand(inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits),
-                                         tuple(inc.alerts), tuple(inc.lost))
+        # an implicit symptom that already names its machines (the non-finite local gradients, the
+        # outlier stacks) is its own evidence: nothing a probe says next changes whom it evicts
+        explained = bool(inc.implicit and inc.implicit_evict) or policy.cause_in_hand(
+            inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits), tuple(inc.alerts), tuple(inc.lost))
         if (inc.awaiting and now < limit) or (not explained and now < inc.detected_at + EVIDENCE_SETTLE_S):
             return noted
         if inc.awaiting:                  # alive but did not stop: cannot be trusted with ranks
