@@ -16,8 +16,12 @@ def test_the_log_is_read_once_then_only_new_rows_in_time_order(tmp_path):
         store.add_event(other, "x", {}, t=3.5)
         assert [e["kind"] for e in cache.events(job)] == ["job_submitted", "a"]
         store.add_event(job, "late", {}, t=2.0)            # an agent's event arriving late
-        store.add_event(job, "b", {}, t=4.0)
-        assert [e["kind"] for e in cache.events(job)] == ["job_submitted", "late", "a", "b"]
+        store.add_event(job, "c", {}, t=4.5)
+        store.add_event(job, "b", {}, t=4.0)               # rows out of time order among the new
+        assert [e["kind"] for e in cache.events(job)] == ["job_submitted", "late", "a", "b", "c"]
+        store.add_event(job, "e", {}, t=6.0)
+        store.add_event(job, "d", {}, t=5.0)               # ...also when all are newer than the log
+        assert [e["kind"] for e in cache.events(job)][-2:] == ["d", "e"]
         assert cache.events(job) == store.events(job)
         reads = []
         real = store.events_since
@@ -27,7 +31,7 @@ def test_the_log_is_read_once_then_only_new_rows_in_time_order(tmp_path):
         log = EventLog()
         log.extend(store.events(job))
         log.extend(store.events(job))                          # ...and rows seen twice count once
-        assert len(log.events) == 4
+        assert len(log.events) == 7
     finally:
         store.close()
 

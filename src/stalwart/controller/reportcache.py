@@ -39,11 +39,10 @@ class EventLog:
             return
         self.ids.update(r["id"] for r in new)
         self.top = max(self.top, max(r["id"] for r in new))
-        key = _key(self.events[-1]) if self.events else None
+        new.sort(key=_key)                  # rows come in id order; agents' times need not
+        late = bool(self.events) and _key(new[0]) < _key(self.events[-1])
         self.events.extend(new)
-        if key is not None and min(_key(r) for r in new) < key:     # late rows: sort (nearly sorted)
-            self.events.sort(key=_key)
-        elif key is None:
+        if late:                            # an event older than the newest seen: sort (nearly sorted)
             self.events.sort(key=_key)
 
 
