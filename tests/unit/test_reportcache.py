@@ -49,6 +49,12 @@ def test_a_costly_report_is_reused_a_short_one_rebuilt_a_finished_job_always_fre
         assert always.report(job, now=6.0)["wall_s"] == a["wall_s"]        # reused
         store.update_job(job, state="succeeded", finished_at=7.0)
         assert always.report(job, now=8.0)["state"] == "succeeded"        # the state changed: rebuilt
+        built = always._jobs[job].built_at
+        always.report(job, now=9.0)
+        assert always._jobs[job].built_at == built                          # ended, same log: kept
+        store.add_event(job, "late", {}, t=6.5)
+        always.report(job, now=9.0)
+        assert always._jobs[job].built_at > built                           # ended, the log grew: rebuilt
         with pytest.raises(LookupError):
             always.report(job + 100)
     finally:

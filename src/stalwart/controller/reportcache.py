@@ -5,9 +5,10 @@ often; a report is built from the job's whole event log (the ledger sweeps it), 
 from the database each time cost the controller time in proportion to the job's length (20 ms
 for 400 steps, seconds for 100,000). Here each job's log is read once and then only its new rows
 (:class:`EventLog`), and a report that took long to build is reused for a while after it was built
-(ten times its build time, at most 30 s: the controller spends at most a tenth of its time on
-reports however often they are asked for). A report of a short job is rebuilt each time, as
-before; a job whose state changed (it finished) always gets a fresh one.
+while the job runs (ten times its build time, at most 30 s: the controller spends at most a tenth
+of its time on reports however often they are asked for). A report of a short job is rebuilt
+each time, as before; a job whose state changed gets a fresh one, and an ended job's report is
+rebuilt whenever its log grew (it is exact, not a while old).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class _Entry:
     built_at: float = 0.0       # monotonic
     cost_s: float = 0.0
     state: str | None = None
+    top_built: int = 0          # the log's newest id when the report was built
 
 
 class ReportCache:
@@ -86,15 +88,18 @@ class ReportCache:
             job = self.store.job(job_id)
             if job is None:
                 raise LookupError(f"no job {job_id}")
-            e = self._jobs.get(job_id)
-            if (e is not None and e.report is not None and e.state == job["state"]
-                    and time.monotonic() - e.built_at < min(self.max_reuse_s, self.reuse_factor * e.cost_s)):
-                return dict(e.report)
             t0 = time.monotonic()
             e = self._read(job_id)
+            if e.report is not None and e.state == job["state"]:
+                if job["finished_at"] is not None:      # an ended job's report changes with its log only
+                    if e.top_built == e.log.top:
+                        return dict(e.report)
+                elif t0 - e.built_at < min(self.max_reuse_s, self.reuse_factor * e.cost_s):
+                    return dict(e.report)
             rep = build_report(self.store, job_id, now=time.time() if now is None else now,
                                events=e.log.events)
             e.report, e.built_at, e.cost_s, e.state = rep, time.monotonic(), time.monotonic() - t0, job["state"]
+            e.top_built = e.log.top
             return dict(rep)
 
     def forget(self, job_id: int) -> None:
