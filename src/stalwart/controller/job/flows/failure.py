@@ -31,6 +31,19 @@ EVIDENCE_SETTLE_S = 1.5
 STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
 
 
+def to_alert(machine: str, ev: protocol.Health) -> policy.Alert:
+    """A probe's health event as the rules read it (network probes name the occurrences they saw
+    and whether the condition still stands)."""
+    d = ev.detail if isinstance(ev.detail, dict) else {}
+    ids = d.get("occurrences")
+    return policy.Alert(machine=machine, kind=ev.kind, severity=ev.severity,
+                        machine_certain=bool(ev.machine_certain), network=bool(ev.network),
+                        detail=detail_text({k: v for k, v in d.items() if k not in ("occurrences", "standing")}
+                                           if d else ev.detail), t=ev.t,
+                        occurrences=tuple(str(i) for i in ids) if isinstance(ids, list) else (),
+                        standing=bool(d.get("standing")))
+
+
 def detail_text(detail) -> str:
     """A probe's detail as one readable line (its log text when it has one)."""
     if isinstance(detail, dict):
@@ -128,9 +141,11 @@ class FailureFlow:
             res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
                                     cause=inc.reason or "the controller restarted", mechanism="reattempt")
             return self.recover(st, inc, res, now)
-        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=tuple(inc.alerts),
+        alerts, standing = self.evidence_alerts(st, inc, now)
+        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=alerts,
                              implicit_symptom=inc.symptom if inc.implicit else None,
-                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason)
+                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason,
+                             standing=standing)
         res = policy.resolve(self.ctx.snapshot(st), ev, now)
         started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
         if started is not None:
@@ -227,9 +242,7 @@ class FailureFlow:
         return acts
 
     def on_health(self, st: JobState, machine: str, ev: protocol.Health, now: float) -> Actions:
-        alert = policy.Alert(machine=machine, kind=ev.kind, severity=ev.severity,
-                             machine_certain=bool(ev.machine_certain), network=bool(ev.network),
-                             detail=detail_text(ev.detail), t=ev.t)
+        alert = to_alert(machine, ev)
         acts: Actions = [record("health", alert.t, machine=machine, kind=alert.kind, severity=alert.severity)]
         snap = self.ctx.snapshot(st)
         st.alerts = st.open_alerts(alert.t, self.ctx.policy.network_alert_window_s)
@@ -238,9 +251,26 @@ class FailureFlow:
         elif st.phase == JobPhase.RUNNING and policy.should_open_incident(alert, snap, alert.t):
             acts += self.open(st, alert.kind, now)
             assert st.incident is not None
-            st.incident.alerts.extend(st.alerts + [alert])
-        st.alerts.append(alert)
+            st.incident.alerts.append(alert)      # the earlier ones join at localization
+        if alert.network:                         # kept for counting recurrences
+            st.alerts.append(alert)
         return acts
+
+    def evidence_alerts(self, st: JobState, inc: Incident, now: float) -> tuple[tuple[policy.Alert, ...],
+                                                                                tuple[str, ...]]:
+        """The incident's alerts with the network alerts of the window before it (a recurrence
+        counts occurrences from before the incident), and the machines whose network condition was
+        still reported as standing while the incident was open."""
+        window = self.ctx.policy.network_alert_window_s
+        earlier = [a for a in st.open_alerts(now, window) if a.network and a not in inc.alerts]
+        latest: dict[str, policy.Alert] = {}
+        for a in sorted(earlier + inc.alerts, key=lambda a: a.t):
+            for key in a.occurrence_ids() if a.network else ():
+                latest[key] = a
+        # standing: reported during the incident, and no later report says the condition ended
+        standing = sorted({a.machine for a in inc.alerts if a.network and a.standing
+                           and all(latest[k].standing for k in a.occurrence_ids())})
+        return tuple(earlier + inc.alerts), tuple(standing)
 
     def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
         for tier, held in (ev.inventory or {}).items():
