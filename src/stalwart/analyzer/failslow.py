@@ -154,6 +154,20 @@ def healthy_pace(reference_s: float | None, step_times: Sequence[float], baselin
     return window if reference_s is None else min(reference_s, window)
 
 
+def slowdown(step_times: Sequence[float], recent_n: int = 5, baseline_s: float | None = None) -> float:
+    """How many times slower the last ``recent_n`` steps run (their median) than the fastest
+    ``recent_n``-step stretch before them, or ``baseline_s`` when that is faster (1.0 when
+    there is nothing to compare)."""
+    if len(step_times) < 2 * recent_n:
+        return 1.0
+    recent = median(step_times[-recent_n:])
+    before = step_times[:-recent_n]
+    best = min(median(before[i:i + recent_n]) for i in range(len(before) - recent_n + 1))
+    if baseline_s is not None:
+        best = min(best, baseline_s)
+    return recent / best if best > 0 else 1.0
+
+
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
     """Mean without the highest and lowest ``cut`` share of the values (at least one each from 5
     values on). A rank held to a CPU quota is slow in some steps and not in others: a median

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, healthy_pace,
-                                        slow_ranks, steady_outliers, throughput_drop, trimmed_mean)
+                                        slow_ranks, slowdown, steady_outliers, throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -28,6 +28,10 @@ BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, a
 RANK_TIMES_N = 20               # fail-slow: recent steps whose per-rank times a round compares
 HISTORY_N = 50                  # loss and grad-norm history kept for the jump rule
 FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
+# A job this many times slower than its healthy pace, with nobody singled out by stacks or compute
+# times, is stopped for the stop-time checks (a slow link slows every rank alike: only the pair
+# tests see it); a milder drop with nobody to blame becomes the job's pace.
+FAILSLOW_CHECK_FACTOR = 3.0
 
 
 # Comparing every machine with its peers is quadratic in the group (pairwise distances): beyond
@@ -271,9 +275,14 @@ class ImplicitFlow:
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
+        if not any(fs.flagged) and self._unexplained(st, fs) is not None:
+            # far slower and nobody stands out even once: more rounds of the same will not help
+            return acts + self._to_checks(st, fs, now)
         if fs.done < p.failslow_rounds:
             return acts
         machines, why = self._failslow_verdict(st, fs)
+        if not machines and self._unexplained(st, fs) is not None:
+            return acts + self._to_checks(st, fs, now)
         if not machines and fs.done < 2 * p.failslow_rounds and (self._still_slow(st, fs) or fs.by_compute[-1]):
             # no verdict yet, but the job is still slow or a rank still computes slower than its
             # peers (a slowdown near the threshold): the window of rounds slides on
@@ -293,6 +302,29 @@ class ImplicitFlow:
         assert inc is not None
         inc.implicit_evict = machines
         inc.reason = f"throughput dropped; {', '.join(machines)} {why}"
+        inc.data.update(stacks=fs.stacks, analysis=inc.reason)
+        return acts + [save_data(inc)]
+
+    def _unexplained(self, st: JobState, fs: FailSlow) -> float | None:
+        """How many times slower than its healthy pace the job runs, when that is at least
+        FAILSLOW_CHECK_FACTOR and the stop-time checks may run (None otherwise)."""
+        factor = slowdown(st.signals.step_durs, RECENT_N, fs.baseline_s)
+        return factor if factor >= FAILSLOW_CHECK_FACTOR and self.ctx.policy.stop_time_checks else None
+
+    def _to_checks(self, st: JobState, fs: FailSlow, now: float) -> Actions:
+        """Stop the run for the stop-time checks: a slowdown this large with nobody to blame is
+        a fault the stacks cannot see (a slow link: every rank waits in the same collective)."""
+        factor = self._unexplained(st, fs) or FAILSLOW_CHECK_FACTOR
+        recent = median(st.signals.step_durs[-RECENT_N:])
+        st.signals.failslow = None
+        st.signals.failslow_quiet_until = now + FAILSLOW_QUIET_S
+        acts = self.core.failure.open(st, "fail_slow", now)
+        inc = st.incident
+        if inc is None:
+            return acts
+        inc.implicit_evict = []
+        inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and after {fs.done} "
+                      f"round(s) neither stacks nor compute times single out a machine: stop-time checks")
         inc.data.update(stacks=fs.stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
