@@ -161,3 +161,48 @@ def test_network_evictions_outnumbering_the_standbys_are_confirmed_by_a_check():
     upd = [x.fields for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0]
     assert upd["mechanism"] == "reattempt" and upd["evicted"] == []
     assert "confirming with stop-time checks" in upd["cause"] and "no machine confirmed" in upd["cause"]
+
+
+def test_a_busy_host_slows_computation_too_and_is_not_stopped_for():
+    """Every rank computes 4x slower with its collectives (other work on the host): nobody stands
+    out and the time is not the network's, so the job is not stopped; the slower pace is its pace."""
+    h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
+                        policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))
+    h.steps(30, dur=0.1)
+    for _ in range(60):
+        acts = h.step(dur=0.4, compute={r: 0.2 for r in range(4)})
+        for t in of(acts, a.TraceStacks):
+            for m in t.machines:
+                h.agent(m, p.Stacks(run=h.st.run_seq, records=[{"rank": int(m[1:]), "role": "worker",
+                                                               "threads": [], "status": "running"}]))
+        assert h.st.incident is None
+        if records(h.log, "failslow_cleared"):
+            break
+    assert records(h.log, "failslow_cleared") and h.st.phase == JobPhase.RUNNING
+
+
+def test_a_nic_down_that_stalls_the_job_opens_its_incident_within_seconds():
+    """No step since the NIC went down, for 3 step times (at least 2 s): the incident opens then,
+    long before the hang timeout, and the standing condition names the machine."""
+    h = started(Harness(machines=2, gpus=2, standby=1, policy={"hang_timeout_floor_s": 30.0}))
+    h.steps(10, dur=0.1)
+    h.now += 0.05
+    opened = []
+    for _ in range(12):                                   # the probe reports it every 0.2 s
+        opened += of(nic(h, "m1", "nic_down", ["h1/link@0#1"], True), a.OpenIncident)
+        opened += of(h.tick(0.2), a.OpenIncident)
+    assert [x.symptom for x in opened] == ["nic_down"] and not of(h.log, a.TraceStacks)
+    assert h.st.incident is not None and h.now - h.st.incident.detected_at < 0.5
+    nic(h, "m1", "nic_down", ["h1/link@0#1"], True)
+    acts = h.stopped() + h.advance(2.0)
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+
+
+def test_a_standing_condition_the_job_trains_through_opens_nothing():
+    h = started(Harness(machines=2, gpus=2, standby=1))
+    h.steps(3)
+    nic(h, "m1", "nic_down", ["h1/link@0#1"], True)       # a second NIC the job does not use, say
+    for _ in range(30):
+        h.step(dur=0.2)
+        nic(h, "m1", "nic_down", ["h1/link@0#1"], True)
+    assert h.st.incident is None and h.st.phase == JobPhase.RUNNING

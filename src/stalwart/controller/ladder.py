@@ -106,7 +106,8 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
                              max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
         pairs_summary = judged["pairs"]
         for i in judged["bad_machines"]:
-            bad.setdefault(slots[i], "inter-machine test failed with every partner")
+            how = "; ".join(f"with {slots[peer]}: {why}" for peer, why in _partners(pairs_summary, i))
+            bad.setdefault(slots[i], f"inter-machine test failed with every partner ({how})")
         for i, j in judged["bad_links"]:
             links.append([slots[i], slots[j]])
     digests = {f"{r['machine']}/{r.get('local_rank', 0)}": (r.get("measure") or {}).get("digest", "")
@@ -116,6 +117,16 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
         bad.setdefault(m, "bitwise alignment: its result differs from the other machines'")
     return {"bad": bad, "links": links, "pairs": pairs_summary,
             "checks": sorted(by_check)}
+
+
+def _partners(pairs: Mapping[str, Mapping], i: int) -> list[tuple[int, str]]:
+    """Machine `i`'s partners in the judged pairs ("i-j" keys) and what was wrong with each pair."""
+    out = []
+    for key, v in pairs.items():
+        a, b = (int(x) for x in key.split("-"))
+        if i in (a, b):
+            out.append((b if a == i else a, str(v.get("why") or v.get("detail") or "failed")))
+    return sorted(out)
 
 
 def _worst(rows: Sequence[Mapping], key: str, worst) -> float | None:

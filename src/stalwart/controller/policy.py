@@ -112,6 +112,22 @@ def network_occurrences(alerts: Iterable[Alert], machine: str, now: float, windo
     return sorted(seen, key=lambda k: (seen[k], k))
 
 
+def standing_since(alerts: Iterable[Alert]) -> dict[str, tuple[float, Alert]]:
+    """Per machine, a network occurrence whose latest report says it still stands: when it was
+    first reported, and that latest report (the earliest such occurrence per machine)."""
+    first: dict[str, float] = {}
+    latest: dict[str, Alert] = {}
+    for a in sorted((a for a in alerts if a.network), key=lambda a: a.t):
+        for key in a.occurrence_ids():
+            first.setdefault(key, a.t)
+            latest[key] = a
+    out: dict[str, tuple[float, Alert]] = {}
+    for key, a in latest.items():
+        if a.standing and (a.machine not in out or first[key] < out[a.machine][0]):
+            out[a.machine] = (first[key], a)
+    return out
+
+
 def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
     """Does this health alert stop the job right away?"""
     if alert.severity != "fatal" and not alert.network:

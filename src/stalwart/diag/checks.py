@@ -222,7 +222,7 @@ def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0
     out on the full size (the first sizes fit in a shaper's burst; a size that takes a while does
     not); both ends agree on when to stop (each size's slower time is exchanged). ``mbps`` is
     megabits per second of the bytes received from the peer at the last size, the fastest of
-    ``BENCH_TRIES`` transfers when they are quick. The content of every transfer is checked.
+    ``BENCH_TRIES`` transfers when the first is quick. The content of every transfer is checked.
     """
     opts = AllgatherOptions()
     opts.timeout = timedelta(seconds=timeout_s)
@@ -241,20 +241,29 @@ def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0
             gather(torch.full((4,), float(rank)))
             lat.append(time.perf_counter() - start)
         latency = statistics.median(lat)
-        size, seconds, wrong = min(SIZES_FROM, max(4, nbytes)), float("inf"), 0
+        size, wrong = min(SIZES_FROM, max(4, nbytes)), 0
+
+        def timed(t: torch.Tensor, expect: torch.Tensor) -> tuple[float, int]:
+            start = time.perf_counter()
+            out = gather(t)
+            return time.perf_counter() - start, int((out[peer] != expect).sum())
+
+        def agree(seconds: float, wrong: int) -> bool:
+            """Whether either end saw this size take MEASURED_S or a mismatch: both ends stop
+            together, so both run the same collectives."""
+            other = gather(torch.tensor([seconds, float(wrong)], dtype=torch.float64))[peer]
+            return bool(wrong or other[1] or max(seconds, float(other[0])) >= MEASURED_S)
+
         while True:
             count = max(1, size // 4)
             mine, theirs = _pattern(rank, count), _pattern(peer, count)
-            seconds = float("inf")
-            for _ in range(BENCH_TRIES):     # the fastest of a few: less scheduler noise
-                start = time.perf_counter()
-                out = gather(mine)
-                seconds = min(seconds, time.perf_counter() - start)
-                wrong = max(wrong, int((out[peer] != theirs).sum()))
-            # both ends decide together (the slower time, any mismatch), so both run the same
-            # collectives
-            other = gather(torch.tensor([seconds, float(wrong)], dtype=torch.float64))[peer]
-            if wrong or other[1] or size >= nbytes or max(seconds, float(other[0])) >= MEASURED_S:
+            seconds, wrong = timed(mine, theirs)
+            if agree(seconds, wrong):        # slow already: measured, no more tries
+                break
+            for _ in range(BENCH_TRIES - 1):     # the fastest of a few: less scheduler noise
+                took, bad = timed(mine, theirs)
+                seconds, wrong = min(seconds, took), max(wrong, bad)
+            if agree(seconds, wrong) or size >= nbytes:
                 break
             size = min(size * 2, nbytes)
         mbps = count * 4 * 8 / 1e6 / max(seconds, 1e-9)

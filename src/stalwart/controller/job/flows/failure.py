@@ -29,6 +29,11 @@ CONTROL_PLANE = "control_plane"     # a run the controller's restart cut short
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
 STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
+# A network condition that still stands (a NIC down) while the job makes no step for this many of
+# its step times (and at least NET_STALL_MIN_S) is failing the job: its incident opens then, not
+# at the hang timeout. One occurrence that heals while the job trains on costs nothing.
+NET_STALL_STEPS = 3
+NET_STALL_MIN_S = 2.0
 
 
 def to_alert(machine: str, ev: protocol.Health) -> policy.Alert:
@@ -256,6 +261,27 @@ class FailureFlow:
             st.alerts.append(alert)
         return acts
 
+    def network_stall(self, st: JobState, now: float) -> Actions:
+        """Open an incident when a network condition stands on an active machine and the job has
+        made no step since it appeared (the job fails with it; the standing rule localizes it)."""
+        if st.phase != JobPhase.RUNNING or st.incident is not None:
+            return []
+        standing = policy.standing_since(st.alerts)
+        if not standing:
+            return []
+        last_step = st.signals.step_times[-1][0] if st.signals.step_times else None
+        recent = sorted(st.signals.step_durs[-5:])
+        limit = max(NET_STALL_MIN_S, NET_STALL_STEPS * (recent[len(recent) // 2] if recent else 0.0))
+        for machine, (since, alert) in sorted(standing.items()):
+            if machine not in st.slots or (last_step is not None and last_step >= since) or now - since < limit:
+                continue
+            acts = self.open(st, alert.kind, now)
+            if st.incident is not None:
+                st.incident.alerts.append(alert)
+                st.incident.reason = f"{alert.kind} on {machine} for {now - since:.1f}s without a step"
+            return acts
+        return []
+
     def evidence_alerts(self, st: JobState, inc: Incident, now: float) -> tuple[tuple[policy.Alert, ...],
                                                                                 tuple[str, ...]]:
         """The incident's alerts with the network alerts of the window before it (a recurrence
@@ -263,14 +289,10 @@ class FailureFlow:
         still reported as standing while the incident was open."""
         window = self.ctx.policy.network_alert_window_s
         earlier = [a for a in st.open_alerts(now, window) if a.network and a not in inc.alerts]
-        latest: dict[str, policy.Alert] = {}
-        for a in sorted(earlier + inc.alerts, key=lambda a: a.t):
-            for key in a.occurrence_ids() if a.network else ():
-                latest[key] = a
-        # standing: reported during the incident, and no later report says the condition ended
-        standing = sorted({a.machine for a in inc.alerts if a.network and a.standing
-                           and all(latest[k].standing for k in a.occurrence_ids())})
-        return tuple(earlier + inc.alerts), tuple(standing)
+        alerts = earlier + inc.alerts
+        # standing: its latest report says so and came while the incident was open
+        standing = sorted(m for m, (_, latest) in policy.standing_since(alerts).items() if latest in inc.alerts)
+        return tuple(alerts), tuple(standing)
 
     def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
         for tier, held in (ev.inventory or {}).items():

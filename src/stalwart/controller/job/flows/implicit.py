@@ -42,6 +42,13 @@ PEER_CHECK_MACHINES = 256
 PEER_CHECK_MAX_S = 5.0
 
 
+def step_compute(rank_times: list[dict[int, tuple[float | None, float | None]]]) -> float | None:
+    """The median over steps of the slowest rank's compute time (SDK timings; None without)."""
+    per_step = [max(c for _, c in t.values() if c is not None) for t in rank_times
+                if any(c is not None for _, c in t.values())]
+    return median(per_step) if per_step else None
+
+
 def peer_check_period(heartbeat_s: float, machines: int) -> float:
     return max(heartbeat_s, min(heartbeat_s * machines / PEER_CHECK_MACHINES, PEER_CHECK_MAX_S))
 
@@ -166,12 +173,16 @@ class ImplicitFlow:
         if acc.t < sig.failslow_quiet_until:
             return []
         p = self.ctx.policy
-        if not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop,
-                               reference_s=sig.failslow_ref_s):
+        severe = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s) >= FAILSLOW_CHECK_FACTOR
+        if not severe and not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N,
+                                              drop=p.failslow_drop, reference_s=sig.failslow_ref_s):
             return []
-        base = baseline_pace(sig.step_durs, BASELINE_N, RECENT_N, sig.failslow_ref_s)
+        # a drop this large needs no full baseline: RECENT_N slow steps after RECENT_N fast ones
+        base = (baseline_pace(sig.step_durs, BASELINE_N, RECENT_N, sig.failslow_ref_s)
+                if len(sig.step_durs) >= BASELINE_N + RECENT_N else
+                median(sig.step_durs[-RECENT_N:]) / slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s))
         sig.failslow = FailSlow(rounds=FailSlowRounds(rounds=p.failslow_rounds), started=acc.t,
-                                baseline_s=base, next=acc.t)
+                                baseline_s=base, next=acc.t, compute_s=step_compute(sig.rank_times[:-RECENT_N]))
         return [record("failslow_suspected", acc.t, run=st.run_seq, recent_step_s=dur,
                        baseline_s=round(base, 4))]
 
@@ -307,9 +318,16 @@ class ImplicitFlow:
 
     def _unexplained(self, st: JobState, fs: FailSlow) -> float | None:
         """How many times slower than its healthy pace the job runs, when that is at least
-        FAILSLOW_CHECK_FACTOR and the stop-time checks may run (None otherwise)."""
+        FAILSLOW_CHECK_FACTOR, the time went to communication, not computation, and the stop-time
+        checks may run (None otherwise). A busy host slows every rank's computation with its
+        collectives (the SDK's compute times grow alike): that is no fault to stop for."""
         factor = slowdown(st.signals.step_durs, RECENT_N, fs.baseline_s)
-        return factor if factor >= FAILSLOW_CHECK_FACTOR and self.ctx.policy.stop_time_checks else None
+        if factor < FAILSLOW_CHECK_FACTOR or not self.ctx.policy.stop_time_checks:
+            return None
+        now = step_compute(st.signals.rank_times[-RECENT_N:])
+        if fs.compute_s and now is not None and now / fs.compute_s > factor / 2:
+            return None
+        return factor
 
     def _to_checks(self, st: JobState, fs: FailSlow, now: float) -> Actions:
         """Stop the run for the stop-time checks: a slowdown this large with nobody to blame is
