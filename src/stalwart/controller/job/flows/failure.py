@@ -31,9 +31,10 @@ EVIDENCE_SETTLE_S = 1.5
 STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
 # A network condition that still stands (a NIC down) while the job makes no step for this many of
 # its step times (and at least NET_STALL_MIN_S) is failing the job: its incident opens then, not
-# at the hang timeout. One occurrence that heals while the job trains on costs nothing.
+# at the hang timeout. One occurrence that heals while the job trains on costs nothing (a flap's
+# down state is reported standing until the probe's next check sees it up: a few seconds' margin).
 NET_STALL_STEPS = 3
-NET_STALL_MIN_S = 2.0
+NET_STALL_MIN_S = 3.0
 
 
 def to_alert(machine: str, ev: protocol.Health) -> policy.Alert:
