@@ -9,7 +9,10 @@ in the 3D layout the first and middle machines are pipeline stage 0, the last is
 three layouts (pure DP: 4 machines x 1 worker; TP x DP: 3 x 2, tp=2 in a machine; TP x PP x DP:
 4 x 2, tp=2, pp=2, dp=2), plus fault-free runs; each case is one real local job (a controller,
 agents, gloo workers; network namespaces as root, so network faults are real), run in its own
-process, one after the other. The fault lands at step 12 of 28 (the bundled GPT, 2 layers).
+process, one after the other. The fault lands at step 12 of 28 (the bundled GPT, 2 layers; of
+150 for the slow faults, so the job still runs when the fail-slow rounds end). The policy is the
+default but for fail-slow rounds 3 s apart instead of 10 (`POLICY`): with the default, fail-slow
+localization takes about 35 s longer. Each step computes at least 50 ms (`MIN_COMPUTE_S`).
 
 Per kind it prints: runs; the culprit inside the evicted set (%); the evicted set within the
 culprit's smallest parallel group (%: the culprit's own machine, or a smallest group of machines
@@ -65,7 +68,17 @@ class Kind:
     culprit: str                   # "machine" | "link" (this machine and the next) | "none"
     mechanism: str                 # which mechanism should localize it (README table)
     params: tuple[tuple[str, str], ...] = ()
+    steps: int = 0                 # the job's steps (0: STEPS); slow faults need a longer job to be found
 
+
+SLOW_STEPS = 150                   # the job must still run when the fail-slow rounds end
+# Fail-slow rounds every 3 s, not 10 (the default): five rounds fit in a short job, and the matrix
+# in an hour. Everything else is the default policy (heartbeats every 0.5 s, as in the tests).
+POLICY = {"failslow_period_s": 3.0}
+# Each step's forward and backward take at least 50 ms, as a GPU job's compute-bound steps do; the
+# 2-layer model alone computes ~20 ms, within a busy host's scheduling noise, where a throttled
+# GPU's extra time would hide.
+MIN_COMPUTE_S = 0.05
 
 KINDS = (
     Kind("crash", "crash", "none", "worker exit -> stop-time checks pass -> reattempt"),
@@ -77,8 +90,9 @@ KINDS = (
     Kind("gpu-lost", "gpu-lost", "machine", "GPU probe -> evict at once"),
     Kind("ecc", "ecc", "machine", "GPU probe (double-bit ECC) -> evict at once"),
     Kind("disk-full", "disk-full", "machine", "disk probe -> evict at once"),
-    Kind("gpu-hot", "gpu-hot", "machine", "fail-slow rounds: slow compute vs DP peers -> evict"),
-    Kind("cpu-throttle", "cpu-throttle", "machine", "fail-slow rounds: slow compute vs DP peers -> evict"),
+    Kind("gpu-hot", "gpu-hot", "machine", "fail-slow rounds: slow compute vs DP peers -> evict", steps=SLOW_STEPS),
+    Kind("cpu-throttle", "cpu-throttle", "machine", "fail-slow rounds: slow compute vs DP peers -> evict",
+         steps=SLOW_STEPS),
     Kind("nan", "nan", "machine", "NaN: non-finite local gradient names the machine -> evict"),
     Kind("sdc", "sdc", "machine", "NaN, no culprit -> bitwise alignment test -> evict"),
     Kind("nic-down", "nic-down", "machine", "NIC probe, still down while the job stalls -> evict"),
@@ -87,7 +101,8 @@ KINDS = (
     # down for 1 s: a 1 s probe sees it down at least once, then its carrier change (two reports)
     Kind("nic-flap-once", "nic-flap", "none", "NIC probe: 1 occurrence -> tolerated",
          (("times", "1"), ("down_s", "1"))),
-    Kind("link-slow", "link-slow", "machine", "fail-slow or hang, nobody stands out -> pair test -> evict"),
+    Kind("link-slow", "link-slow", "machine", "fail-slow or hang, nobody stands out -> pair test -> evict",
+         steps=SLOW_STEPS),
     Kind("partition", "partition", "link", "hang -> stacks narrow nothing -> pair test: bad link -> evict an end"),
 )
 BY_NAME = {k.name: k for k in KINDS}
@@ -251,8 +266,11 @@ def run_one(case: Case, state_dir: str) -> dict:
     from stalwart.controller.store import Store
 
     lay = LAYOUTS[case.layout]
-    spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=STEPS, tp=lay["tp"], pp=lay["pp"],
+    steps = (BY_NAME[case.kind].steps if case.kind in BY_NAME else 0) or STEPS
+    spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=steps, tp=lay["tp"], pp=lay["pp"],
                     dp=lay["dp"], standby=lay["standby"])
+    spec["policy"].update(POLICY)
+    spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S)]
     text = chaos_text(case)
     if text:
         spec["chaos"] = [text]
@@ -394,7 +412,8 @@ def main(argv: list[str]) -> int:
             print(c.label, "|", chaos_text(c) or "no fault")
         return 0
     print(f"{len(cases)} cases" + (f" + {len(peer_cases)} with the code of {before}" if peer_cases else "")
-          + f"; fault at step {FAULT_STEP} of {STEPS}; load average now {os.getloadavg()[0]:.1f}", flush=True)
+          + f"; fault at step {FAULT_STEP} of {STEPS} ({SLOW_STEPS} for slow faults); "
+          f"load average now {os.getloadavg()[0]:.1f}", flush=True)
     run, tmp = Run(), tempfile.mkdtemp(prefix="stalwart-before-")
     try:
         src = source_of(before, tmp) if peer_cases else None

@@ -173,7 +173,9 @@ class ImplicitFlow:
         if acc.t < sig.failslow_quiet_until:
             return []
         p = self.ctx.policy
-        severe = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s) >= FAILSLOW_CHECK_FACTOR
+        # never below the drop the policy asks for (failslow_drop 0.99: only a 100x slowdown)
+        severe = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s) >= max(FAILSLOW_CHECK_FACTOR,
+                                                                               1 / (1 - p.failslow_drop))
         if not severe and not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N,
                                               drop=p.failslow_drop, reference_s=sig.failslow_ref_s):
             return []
