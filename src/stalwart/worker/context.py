@@ -214,10 +214,14 @@ class Context:
             self._throttled_s = (slow - 1.0) * self._base_compute_s
             time.sleep(self._throttled_s)
 
-    def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
-        """Call after backward and before the data-parallel reduction of the gradients."""
+    def on_gradients(self, step: int, params: Iterable[torch.Tensor], comm_s: float = 0.0) -> None:
+        """Call after backward and before the data-parallel reduction of the gradients.
+
+        `comm_s`: seconds of this step so far spent communicating (a pipeline's sends and
+        receives), left out of the compute time reported: a stage waiting for a slow neighbour
+        does not compute slowly, and the fail-slow rounds compare compute times."""
         grads = [p.grad for p in params if p.grad is not None]
-        self._compute_s = time.time() - self._begin_t
+        self._compute_s = max(0.0, time.time() - self._begin_t - max(0.0, comm_s))
         self._base_compute_s = max(0.0, self._compute_s - self._throttled_s)   # what a cool GPU takes
         if self.chaos_active("nan", step):
             for g in grads:
