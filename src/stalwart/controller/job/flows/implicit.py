@@ -28,9 +28,9 @@ BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, a
 RANK_TIMES_N = 20               # fail-slow: recent steps whose per-rank times a round compares
 HISTORY_N = 50                  # loss and grad-norm history kept for the jump rule
 FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
-# A job this many times slower than its healthy pace, with nobody singled out by stacks or compute
-# times, is stopped for the stop-time checks (a slow link slows every rank alike: only the pair
-# tests see it); a milder drop with nobody to blame becomes the job's pace.
+# A job this many times slower than its healthy pace whose time went to communication (no rank's
+# compute grew alike) is stopped for the stop-time checks: a slow link slows every rank alike and
+# only the pair test sees it; a milder drop with nobody to blame becomes the job's pace.
 FAILSLOW_CHECK_FACTOR = 3.0
 
 
@@ -288,14 +288,14 @@ class ImplicitFlow:
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
-        if not any(fs.flagged) and self._unexplained(st, fs) is not None:
-            # far slower and nobody stands out even once: more rounds of the same will not help
+        if self._unexplained(st, fs) is not None:
+            # far slower, and the time went to communication: no rank's compute explains it, and
+            # stacks of a job waiting on a slow link are noise (ranks caught mid-step); more
+            # rounds will not help, the pair test will
             return acts + self._to_checks(st, fs, now)
         if fs.done < p.failslow_rounds:
             return acts
         machines, why = self._failslow_verdict(st, fs)
-        if not machines and self._unexplained(st, fs) is not None:
-            return acts + self._to_checks(st, fs, now)
         if not machines and fs.done < 2 * p.failslow_rounds and (self._still_slow(st, fs) or fs.by_compute[-1]):
             # no verdict yet, but the job is still slow or a rank still computes slower than its
             # peers (a slowdown near the threshold): the window of rounds slides on
@@ -343,8 +343,8 @@ class ImplicitFlow:
         if inc is None:
             return acts
         inc.implicit_evict = []
-        inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and after {fs.done} "
-                      f"round(s) neither stacks nor compute times single out a machine: stop-time checks")
+        inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and the time went to "
+                      f"communication, not to any rank's compute (round {fs.done}): stop-time checks")
         inc.data.update(stacks=fs.stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
