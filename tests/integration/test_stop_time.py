@@ -58,7 +58,7 @@ def slow_link_evicted(tmp_path, rep, culprit="m1"):
     through = {k for k in pairs if index in map(int, k.split("-"))}
     assert {k for k, p in pairs.items() if p["bad"]} == through, pairs
     assert all(pairs[k]["mbps"] is not None and pairs[k]["mbps"] < 5 for k in through), pairs
-    assert all(p["mbps"] > 100 and p["latency_s"] < 0.1 for k, p in pairs.items() if k not in through), pairs
+    assert all(p["mbps"] > 100 and p["latency_s"] < 0.5 for k, p in pairs.items() if k not in through), pairs
     assert rep["runs"][-1]["machines"][str(index)] != culprit
     return inc
 

@@ -23,8 +23,8 @@ NUMERIC = ("nan", "loss_spike")
 # the faults they must catch (a throttled link at kbit/s, a GPU at a quarter speed) are far off.
 LINK_MIN_MBPS = 5.0           # an inter-machine pair slower than this is bad
 LINK_MIN_RATIO = 0.1          # ... or slower than this fraction of a healthy pair (pairs.judge_pairs)
-LINK_MAX_LATENCY_S = 0.1      # ... or slower to answer than this and than LINK_LATENCY_RATIO x a healthy pair
-LINK_LATENCY_RATIO = 10.0
+LINK_MAX_LATENCY_S = 0.5      # ... or slower to answer than this and than LINK_LATENCY_RATIO x a healthy pair
+LINK_LATENCY_RATIO = 20.0     # (a shaped link queues small messages too: 0.1 s at 64 kbit/s)
 SPEED_MIN_RATIO = 0.25        # a self-test slower than this fraction of the median machine is bad
 
 

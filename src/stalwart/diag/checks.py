@@ -222,7 +222,7 @@ def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0
     out on the full size (the first sizes fit in a shaper's burst; a size that takes a while does
     not); both ends agree on when to stop (each size's slower time is exchanged). ``mbps`` is
     megabits per second of the bytes received from the peer at the last size, the fastest of
-    ``BENCH_TRIES`` transfers when the first is quick. The content of every transfer is checked.
+    ``BENCH_TRIES`` transfers. The content of every transfer is checked.
     """
     opts = AllgatherOptions()
     opts.timeout = timedelta(seconds=timeout_s)
@@ -257,11 +257,9 @@ def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0
         while True:
             count = max(1, size // 4)
             mine, theirs = _pattern(rank, count), _pattern(peer, count)
-            seconds, wrong = timed(mine, theirs)
-            if agree(seconds, wrong):        # slow already: measured, no more tries
-                break
-            for _ in range(BENCH_TRIES - 1):     # the fastest of a few: less scheduler noise
-                took, bad = timed(mine, theirs)
+            seconds = float("inf")
+            for _ in range(BENCH_TRIES):     # the fastest of a few: a stalled transfer (a busy
+                took, bad = timed(mine, theirs)      # host) is not a slow link
                 seconds, wrong = min(seconds, took), max(wrong, bad)
             if agree(seconds, wrong) or size >= nbytes:
                 break

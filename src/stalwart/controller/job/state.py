@@ -220,6 +220,7 @@ class FailSlow:
     sent: float = 0.0
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     compute_s: float | None = None       # the slowest rank's compute per step before the drop (SDK)
+    comm_rounds: int = 0                 # rounds in a row that found the time gone to communication
 
 
 @dataclass

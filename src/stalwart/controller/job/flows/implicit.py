@@ -31,7 +31,8 @@ FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 # A job this many times slower than its healthy pace whose time went to communication (no rank's
 # compute grew alike) is stopped for the stop-time checks: a slow link slows every rank alike and
 # only the pair test sees it; a milder drop with nobody to blame becomes the job's pace.
-FAILSLOW_CHECK_FACTOR = 3.0
+FAILSLOW_CHECK_FACTOR = 5.0
+COMM_ROUNDS = 2                 # ... in this many rounds in a row (a busy host's stall passes)
 
 
 # Comparing every machine with its peers is quadratic in the group (pairwise distances): beyond
@@ -288,10 +289,11 @@ class ImplicitFlow:
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
-        if self._unexplained(st, fs) is not None:
-            # far slower, and the time went to communication: no rank's compute explains it, and
-            # stacks of a job waiting on a slow link are noise (ranks caught mid-step); more
-            # rounds will not help, the pair test will
+        fs.comm_rounds = fs.comm_rounds + 1 if self._unexplained(st, fs) is not None else 0
+        if fs.comm_rounds >= COMM_ROUNDS:
+            # far slower, round after round, and the time went to communication: no rank's
+            # compute explains it, and stacks of a job waiting on a slow link are noise (ranks
+            # caught mid-step); more rounds will not help, the pair test will
             return acts + self._to_checks(st, fs, now)
         if fs.done < p.failslow_rounds:
             return acts
@@ -344,7 +346,8 @@ class ImplicitFlow:
             return acts
         inc.implicit_evict = []
         inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and the time went to "
-                      f"communication, not to any rank's compute (round {fs.done}): stop-time checks")
+                      f"communication, not to any rank's compute ({fs.comm_rounds} rounds in a row): "
+                      f"stop-time checks")
         inc.data.update(stacks=fs.stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
