@@ -55,11 +55,12 @@ START_OF_ISSUE_17 = "5a07151"        # the commit issue 17 started from: the pee
 FAULT_STEP, STEPS = 12, 28
 CASE_TIMEOUT_S = 300.0
 
+# batch: sequences per step, a multiple of dp x 2 micro-batches
 LAYOUTS: dict[str, dict] = {
-    "dp": dict(machines=4, gpus=1, tp=1, pp=1, dp=4, standby=1),
-    "tp-dp": dict(machines=3, gpus=2, tp=2, pp=1, dp=3, standby=1),
+    "dp": dict(machines=4, gpus=1, tp=1, pp=1, dp=4, standby=1, batch=16),
+    "tp-dp": dict(machines=3, gpus=2, tp=2, pp=1, dp=3, standby=1, batch=12),
     # two standbys: over-evicting a pipeline or data-parallel group of two machines must be possible
-    "tp-pp-dp": dict(machines=4, gpus=2, tp=2, pp=2, dp=2, standby=2),
+    "tp-pp-dp": dict(machines=4, gpus=2, tp=2, pp=2, dp=2, standby=2, batch=16),
 }
 POSITIONS = ("first", "middle", "last")
 
@@ -277,7 +278,7 @@ def run_one(case: Case, state_dir: str) -> dict:
     spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=steps, tp=lay["tp"], pp=lay["pp"],
                     dp=lay["dp"], standby=lay["standby"])
     spec["policy"].update(POLICY)
-    spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S)]
+    spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S), "--batch", str(lay["batch"])]
     text = chaos_text(case)
     if text:
         spec["chaos"] = [text]
@@ -399,6 +400,7 @@ def main(argv: list[str]) -> int:
         with open(a.out, "w") as f:
             json.dump(raw, f)
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)       # like Ctrl-C: finish the running cases, summarize
     root = os.geteuid() == 0
     try:
         kinds = parse_list(a.kinds, list(BY_NAME), "kinds") or list(QUICK_KINDS if a.quick else BY_NAME)
@@ -467,6 +469,10 @@ def main(argv: list[str]) -> int:
                        "mechanisms": {k.name: k.mechanism for k in KINDS}}, f, indent=1)
     ok = all(r["finished"] for r in now_rows) and not any(r["evicted"] for r in now_rows if r["kind"] == "fault-free")
     return 0 if ok else 1
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def compare(now: list[dict], peer: list[dict]) -> list[str]:
