@@ -147,16 +147,20 @@ class FailureFlow:
             res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
                                     cause=inc.reason or "the controller restarted", mechanism="reattempt")
             return self.recover(st, inc, res, now)
+        res = self.resolution(st, inc, now)
+        started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
+        if started is not None:
+            return started
+        return self.recover(st, inc, res, now)
+
+    def resolution(self, st: JobState, inc: Incident, now: float) -> policy.Resolution:
+        """What the incident's evidence so far says (`policy.resolve`)."""
         alerts, standing = self.evidence_alerts(st, inc, now)
         ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=alerts,
                              implicit_symptom=inc.symptom if inc.implicit else None,
                              implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason,
                              standing=standing)
-        res = policy.resolve(self.ctx.snapshot(st), ev, now)
-        started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
-        if started is not None:
-            return started
-        return self.recover(st, inc, res, now)
+        return policy.resolve(self.ctx.snapshot(st), ev, now)
 
     def _injected_at(self, st: JobState, inc: Incident) -> float | None:
         near = [t for t in st.chaos_applied if t <= inc.detected_at + 0.5 and inc.detected_at - t < 120]
@@ -316,6 +320,12 @@ class FailureFlow:
             inc.trace_wait.discard(machine)
             if st.phase == JobPhase.TRACING and not inc.trace_wait:
                 acts += self.core.implicit.finish_trace(st, now)
+        elif machine in st.slots and st.incident is not None and st.phase in (JobPhase.DIAGNOSING,
+                                                                              JobPhase.REPLAYING):
+            st.incident.lost.add(machine)      # evicted with the verdict: never restarted on
+            acts.append(record("machine_lost", now, machine=machine, incident=st.incident.seq))
+            acts += (self.core.diagnosis.on_lost(st, machine, now) if st.phase == JobPhase.DIAGNOSING
+                     else self.core.replay.on_lost(st, machine, now))
         if machine in st.pool.standby:
             st.pool.standby.remove(machine)
             st.pool.warm.discard(machine)
