@@ -98,12 +98,16 @@ class FailSlowRounds:
         """True once ``rounds`` rounds have been recorded."""
         return len(self.history) >= self.rounds
 
-    def verdict(self) -> tuple[str, list[int]] | None:
-        """``(kind, machines)`` of the most-flagged domain, or None (not ready / nothing flagged)."""
+    def verdict(self, min_flags: int = 1) -> tuple[str, list[int]] | None:
+        """``(kind, machines)`` of the most-flagged domain, or None (not ready / nothing flagged,
+        or the most-flagged domain flagged in fewer than ``min_flags`` of the counted rounds: on a
+        busy host each round's stacks catch some rank mid-step, a different one each time)."""
         flags = self.flags()
         if not self.ready or not flags:
             return None
         kind, machines = min(flags, key=lambda d: (-flags[d],) + _order(d))
+        if flags[(kind, machines)] < min_flags:
+            return None
         return kind, list(machines)
 
 

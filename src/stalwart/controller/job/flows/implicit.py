@@ -3,6 +3,7 @@ peers that stay unlike each other. The pure parts are `hangwatch`, `implicit` (s
 eviction), `analyzer.failslow` and `peerwatch`; this flow feeds them and acts on their verdicts."""
 from __future__ import annotations
 
+import math
 from statistics import median
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 # compute grew alike) is stopped for the stop-time checks: a slow link slows every rank alike and
 # only the pair test sees it; a milder drop with nobody to blame becomes the job's pace.
 FAILSLOW_CHECK_FACTOR = 5.0
+STEADY_SHARE = 0.8              # a fail-slow verdict: flagged in this share of the rounds
 COMM_ROUNDS = 2                 # ... in this many rounds in a row (a busy host's stall passes)
 
 
@@ -370,15 +372,19 @@ class ImplicitFlow:
         """The machines to evict after the last `failslow_rounds` rounds, and why ([] if none):
         the machines computing slower than their peers in at least 80% of those rounds (a direct
         measurement); else, from the stacks, the most-flagged parallel group when it is at most half
-        the job, else the machines flagged in at least 80% of the rounds."""
+        the job and flagged in at least 80% of the rounds too (a busy host's stacks catch a random
+        rank mid-step each round: the most flagged of those is noise), else the machines flagged in
+        at least 80% of the rounds."""
         n, half = self.ctx.policy.failslow_rounds, max(1, self.ctx.spec.machines // 2)
-        machines, seen = steady_outliers(fs.by_compute, n)
+        machines, seen = steady_outliers(fs.by_compute, n, STEADY_SHARE)
         if machines and len(machines) <= half:
             return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
-        verdict = fs.rounds.verdict()
+        verdict = fs.rounds.verdict(min_flags=math.ceil(STEADY_SHARE * n - 1e-9))
         if verdict and len(verdict[1]) <= half:
-            return [st.slots[i] for i in verdict[1]], f"{verdict[0]} group flagged most often over {n} rounds"
-        machines, seen = steady_outliers(fs.flagged, n)
+            flagged = fs.rounds.flags()[(verdict[0], tuple(verdict[1]))]
+            return ([st.slots[i] for i in verdict[1]],
+                    f"{verdict[0]} group flagged most often: in {flagged} of the last {n} rounds")
+        machines, seen = steady_outliers(fs.flagged, n, STEADY_SHARE)
         return machines, f"flagged in {seen} of the last {n} rounds"
 
     def _still_slow(self, st: JobState, fs: FailSlow) -> bool:
