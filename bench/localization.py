@@ -1,13 +1,15 @@
 """Localization quality over a fault matrix: does stalwart blame the right machine?
 
     python bench/localization.py [--quick] [--kinds K1,K2] [--layouts dp,tp-dp,tp-pp-dp]
-                                 [--positions first,middle,last] [--fault-free N]
+                                 [--positions first,middle,last] [--fault-free N] [--busy N]
                                  [--before REF|none] [--parallel N] [--json FILE] [--keep DIR] [--list]
 
 Every chaos kind that can run on this host x fault position (the first, middle and last machine;
 in the 3D layout the first and middle machines are pipeline stage 0, the last is stage 1) x
 three layouts (pure DP: 4 machines x 1 worker; TP x DP: 3 x 2, tp=2 in a machine; TP x PP x DP:
-4 x 2, tp=2, pp=2, dp=2), plus fault-free runs; each case is one real local job (a controller,
+4 x 2, tp=2, pp=2, dp=2), plus fault-free runs, on a quiet host and on a host busy with other work
+(`fault-free-busy`: one busy-loop process per core runs beside the job for its whole run); each
+case is one real local job (a controller,
 agents, gloo workers; network namespaces as root, so network faults are real), run in its own
 process, one after the other. The fault lands at step 12 of 28 (the bundled GPT, 2 layers; at
 step 30 of 250 for the slow faults: a mild slowdown is measured against 20 healthy steps, and the
@@ -20,7 +22,8 @@ culprit's smallest parallel group (%: the culprit's own machine, or a smallest g
 it shares a TP/PP/DP group with that is smaller than the job); machines evicted per incident;
 detection (fault -> incident) and localization (incident -> decision) seconds, median and max;
 jobs finished. Kinds with no culprit machine (a killed worker, a single NIC flap) must evict
-nothing: their row says how often nothing was evicted. Fault-free runs must never evict.
+nothing: their row says how often nothing was evicted. Fault-free runs must never evict, busy
+host or not.
 `user-error` is not in the matrix: a bug in the job's own code fails the job by design and has
 no machine to blame.
 
@@ -29,9 +32,10 @@ default the commit the issue started from, with `--quick` only: the kinds whose 
 fixed), side by side with wrong and right evictions.
 
 `--quick` runs a subset in a few minutes (DP layout, middle machine: the two classes of issue 17
-and one of each other mechanism, 2 fault-free runs). The full matrix (168 cases) runs two cases
-at a time by default (`--parallel 2`: about an hour on a quiet 2-core host; one at a time, for
-undisturbed timings, takes about twice as long). `--json FILE` writes every case and the summary.
+and one of each other mechanism, 2 fault-free runs, and one fault-free run on a busy host in the
+TP x DP layout, where a round's stacks can flag a single machine's TP group). The full matrix
+(171 cases) runs two cases at a time by default (`--parallel 2`: about an hour on a quiet 2-core
+host; one at a time, for undisturbed timings, takes about twice as long). `--json FILE` writes every case and the summary.
 Timings are noisy on a busy host; the correctness figures are not allowed to be.
 """
 from __future__ import annotations
@@ -122,7 +126,7 @@ ROOT_ONLY = {"nic-down", "nic-flap", "link-slow", "partition", "freeze", "cpu-th
 # ----- the cases and how they are scored (pure) ----------------------------------------------
 @dataclass
 class Case:
-    kind: str                  # a Kind name, or "fault-free"
+    kind: str                  # a Kind name, "fault-free" or "fault-free-busy"
     layout: str
     position: str              # first | middle | last | a fault-free run's number
     code: str = "now"          # "now" or the git ref of the peer
@@ -132,13 +136,16 @@ class Case:
         return f"{self.kind} {self.layout} {self.position}" + ("" if self.code == "now" else f" [{self.code}]")
 
 
+FAULT_FREE = ("fault-free", "fault-free-busy")
+
+
 def machine_index(layout: str, position: str) -> int:
     n = LAYOUTS[layout]["machines"]
     return {"first": 0, "middle": (n - 1) // 2, "last": n - 1}[position]
 
 
 def chaos_text(case: Case) -> str | None:
-    if case.kind == "fault-free":
+    if case.kind in FAULT_FREE:
         return None
     kind, m = BY_NAME[case.kind], machine_index(case.layout, case.position)
     params = dict(kind.params)
@@ -150,7 +157,7 @@ def chaos_text(case: Case) -> str | None:
 
 def culprits(case: Case) -> list[int]:
     """The slot indices to blame (none for kinds with no culprit machine and fault-free runs)."""
-    if case.kind == "fault-free" or BY_NAME[case.kind].culprit == "none":
+    if case.kind in FAULT_FREE or BY_NAME[case.kind].culprit == "none":
         return []
     m = machine_index(case.layout, case.position)
     if BY_NAME[case.kind].culprit == "link":
@@ -239,7 +246,7 @@ def summarize(rows: list[dict]) -> dict:
             "detect_s": _med_max([r["detect_s"] for r in rs]),
             "localize_s": _med_max([r["localize_s"] for r in rs]),
             "finished": sum(1 for r in rs if r["finished"]),
-            "false_evictions": sum(len(r["evicted"]) for r in rs) if kind == "fault-free" else None,
+            "false_evictions": sum(len(r["evicted"]) for r in rs) if kind in FAULT_FREE else None,
         }
     return out
 
@@ -250,7 +257,7 @@ def table(summary: dict) -> str:
     lines = [head, "-" * len(head)]
     for kind, s in summary.items():
         culprit, group = s["culprit_in_pct"], s["within_group_pct"]
-        if kind == "fault-free":
+        if kind in FAULT_FREE:
             culprit, group = f"{s['false_evictions']} false", "evictions"
         elif culprit == "-":
             culprit, group = f"{s['evicted_nothing']}/{s['runs']} none", "(wanted)"
@@ -259,10 +266,17 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def select(kinds: list[str], layouts: list[str], positions: list[str], fault_free: int) -> list[Case]:
+def select(kinds: list[str], layouts: list[str], positions: list[str], fault_free: int, busy: int = 0,
+           busy_layouts: list[str] | None = None) -> list[Case]:
     cases = [Case(k, lay, pos) for lay in layouts for k in kinds for pos in positions]
     cases += [Case("fault-free", lay, str(i + 1)) for lay in layouts for i in range(fault_free)]
+    cases += [Case("fault-free-busy", lay, str(i + 1)) for lay in (busy_layouts or layouts) for i in range(busy)]
     return cases
+
+
+def busy_host() -> list[subprocess.Popen]:
+    """One busy-loop process per core, in the case's process group (stopped with it)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
 
 
 # ----- one case, in its own process ------------------------------------------------------------
@@ -283,10 +297,15 @@ def run_one(case: Case, state_dir: str) -> dict:
     if text:
         spec["chaos"] = [text]
     started = time.monotonic()
+    hogs = busy_host() if case.kind == "fault-free-busy" else []
     try:
         rep = run_job(state_dir, spec, timeout=CASE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - a case that could not finish is a result, not a crash
         rep = {"state": "unfinished", "reason": f"{type(e).__name__}: {e}"}
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     raw: dict = {"state": rep.get("state"), "reason": rep.get("reason"), "wall_s": round(time.monotonic() - started, 1),
                  "incidents": [], "run_machines": {}, "injected_at": None}
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
@@ -382,6 +401,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--layouts", help=f"comma list of {', '.join(LAYOUTS)} (default: all)")
     ap.add_argument("--positions", help="comma list of first, middle, last (default: all)")
     ap.add_argument("--fault-free", type=int, default=None, help="fault-free runs per layout (default 2)")
+    ap.add_argument("--busy", type=int, default=None,
+                    help="fault-free runs per layout on a host kept busy by one busy loop per core (default 1; "
+                         "with --quick, in the TP x DP layout)")
     ap.add_argument("--before", default=None, help=f"git ref of the peer (default {START_OF_ISSUE_17} with "
                                                     "--quick, none otherwise); 'none' to skip")
     ap.add_argument("--parallel", type=int, default=None,
@@ -410,6 +432,8 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if a.fault_free is not None and a.fault_free < 0:
         ap.error("--fault-free must be >= 0")
+    if a.busy is not None and a.busy < 0:
+        ap.error("--busy must be >= 0")
     full = not (a.quick or a.kinds or a.layouts or a.positions)
     a.parallel = a.parallel if a.parallel is not None else (2 if full else 1)
     if a.parallel < 1:
@@ -418,7 +442,8 @@ def main(argv: list[str]) -> int:
     if skipped:
         print(f"not root: skipping {', '.join(skipped)} (network namespaces, tc, nftables, cgroups need root)")
     kinds = [k for k in kinds if k not in skipped]
-    cases = select(kinds, layouts, positions, 2 if a.fault_free is None else a.fault_free)
+    cases = select(kinds, layouts, positions, 2 if a.fault_free is None else a.fault_free,
+                   1 if a.busy is None else a.busy, ["tp-dp"] if a.quick and not a.layouts else None)
     before = a.before or (START_OF_ISSUE_17 if a.quick else "none")
     peer_cases = []
     if before != "none":
@@ -467,7 +492,7 @@ def main(argv: list[str]) -> int:
             json.dump({"fault_step": FAULT_STEP, "steps": STEPS, "layouts": LAYOUTS, "cases": run.rows,
                        "summary": summary, "peer": {"code": before, "summary": peer} if peer else None,
                        "mechanisms": {k.name: k.mechanism for k in KINDS}}, f, indent=1)
-    ok = all(r["finished"] for r in now_rows) and not any(r["evicted"] for r in now_rows if r["kind"] == "fault-free")
+    ok = all(r["finished"] for r in now_rows) and not any(r["evicted"] for r in now_rows if r["kind"] in FAULT_FREE)
     return 0 if ok else 1
 
 

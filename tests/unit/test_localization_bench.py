@@ -92,3 +92,14 @@ def test_bad_selections_are_refused_with_the_known_names():
     with pytest.raises(ValueError, match="unknown kinds warp"):
         bench.parse_list("gpu-xid,warp", list(bench.BY_NAME), "kinds")
     assert bench.parse_list(None, list(bench.LAYOUTS), "layouts") == []
+
+
+def test_busy_host_runs_are_fault_free_runs_that_must_not_evict():
+    runs = {1: ["m0", "m1", "m2"]}
+    bad = bench.score(Case("fault-free-busy", "tp-dp", "1"), outcome([(1, ["m2"])], runs, injected=None))
+    assert bad["culprit"] == [] and bad["evicted"] == ["m2"]
+    s = bench.summarize([bad])["fault-free-busy"]
+    assert s["false_evictions"] == 1 and "1 false" in bench.table({"fault-free-busy": s})
+    cases = bench.select(["crash"], ["dp"], ["middle"], 1, busy=1, busy_layouts=["tp-dp"])
+    assert [c.label for c in cases] == ["crash dp middle", "fault-free dp 1", "fault-free-busy tp-dp 1"]
+    assert bench.chaos_text(cases[-1]) is None
