@@ -7,6 +7,7 @@ import pytest
 from corekit import Harness, of, records
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
+from stalwart.controller.job.events import MachineLost
 from stalwart.controller.job.state import JobPhase
 
 
@@ -238,3 +239,23 @@ def test_a_busy_host_whose_stacks_catch_ranks_mid_step_evicts_nothing(layout):
             break
     assert records(h.log, "failslow_cleared") and rounds >= 5 and h.st.phase == JobPhase.RUNNING
     assert not [x for x in of(h.log, a.AssignMachine) if x.state == "evicted"]
+
+
+def test_a_machine_lost_while_a_guess_is_confirmed_is_evicted_alone():
+    """Two machines' NICs flap twice with one standby: the checks are to confirm the guess, and m3
+    falls silent meanwhile. The lost machine is certain and takes the standby; the unconfirmed
+    guess fails nothing (it would outnumber the standbys again)."""
+    h = started(Harness(machines=4, gpus=1, standby=1))
+    h.steps(5)
+    for m in ("m1", "m2"):
+        flap(h, m, f"{m}/link@0#1")
+    h.advance(5.0)
+    nic(h, "m1", "nic_flap", ["m1/link@0#2"], False)
+    nic(h, "m2", "nic_flap", ["m2/link@0#2"], False)
+    assert of(h.stopped() + h.advance(2.0), a.RunChecks)
+    h.cluster.dead.add("m3")
+    acts = h.event(MachineLost(machine="m3"))
+    assert not of(acts, a.FinishJob) and h.st.phase != JobPhase.FAILED
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m3", "evicted"), ("m4", "active")]
+    upd = [x.fields for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0]
+    assert upd["evicted"] == ["m3"] and "not confirmed" in upd["cause"], upd

@@ -115,7 +115,9 @@ class DiagnosisFlow:
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=[],
                                 aborted=f"{machine} lost")]
-        return acts + self.core.failure.recover(st, inc, self.core.failure.resolution(st, inc, now), now)
+        # a guess being confirmed (`_confirm`) stays unconfirmed: the lost machine alone is evicted
+        res = self.core.failure.resolution(st, inc, now, guesses=not inc.confirm)
+        return acts + self.core.failure.recover(st, inc, res, now)
 
     def tick(self, st: JobState, now: float) -> Actions:
         d = st.diag

@@ -153,14 +153,23 @@ class FailureFlow:
             return started
         return self.recover(st, inc, res, now)
 
-    def resolution(self, st: JobState, inc: Incident, now: float) -> policy.Resolution:
-        """What the incident's evidence so far says (`policy.resolve`)."""
+    def resolution(self, st: JobState, inc: Incident, now: float, guesses: bool = True) -> policy.Resolution:
+        """What the incident's evidence so far says (`policy.resolve`). `guesses=False` leaves out
+        the network alerts and the stacks' over-eviction: a guess the checks were confirming when
+        they ended without a verdict (a machine lost meanwhile) evicts nobody."""
         alerts, standing = self.evidence_alerts(st, inc, now)
+        implicit_evict = tuple(inc.implicit_evict)
+        if not guesses:
+            alerts, standing, implicit_evict = tuple(a for a in alerts if not a.network), (), ()
         ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=alerts,
                              implicit_symptom=inc.symptom if inc.implicit else None,
-                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason,
+                             implicit_evict=implicit_evict, implicit_reason=inc.reason,
                              standing=standing)
-        return policy.resolve(self.ctx.snapshot(st), ev, now)
+        res = policy.resolve(self.ctx.snapshot(st), ev, now)
+        if not guesses:
+            res = dataclasses.replace(res, cause=f"{res.cause}; the guess the checks were confirming was "
+                                                 f"not confirmed and evicts nobody")
+        return res
 
     def _injected_at(self, st: JobState, inc: Incident) -> float | None:
         near = [t for t in st.chaos_applied if t <= inc.detected_at + 0.5 and inc.detected_at - t < 120]
