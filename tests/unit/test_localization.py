@@ -259,3 +259,28 @@ def test_a_machine_lost_while_a_guess_is_confirmed_is_evicted_alone():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m3", "evicted"), ("m4", "active")]
     upd = [x.fields for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0]
     assert upd["evicted"] == ["m3"] and "not confirmed" in upd["cause"], upd
+
+
+def test_rounds_whose_stacks_flag_most_of_the_job_narrow_nothing():
+    """Replayed from a fault-free TP x DP run on a busy host (bench/localization.py, fault-free-busy):
+    each round's stacks caught ranks of two or three of the three machines mid-step, m1 among them
+    in every round. A round flagging most of the job points at nobody: nothing is evicted."""
+    h = started(Harness(machines=3, gpus=2, tp=2, standby=1, steps=500, policy={"failslow_period_s": 1.0}))
+    h.steps(30, dur=0.1, compute={r: 0.05 for r in range(6)})
+    caught = iter([[0, 1, 3], [2, 3], [2, 4], [2, 4, 5], [0, 1, 3, 4]] * 4)
+    for _ in range(200):
+        acts = h.step(dur=0.2, compute={r: 0.1 for r in range(6)})
+        for t in of(acts, a.TraceStacks):
+            odd = next(caught)
+            for m in t.machines:
+                i = int(m[1:])
+                recs = [{"rank": r, "role": "worker", "pid": 100 + r, "status": "running",
+                         "threads": frames("main", "step", f"layer{r}" if r in odd else "allreduce")}
+                        for r in (2 * i, 2 * i + 1)]
+                h.agent(m, p.Stacks(run=h.st.run_seq, records=recs))
+        assert h.st.incident is None, h.st.incident.reason
+        assert not records(h.log, "failslow_no_standby")
+        if records(h.log, "failslow_cleared"):
+            break
+    assert [r["stack_outliers"] for r in records(h.log, "failslow_round")][:3] == [[0, 1, 3], [2, 3], [2, 4]]
+    assert records(h.log, "failslow_cleared")

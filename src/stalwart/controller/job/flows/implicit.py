@@ -301,8 +301,13 @@ class ImplicitFlow:
         acts: Actions = [record("failslow_round", now, run=st.run_seq, round=fs.done + 1,
                                 stack_outliers=sorted(by_stack), slow_ranks=by_compute,
                                 compute_s={str(r): c for r, c in st.signals.failslow_compute.items()})]
-        fs.rounds.add_round(outliers, topo, now)
-        fs.flagged.append({st.slots[i] for i in topo.machines_of(outliers)} if outliers else set())
+        # a round whose outliers lie on most of the job points at nobody (a busy host's stacks catch
+        # ranks of most machines mid-step): it counts as a round that flags nothing; the machines a
+        # round flags count for themselves only when they are a minority of the job
+        flagged = {st.slots[i] for i in topo.machines_of(outliers)} if outliers else set()
+        job = len(st.slots)
+        fs.rounds.add_round(outliers if len(flagged) <= max(1, job // 2) else [], topo, now)
+        fs.flagged.append(flagged if len(flagged) <= max(1, (job - 1) // 2) else set())
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
@@ -374,7 +379,7 @@ class ImplicitFlow:
         measurement); else, from the stacks, the most-flagged parallel group when it is at most half
         the job and flagged in at least 80% of the rounds too (a busy host's stacks catch a random
         rank mid-step each round: the most flagged of those is noise), else the machines flagged in
-        at least 80% of the rounds."""
+        at least 80% of the rounds (rounds flagging most of the job flag nobody: `failslow_round`)."""
         n, half = self.ctx.policy.failslow_rounds, max(1, self.ctx.spec.machines // 2)
         machines, seen = steady_outliers(fs.by_compute, n, STEADY_SHARE)
         if machines and len(machines) <= half:
