@@ -134,6 +134,7 @@ class JobCore:
             acts += self.implicit.similarity_tick(st, now)
         if st.phase == JobPhase.RUNNING:
             acts += self.pool.refill(st, now)
+            acts += self.failure.network_stall(st, now)
             acts += self.implicit.check_hang(st, now)
         return acts
 

@@ -223,6 +223,8 @@ class FailSlow:
     wait: set[str] = field(default_factory=set)
     sent: float = 0.0
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    compute_s: float | None = None       # the slowest rank's compute per step before the drop (SDK)
+    comm_rounds: int = 0                 # rounds in a row that found the time gone to communication
 
 
 @dataclass
