@@ -553,3 +553,22 @@ def test_a_short_pool_with_nothing_free_asks_the_backend_at_most_every_few_secon
     acts = h.advance(2.0)
     assert ("m3", "standby") in [(x.machine, x.state) for x in of(acts, a.AssignMachine)]
     assert not of(h.advance(10.0), a.RequestMachines)
+
+
+def test_a_jump_a_restart_reproduces_at_the_same_step_is_the_trainings_own():
+    h = started(Harness(spare=1))
+    h.steps(6)
+    for s in (4, 5):
+        h.ckpt(s)
+    spike = h.st.steps_done
+    acts = h.step(loss=50.0)                       # a 25x loss jump: an incident
+    assert of(acts, a.OpenIncident)[0].symptom == "loss_spike"
+    run = of(h.stopped() + h.advance(2.0), a.StartRun)[0]
+    assert run.restore_step < spike
+    while h.st.steps_done < spike:
+        assert not of(h.step(), a.OpenIncident)
+    acts = h.step(loss=50.0)                       # the same jump at the same step: the data's
+    assert not of(acts, a.OpenIncident) and records(acts, "jump_reproduced")[0]["step"] == spike
+    assert h.st.phase == JobPhase.RUNNING
+    acts = h.step(loss=500.0)                      # a new jump at another step is an incident again
+    assert of(acts, a.OpenIncident)[0].symptom == "loss_spike"

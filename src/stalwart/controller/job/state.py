@@ -324,6 +324,7 @@ class JobState:
     chaos_applied: list[float] = field(default_factory=list)  # injection times
     avail: Availability = field(default_factory=Availability)
     bad_steps: list[BadSteps] = field(default_factory=list)   # copies never to be restored
+    jumps: list[tuple[int, float]] = field(default_factory=list)   # (step, value) of recent jumps
     diag_seq: int = 0
     diag: Diagnosis | None = None
     replay: Replay | None = None

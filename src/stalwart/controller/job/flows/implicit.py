@@ -29,6 +29,7 @@ SLOW_STAGE_RATIO = 3.0          # without data-parallel peers: this many times t
 BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, and the recent ones
 RANK_TIMES_N = 20               # fail-slow: recent steps whose per-rank times a round compares
 HISTORY_N = 50                  # loss and grad-norm history kept for the jump rule
+JUMPS_KEPT = 20                 # jumps remembered, to tell one a restart reproduces
 FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 # A job this many times slower than its healthy pace whose time went to communication (no rank's
 # compute grew alike) is stopped for the stop-time checks: a slow link slows every rank alike and
@@ -162,6 +163,14 @@ class ImplicitFlow:
                 sig.grad_hist = (sig.grad_hist + [gn])[-HISTORY_N:]
             return None
         local = {r: v for r, v in acc.local.items() if v is not None}
+        jumped = gn if gn is not None and "grad norm" in reason else loss
+        if jumped is not None and math.isfinite(jumped) and self._reproduced(st, s, jumped):
+            # the same jump at the same step after a restart from before it (other machines, or
+            # the same ones again): the training's own (its data), not a machine's fault
+            sig.loss_hist = (sig.loss_hist + [loss])[-HISTORY_N:]
+            if gn is not None:
+                sig.grad_hist = (sig.grad_hist + [gn])[-HISTORY_N:]
+            return [record("jump_reproduced", now, run=st.run_seq, step=s, reason=reason)]
         culprits = [st.slots[i] for i in culprit_machines(local, self.ctx.topo)] if local else []
         st.bad_steps.append(BadSteps(lo=s, hi=OPEN_END))      # never restore the corrupted state
         kind = "nan" if "nan" in reason.lower() or "inf" in reason.lower() else "loss_spike"
@@ -171,6 +180,14 @@ class ImplicitFlow:
             st.incident.reason = reason + (f"; non-finite local gradients on {', '.join(culprits)}"
                                            if culprits else "")
         return acts
+
+    @staticmethod
+    def _reproduced(st: JobState, step: int, value: float) -> bool:
+        """Whether a jump of `value` at `step` was seen before (within 1%); remembers it if not."""
+        if any(s == step and abs(v - value) <= 0.01 * abs(v) for s, v in st.jumps):
+            return True
+        st.jumps = (st.jumps + [(step, value)])[-JUMPS_KEPT:]
+        return False
 
     # -- a committed step's timings ---------------------------------------------------------------
     def on_committed(self, st: JobState, acc: PendingStep, now: float) -> Actions:
