@@ -31,6 +31,13 @@ def test_waits_for_machines_then_starts_with_warm_standbys():
     assert records(acts, "run_started") == [{"run": 1, "start_step": 0, "machines": ["m0", "m1"]}]
     assert [x.machine for x in of(h.step(), a.Prewarm)] == ["m2"]      # the first step is done
     assert of(h.step(), a.Prewarm) == []
+    assert h.core.live(h.st)["standby_warm"] == []          # spawned, still importing
+    h.agent("m2", p.StandbyReady(pid=11))
+    h.agent("m2", p.StandbyReady(pid=11))                   # (the same worker twice counts once)
+    h.agent("m0", p.StandbyReady(pid=12))                   # an active machine's spare: not the pool's
+    assert h.core.live(h.st)["standby_warm"] == []
+    h.agent("m2", p.StandbyReady(pid=13))
+    assert h.core.live(h.st)["standby_warm"] == ["m2"]      # every worker of m2 waits at the barrier
 
 
 def test_the_runs_start_up_is_recorded_once_every_rank_said_hello():

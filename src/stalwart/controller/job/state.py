@@ -274,6 +274,7 @@ class Pool:
     """The job's warm standby machines."""
     standby: list[str] = field(default_factory=list)
     warm: set[str] = field(default_factory=set)       # standbys whose workers are pre-spawned
+    ready: dict[str, list[int]] = field(default_factory=dict)   # their workers waiting at the barrier
     next_refill: float = 0.0
     next_request: float = 0.0     # when the pool may next ask the cluster for machines
 
