@@ -269,3 +269,41 @@ def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
         assert [s for _, s, _ in memckpt.list_shards(durable, 0)] == [1, 3]
     finally:
         mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
+    """A run restored from step 1 after a run that reached step 5: the old run's slots of steps
+    2-5 go (stale copies), and the new run's steps 2, 3... are announced and persisted although
+    the manager had seen 5 (they were silently ignored, so every restore fell back to durable)."""
+    from stalwart.agent.ckpt import CkptManager
+    events = []
+    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append)
+    try:
+        mgr._stop.set()
+        mgr._thread.join(timeout=5)
+        durable = os.path.join(tmp_shm, "durable")
+        mgr.configure(durable, every=2, backup=None)
+        with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
+            for step in range(6):
+                ck.snapshot({"w": torch.full((64,), float(step))}, step)
+                ck.wait()
+                mgr._scan()
+        assert [s for _, s, _ in memckpt.list_shards(mgr.shm_dir, 0)] == [4, 5]
+        events.clear()
+        mgr.configure(durable, every=2, backup=None)          # the next run, restored from step 1
+        mgr.start_from(0, 1)
+        assert memckpt.list_shards(mgr.shm_dir, 0) == []      # the stopped run's 4 and 5 are gone
+        mgr._scan()
+        assert events == []                                   # nothing stale announced
+        with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
+            for step in (2, 3):
+                ck.snapshot({"w": torch.full((64,), 10.0 + step)}, step)
+                ck.wait()
+                mgr._scan()
+        mgr.store.close()
+        assert [(e["tier"], e["step"]) for e in events if e["tier"] == "own"] == [("own", 2), ("own", 3)]
+        assert [e["step"] for e in events if e["tier"] == "durable"] == [3]
+        assert torch.equal(memckpt.load(durable, 0, 3)[1]["w"], torch.full((64,), 13.0))
+    finally:
+        mgr.close()

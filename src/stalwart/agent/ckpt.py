@@ -69,7 +69,6 @@ class CkptManager:
                 old.close()
             self._every = max(1, int(every))
             self._backup = backup
-            self._seen.clear()
 
     def clear_own(self) -> None:
         """Forget this machine's own shards (a new job, or ranks handed to another machine)."""
@@ -205,4 +204,21 @@ class CkptManager:
                 emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
                       "step": w.restore[0].step, "tier": tier, "skipped": errors})
             extra.append(env)
+        for w in cmd.workers:
+            self.start_from(w.rank, w.restore[0].step if w.restore else -1)
         return extra
+
+    def start_from(self, rank: int, step: int) -> None:
+        """A run starts `rank` after `step` (its restore is materialized by now): the rank's own
+        slots holding later steps belong to the run that stopped and go (a scan would announce
+        them, a stale copy, and take their step for the newest seen: the new run's copies of the
+        same steps were then never announced, backed up or made durable, and every restore fell
+        back to an old durable step); the next step announced is the first after `step`."""
+        with self._cfg_lock:
+            for _, s, path in memckpt.list_shards(self.shm_dir, rank):
+                if s > step:
+                    try:
+                        os.unlink(path)          # the header: the slot no longer looks complete
+                    except FileNotFoundError:
+                        pass
+            self._seen[rank] = step
