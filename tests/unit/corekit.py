@@ -26,6 +26,7 @@ class FakeCluster:
         self.dead: set[str] = set()
         self.busy: set[str] = set()
         self.heard: dict[str, float] = {}      # when a machine was last heard, if not just now
+        self.tags: dict[str, dict[str, str]] = {}    # topology labels, if any
         self.clock = clock
 
     def alive(self, machine: str) -> bool:
@@ -38,6 +39,9 @@ class FakeCluster:
 
     def free(self) -> list[str]:
         return [m for m in self.machines if m not in self.busy and m not in self.dead]
+
+    def labels(self, machine: str) -> dict[str, str]:
+        return dict(self.tags.get(machine, {}))
 
 
 class Harness:

@@ -34,6 +34,15 @@ class Ctx:
     def policy(self) -> Policy:
         return self.spec.policy
 
+    def placement_group(self, slot: int) -> list[int]:
+        """The slots of the parallel group a replacement for `slot` should stay near (`placement`):
+        its pipeline when the job has one (send/recv suffers most from crossing switches), else its
+        data-parallel group; `slot` itself first."""
+        t = self.topo
+        kind = "pp" if t.pp > 1 else "dp"
+        slots = sorted({r // self.G for r in t.group(kind, slot * self.G)} - {slot})
+        return [slot] + slots
+
     def ready_standbys(self, st: JobState) -> tuple[str, ...]:
         """Standbys that can take ranks now (their agent is heard from)."""
         return tuple(m for m in st.pool.standby if self.cluster.alive(m))
