@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -183,6 +184,11 @@ class Diagnosis:
     started: float
     deadline: float
     results: list[dict[str, Any]] = field(default_factory=list)
+
+    @cached_property
+    def pair_keys(self) -> set[tuple[int, str, str]]:
+        """(round, a, b) of every pair (not saved; `pairs` never changes once the checks start)."""
+        return {(k.round, k.a, k.b) for k in self.pairs}
 
 
 @dataclass
