@@ -108,6 +108,9 @@ class ImplicitFlow:
         elif stacks:
             d = implicit.decide_hang(stacks, self.ctx.topo, list(st.slots))
             machines, reason = list(d.machines), d.reason
+            if machines and not self.ctx.policy.over_evict:
+                reason = f"{reason}; not evicting on stacks (policy.over_evict is off): stop-time checks decide"
+                machines = []
         else:
             machines, reason = [], "no machine answered the stack capture"
         inc.implicit_evict = machines
@@ -305,7 +308,7 @@ class ImplicitFlow:
         machines, seen = steady_outliers(fs.by_compute, n)
         if machines and len(machines) <= half:
             return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
-        verdict = fs.rounds.verdict()
+        verdict = fs.rounds.verdict() if self.ctx.policy.over_evict else None
         if verdict and len(verdict[1]) <= half:
             return [st.slots[i] for i in verdict[1]], f"{verdict[0]} group flagged most often over {n} rounds"
         machines, seen = steady_outliers(fs.flagged, n)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stalwart.controller")
 STEP_TIMES_KEPT = 50
+# Every this many committed steps of a run, the step's per-rank step and compute times go into the
+# event log (`rank_times`): what `stalwart whatif` replays a finished job's critical path from.
+RANK_TIMES_EVERY = 20
 
 
 class RunFlow:
@@ -107,6 +110,10 @@ class RunFlow:
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
         st.run.committed += 1
+        if st.run.committed % RANK_TIMES_EVERY == 0 and acc.times:
+            times = [acc.times.get(r, (None, None)) for r in range(self.ctx.world)]
+            acts.append(record("rank_times", acc.t, run=st.run_seq, step=s, step_s=[x[0] for x in times],
+                               compute_s=[x[1] for x in times]))
         if acc.loss is not None:
             st.last_loss = acc.loss
         anomaly = self.core.implicit.training_anomaly(st, s, acc, now)
