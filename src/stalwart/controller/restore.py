@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import AbstractSet
+from typing import AbstractSet, Iterable
 
 TIERS = ("own", "backup", "durable")
 
@@ -37,11 +37,19 @@ class Availability:
         return out
 
     def add(self, rank: int, tier: str, step: int, holder: str) -> None:
+        self._put(rank, tier, (step,), holder)
+
+    def _put(self, rank: int, tier: str, new: Iterable[int], holder: str) -> None:
+        """`holder` has `new` steps of the rank's tier; the tier keeps its newest ones (trimming once
+        after several steps leaves what trimming after each would)."""
         steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
-        steps[step] = holder
+        for step in new:
+            steps[step] = holder
         self._holders.setdefault(holder, set()).add((rank, tier))
-        for old in sorted(steps)[:-min(self.keep, self.memory.get(tier, self.keep))]:
-            del steps[old]
+        keep = min(self.keep, self.memory.get(tier, self.keep))
+        if len(steps) > keep:
+            for old in sorted(steps)[:-keep]:
+                del steps[old]
 
     def _forget(self, machine: str, tiers: tuple[str, ...]) -> None:
         """Delete every copy of `tiers` that `machine` holds."""
@@ -57,8 +65,8 @@ class Availability:
         reports still in flight can make the running record stale."""
         self._forget(machine, (tier,))
         for rank, steps in steps_by_rank.items():
-            for s in steps:
-                self.add(int(rank), tier, int(s), machine)
+            if steps:
+                self._put(int(rank), tier, [int(s) for s in steps], machine)
 
     def drop_machine(self, machine: str) -> None:
         """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""

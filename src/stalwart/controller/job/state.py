@@ -54,6 +54,7 @@ class JobPhase(str, enum.Enum):
 
 
 _END = {JobPhase.FAILED, JobPhase.CANCELLED}
+_ENDED = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED})
 JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
     JobPhase.WAITING: {JobPhase.RUNNING} | _END,
     JobPhase.RUNNING: {JobPhase.TRACING, JobPhase.RECOVERING, JobPhase.SUCCEEDED} | _END,
@@ -328,7 +329,7 @@ class JobState:
 
     @property
     def terminal(self) -> bool:
-        return self.phase.terminal
+        return self.phase in _ENDED
 
     # -- small derived views ----------------------------------------------------------------
     def version(self) -> dict[str, Any] | None:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from stalwart.controller.policy import Snapshot
+from stalwart.controller.pool import standby_count
 from stalwart.controller.job.actions import Action, Record, UpdateIncident
 from stalwart.controller.job.events import ClusterView
 from stalwart.controller.job.state import Incident, JobState
@@ -21,6 +23,11 @@ class Ctx:
     @classmethod
     def of(cls, spec: JobSpec, cluster: ClusterView) -> "Ctx":
         return cls(spec=spec, topo=spec.topology(), cluster=cluster)
+
+    @cached_property
+    def standbys(self) -> int:
+        """The standby pool's size (the P99 sizing needs scipy: computed once, not every refill)."""
+        return standby_count(self.spec)
 
     @property
     def G(self) -> int:

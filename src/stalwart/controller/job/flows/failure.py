@@ -110,9 +110,20 @@ class FailureFlow:
             noted.append(record("machine_unstopped", now, machine=sorted(inc.awaiting), incident=inc.seq))
         inc.lost |= inc.awaiting
         inc.awaiting = set()
+        self._close_bad_steps(st)
         acts: Actions = noted + [record("run_stopped", now, run=st.run_seq),
                          UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done})]
         return acts + self.localize(st, now)
+
+    def _close_bad_steps(self, st: JobState) -> None:
+        """A corrupted run (NaN) marks its steps from the bad one on as never to be restored, open
+        ended while it runs; once it stopped it wrote nothing after its last step (plus the steps
+        a rank can be ahead in memory): the same step numbers trained again by the next run are
+        good. (Left open, every restore for 10,000 steps went back before the NaN.)"""
+        pending = st.run.pending.keys() if st.run is not None else ()
+        top = max([st.steps_done - 1, *pending])
+        hi = top + 1 + self.ctx.policy.mem_slots
+        st.bad_steps = [(lo, min(end, hi)) if lo <= top < end else (lo, end) for lo, end in st.bad_steps]
 
     # -- localizing and recovering ---------------------------------------------------------------
     def localize(self, st: JobState, now: float) -> Actions:

@@ -13,7 +13,6 @@ from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, Creat
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import ChaosPlan, JobPhase, JobState, PendingStep, RunState
-from stalwart.controller.pool import standby_count
 
 if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
@@ -35,7 +34,7 @@ class RunFlow:
         `max_standby_wait_s`, start with the active ones alone."""
         spec = self.ctx.spec
         free = self.ctx.cluster.free()
-        want = standby_count(spec)
+        want = self.ctx.standbys
         waited = now - st.created_at > spec.policy.max_standby_wait_s
         if len(free) < spec.machines + want and not (len(free) >= spec.machines and waited):
             return []
@@ -84,7 +83,9 @@ class RunFlow:
         run = st.run
         if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
             return []
-        acc = run.pending.setdefault(ev.step, PendingStep())
+        acc = run.pending.get(ev.step)
+        if acc is None:
+            acc = run.pending[ev.step] = PendingStep()
         acc.ranks.add(ev.rank)
         acc.local[ev.rank] = ev.local_grad_norm
         acc.times[ev.rank] = (ev.dur, ev.compute_s)
