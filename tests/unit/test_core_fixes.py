@@ -54,3 +54,33 @@ def test_a_replay_failing_in_every_group_blames_no_machine():
     assert done["machines"] == []
     assert not [x for x in of(acts, a.AssignMachine) if x.state == "evicted"]
     assert of(acts, a.StartRun) and "every group" in h.st.history[-1].cause
+
+
+def test_the_hang_watch_s_shortcut_gives_the_verdicts_of_a_full_look():
+    """HangWatch.check skips the look at every rank while nobody can have passed the floor
+    timeout: random step, activity and resume sequences get the same verdicts with and without it."""
+    import random
+
+    from stalwart.controller.hangwatch import HangWatch
+    from stalwart.spec import Policy
+    for seed in range(30):
+        rng = random.Random(seed)
+        pol = Policy(hang_timeout_floor_s=rng.choice([1.0, 5.0]), hang_warmup_steps=rng.choice([0, 2]))
+        fast, full = (HangWatch(pol, ranks=range(4), started_at=0.0) for _ in range(2))
+        steps = [0] * 4
+        now = 0.0
+        for _ in range(300):
+            now += rng.choice([0.2, 0.2, 1.0, 3.0, 8.0])
+            r, what = rng.randrange(5), rng.random()
+            for w in (fast, full):
+                if what < 0.5 and r < 4:
+                    w.on_step(r, steps[r] + 1, now)
+                elif what < 0.6 and r < 4:
+                    w.on_activity(r, now)
+                elif what < 0.62:
+                    w.resume(now)
+            if what < 0.5 and r < 4:
+                steps[r] += 1
+            full._lower = None                       # the full look, every time
+            a, b = fast.check(now), full.check(now)
+            assert (a is None) == (b is None) and (a is None or a.stalled == b.stalled), (seed, now)

@@ -98,6 +98,8 @@ class ReplayFlow:
             grp.done.add(ev.rank)  # type: ignore[arg-type]
         elif isinstance(ev, protocol.WorkerExit) and not ev.expected:
             grp.failed = policy.describe_exit(ev.rank, machine, ev.code, ev.signal) + " (replay)"
+        if grp.failed is None and len(grp.done) < grp.world and now <= rp.deadline:
+            return []       # this group still runs: `check` would wait too (without looking at every group)
         return self.check(st, now)
 
     def check(self, st: JobState, now: float) -> Actions:
