@@ -51,13 +51,14 @@ def cmd_controller(a) -> int:
     if auth.loose_permissions(token_path):
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
-    ctl = Controller(a.db, a.state_dir, store_host=store_host,
-                     heartbeat_s=a.heartbeat, missed_beats=a.missed_beats, abandon_running=a.abandon_running)
+    from stalwart.backends.base import load as load_backend
+    ctl = Controller(a.db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat, missed_beats=a.missed_beats,
+                     abandon_running=a.abandon_running, backend=load_backend(a.backend) if a.backend else None)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
     # where this host's CLI, a local cluster's agents and its supervisor find it (written before
     # the port file, which says the controller is up)
-    local_host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    local_host = a.advertise or ("127.0.0.1" if host in ("", "0.0.0.0") else host)
     _write_atomic(os.path.join(a.state_dir, "controller.json"), json.dumps(
         {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()}))
     if a.port_file:
@@ -94,6 +95,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
+    from stalwart.agent.probeset import ProbeSetupError
     _setup_logging(a.log_level)
     try:
         token = auth.client_token(a.token_file)
@@ -106,9 +108,13 @@ def cmd_agent(a) -> int:
         client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
-    agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
-                  address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
-                  kmsg=a.kmsg, controller_file=a.controller_file, labels=_labels(a.label))
+    try:
+        agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+                      address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                      kmsg=a.kmsg, controller_file=a.controller_file, labels=_labels(a.label), nic=a.nic or None,
+                      shared_host=a.shared_host)
+    except ProbeSetupError as e:
+        raise UserError(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
         agent.serve_forever()
@@ -194,7 +200,6 @@ def cmd_submit(a) -> int:
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.controller.pool import standby_count
-    from stalwart.progress import Progress, summary
     spec = _spec_from_args(a)
     if a.fresh and os.path.isdir(a.state_dir):
         shutil.rmtree(a.state_dir)
@@ -205,48 +210,8 @@ def cmd_run(a) -> int:
                            missed_beats=spec.policy.missed_beats, log_level=a.log_level)
     print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
           f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
-    rep = None
-    job = None
-    cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
-    try:
-        cluster.start()
-        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
-        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
-              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
-        prog = Progress()
-        while True:
-            st = _poll(cluster, f"/api/jobs/{job}")
-            prog.update(st)
-            if st["state"] != "running":
-                rep = st
-                break
-            time.sleep(0.5)
-        prog.close()
-    except KeyboardInterrupt:
-        print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
-        if job is not None:
-            try:
-                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
-            except (ControllerUnreachable, ApiError):
-                pass
-        return 130
-    finally:
-        cluster.stop()
-    print(summary(rep))
-    return 0 if rep["state"] == "succeeded" else 1
-
-
-def _poll(cluster, path: str, patience_s: float = 90.0) -> dict:
-    """GET from the cluster's controller, riding out a controller restart (its supervisor brings
-    it back, maybe on another port)."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return cluster.client(timeout=10).get(path)
-        except ControllerUnreachable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    from stalwart.backends.launch import run_job
+    return run_job(cluster, spec, cluster.start)
 
 
 # -- status / report / inject / machines -------------------------------------------------------
@@ -442,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--abandon-running", action="store_true",
                    help="fail jobs an earlier controller left running instead of taking them over "
                         "(their machines are gone: a fresh local cluster)")
+    c.add_argument("--backend", metavar="CONFIG", help="the cluster's backend (JSON: slurm, kubernetes)")
+    c.add_argument("--advertise", help="host the agents reach this controller at (in controller.json)")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
@@ -452,8 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", type=int, default=1)
     g.add_argument("--heartbeat", type=float, default=1.0)
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
-    g.add_argument("--kmsg", help="kernel log to follow (default: a per-machine file the chaos tool writes;"
-                                  " /dev/kmsg on a real machine)")
+    g.add_argument("--kmsg", help="host kernel log to follow: FILE or off (default: /dev/kmsg when readable)")
+    g.add_argument("--nic", action="append", default=[], metavar="IFACE", help="interface or RDMA device to "
+                   "watch (repeatable; default: the default route's interface and every RDMA port)")
+    g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
     g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
     g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
@@ -555,6 +524,8 @@ def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     k = sub.add_parser("cleanup", help="stop processes a crashed `stalwart run` left behind")
     k.add_argument("--state-dir", default=DEFAULT_STATE)
     k.set_defaults(fn=cmd_cleanup)
+    from stalwart.backends.commands import add_commands
+    add_commands(sub)        # stalwart slurm …, stalwart k8s …
     return p
 
 

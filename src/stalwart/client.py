@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
+import threading
+import urllib.parse
 
 from stalwart import auth
 
@@ -33,10 +33,36 @@ class Client:
         self.token = token if token is not None else auth.client_token()
         self.ca = ca
         self._tls = auth.client_tls(ca) if self.url.startswith("https://") else None
+        parts = urllib.parse.urlsplit(self.url)
+        self._https, self._host, self._port = parts.scheme == "https", parts.hostname or "", parts.port
+        self._base = parts.path
+        # one kept-alive connection per thread (an agent's sender, heartbeat and command threads
+        # each have theirs): no TCP handshake per event batch, on either side
+        self._local = threading.local()
 
     def with_url(self, url: str) -> "Client":
         """The same credentials for a controller that moved."""
         return Client(url, timeout=self.timeout, token=self.token, ca=self.ca)
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._https:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._tls)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            self._local.conn = conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
 
     def request(self, method: str, path: str, body: dict | None = None,
                 timeout: float | None = None) -> dict:
@@ -44,22 +70,34 @@ class Client:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout, context=self._tls) as resp:
-                return json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as e:
+        for attempt in (0, 1):
+            conn = self._conn(timeout or self.timeout)
+            reused = conn.sock is not None
             try:
-                msg = json.loads(e.read()).get("error", str(e))
-            except ValueError:
-                msg = str(e)
-            raise ApiError(e.code, msg) from None
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError,
-                ValueError) as e:
-            # HTTPException: the controller died mid-answer (IncompleteRead, RemoteDisconnected);
-            # ValueError: a truncated JSON body. Both mean "not reachable right now", never a crash.
-            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-            raise ControllerUnreachable(f"controller at {self.url} is not reachable ({reason})") from None
+                conn.request(method, self._base + path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                if resp.will_close:
+                    self.close()
+            except (http.client.HTTPException, ConnectionError, TimeoutError, OSError) as e:
+                self.close()
+                if reused and attempt == 0 and not isinstance(e, TimeoutError):
+                    continue        # the server closed a kept-alive connection meanwhile: once more
+                # HTTPException: the controller died mid-answer (IncompleteRead, RemoteDisconnected)
+                raise ControllerUnreachable(f"controller at {self.url} is not reachable "
+                                            f"({type(e).__name__}: {e})") from None
+            if resp.status >= 400:
+                try:
+                    msg = json.loads(raw).get("error", resp.reason)
+                except (ValueError, AttributeError):
+                    msg = f"HTTP {resp.status} {resp.reason}"
+                raise ApiError(resp.status, msg)
+            try:
+                return json.loads(raw or b"{}")
+            except ValueError as e:     # a truncated JSON body: not reachable right now, never a crash
+                raise ControllerUnreachable(f"controller at {self.url} is not reachable "
+                                            f"(ValueError: {e})") from None
+        raise AssertionError("unreachable")
 
     def get(self, path: str, timeout: float | None = None) -> dict:
         return self.request("GET", path, timeout=timeout)

@@ -83,6 +83,8 @@ def summary(rep: dict) -> str:
              f"  steps {rep['steps_completed']}/{rep['steps_target']}, final loss {rep['final_loss']}",
              f"  wall {rep['wall_s']:.1f}s, productive {rep['productive_s']:.1f}s, ETTR {rep['ettr']:.3f}",
              "  unproductive: " + ", ".join(f"{k} {v:.2f}s" for k, v in rep["unproductive_s"].items() if v)]
+    if rep.get("startup_phases"):
+        lines.append("  start-up: " + ", ".join(f"{k} {v:.2f}s" for k, v in rep["startup_phases"].items()))
     for inc in rep["incidents"]:
         lines.append(f"  incident {inc['id']}: {inc['symptom']} -> {inc['mechanism']}, evicted "
                      f"{inc['machines_evicted'] or '-'}, detected in "

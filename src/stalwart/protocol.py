@@ -40,6 +40,10 @@ class Env:
     SHM_DIR = "STALWART_SHM_DIR"
     SEED = "STALWART_SEED"
     FORCE_CPU = "STALWART_FORCE_CPU"
+    # the flight-recorder hook (worker/frhook.py, loaded through worker/hookdir/sitecustomize.py):
+    # where it writes each process' recorder summary, and how often
+    FR_DIR = "STALWART_FR_DIR"
+    FR_PERIOD = "STALWART_FR_PERIOD"
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
@@ -157,6 +161,8 @@ class Chaos(_Msg, tag="chaos", kw_only=True):
     rank: int | None = None
     step: int = 0
     params: dict[str, Any] = {}
+    at_step: int | None = None      # armed: apply when a rank of the machine completed this many
+                                    # steps (agent/armed.py); None: at once
 
 
 class Trace(_Msg, tag="trace", kw_only=True):
@@ -379,6 +385,8 @@ class Hello(_Msg, tag="hello", kw_only=True):
     rank: int | None = None
     pid: int | None = None
     t: float = 0.0
+    imported: float | None = None      # the SDK began (torch imported; a warm worker: activated)
+    ready: float | None = None         # its process groups are up (the rendezvous is over)
 
 
 class Restored(_Msg, tag="restored", kw_only=True):
@@ -395,9 +403,19 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
     t: float = 0.0
 
 
+class Activity(_Msg, tag="activity", kw_only=True):
+    """Progress the agent saw in its workers without step reports (agent/progress.py): `ranks` used
+    CPU (or wrote to their log) outside a collective since the last sample; `collectives` is, per
+    rank without the SDK, how many collectives it has entered (its flight recorder), when that grew."""
+    run: int | None = None
+    ranks: list[int] = []
+    collectives: dict[int, int] = {}
+    t: float = 0.0
+
+
 Event = Union[Step, Steps, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
               Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
-              Restored, StandbyReady]
+              Restored, StandbyReady, Activity]
 # An agent that lost its controller retries with a delay that doubles up to this cap (times a
 # jitter); a restarted controller waits for its agents at least two such delays before it calls
 # a machine that did not come back lost.

@@ -67,3 +67,9 @@ def test_hung_pipeline_stage_is_over_evicted_with_its_pipeline(tmp_path):
     for key, ranks in agg.groups:
         print(f"  ranks {ranks}:\n    " + key.replace("\n", "\n    "))
     assert CULPRIT in agg.outliers
+    # the flight recorder (an SDK job's too) names the hung pipeline: its ranks never entered their
+    # data-parallel all-reduce, in which their peers wait (gloo records no send/recv, so the hung
+    # stage and the stage blocked in recv from it look alike)
+    fr = data["flight_recorder"]
+    assert CULPRIT in fr["laggards"] and set(fr["laggards"]) <= set(TOPO.group("pp", CULPRIT)), fr
+    assert all(g["op"] == "gloo:all_reduce" and g["group"].startswith("dp group") for g in fr["groups"]), fr

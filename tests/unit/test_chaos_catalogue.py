@@ -30,8 +30,21 @@ def test_validate_against_cluster():
         catalogue.validate_against(catalogue.parse("crash@machine=1,rank=1"), 3, 2, 2)
     with pytest.raises(ChaosError, match="machine 5 does not exist"):
         catalogue.validate_against(catalogue.parse("crash@machine=5"), 3, 2, 2)
-    with pytest.raises(ChaosError, match="is a standby"):
+    with pytest.raises(ChaosError, match="m2 holds no rank of the job"):
         catalogue.validate_against(catalogue.parse("crash@machine=2,rank=4"), 3, 2, 2)
+
+
+def test_validate_against_a_running_job_after_standbys_took_over():
+    # m1 was evicted, m4 holds its ranks (2, 3); m3 is a standby, m1 is gone from the cluster
+    now = {"slots": ["m0", "m4"], "known": {"m0", "m3", "m4"}}
+    catalogue.validate_against(catalogue.parse("crash@machine=4,rank=3"), 3, 2, 2, **now)
+    catalogue.validate_against(catalogue.parse("gpu-xid@machine=3"), 3, 2, 2, **now)
+    with pytest.raises(ChaosError, match="machine m1 does not exist"):
+        catalogue.validate_against(catalogue.parse("crash@machine=1"), 3, 2, 2, **now)
+    with pytest.raises(ChaosError, match=r"rank 1 does not live on machine m4 \(it holds ranks 2..3\)"):
+        catalogue.validate_against(catalogue.parse("crash@machine=4,rank=1"), 3, 2, 2, **now)
+    with pytest.raises(ChaosError, match="m3 holds no rank"):
+        catalogue.validate_against(catalogue.parse("sigstop@machine=3,rank=0"), 3, 2, 2, **now)
 
 
 def test_root_only_kinds_are_refused_without_root():

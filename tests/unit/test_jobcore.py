@@ -25,10 +25,21 @@ def test_waits_for_machines_then_starts_with_warm_standbys():
     acts = h.tick()
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [
         ("m0", "active"), ("m1", "active"), ("m2", "standby")]
-    assert [x.machine for x in of(acts, a.Prewarm)] == ["m2"]
+    assert of(acts, a.Prewarm) == []          # not yet: the first start has the CPUs to itself
     run = of(acts, a.StartRun)[0]
     assert (run.run, run.restore_step, run.warm) == (1, -1, [])
     assert records(acts, "run_started") == [{"run": 1, "start_step": 0, "machines": ["m0", "m1"]}]
+    assert [x.machine for x in of(h.step(), a.Prewarm)] == ["m2"]      # the first step is done
+    assert of(h.step(), a.Prewarm) == []
+
+
+def test_the_runs_start_up_is_recorded_once_every_rank_said_hello():
+    h = started(Harness())
+    acts = []
+    for r in range(h.world):
+        acts += h.agent(h.machine_of(r), p.Hello(run=1, rank=r, imported=h.now + r, ready=h.now + 2 * r))
+        acts += h.agent(h.machine_of(r), p.Hello(run=1, rank=r, imported=h.now, ready=h.now))   # again
+    assert records(acts, "workers_ready") == [{"run": 1, "imported": h.now + 3, "ready": h.now + 6}]
 
 
 def test_steps_commit_when_every_rank_reported_and_the_job_ends():
@@ -117,6 +128,35 @@ def test_a_failing_check_evicts_that_machine_for_a_standby():
     assert run.slots == ["m0", "m2"] and run.warm == ["m2"]
 
 
+def test_a_machine_lost_during_the_checks_is_evicted_and_its_partner_is_not_blamed():
+    h = started(Harness())
+    h.steps(3)
+    crash(h)                                  # machine-down: the crash is seen before the silence
+    assert of(h.stopped(), a.RunChecks)
+    h.cluster.dead.add("m1")
+    acts = h.event(MachineLost(machine="m1"))
+    assert records(acts, "machine_lost") == [{"machine": "m1", "incident": 1}]
+    assert records(acts, "checks_done")[0]["aborted"] == "m1 lost"       # no waiting for its partner
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    upd = [x for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0].fields
+    assert (upd["symptom"], upd["evicted"], upd["mechanism"]) == ("machine_lost", ["m1"], "evict_restart")
+    assert of(acts, a.StartRun)[0].slots == ["m0", "m2"]
+
+
+def test_a_machine_whose_checks_died_without_a_result_is_the_one_evicted():
+    h = started(Harness())
+    h.steps(3)
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    h.agent("m0", p.DiagResult(id=checks.name, results=[
+        {"check": "selftest", "ok": True, "detail": "ok", "measure": {"gflops": 10.0}},
+        {"check": "intra", "ok": True, "detail": "ok", "measure": {}}] + [
+        {"check": "inter", "ok": False, "detail": "peer m1 did not join", "round": x.round, "peer": x.peer,
+         "measure": {}} for x in checks.inter["m0"]]))
+    acts = h.agent("m1", p.DiagResult(id=checks.name, results=[]))     # its check process was killed
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
+    assert "produced no result" in of(acts, a.AssignMachine)[0].reason
+
 def test_lost_machine_is_replaced_without_checks():
     h = started(Harness())
     h.steps(3)
@@ -168,6 +208,43 @@ def test_nan_with_a_named_rank_evicts_its_machine():
     acts = h.advance(2.0)
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     assert of(acts, a.StartRun)[0].restore_step == 3          # never the corrupted step
+
+
+def test_the_steps_after_a_nan_are_restorable_again_once_a_later_run_rewrote_them():
+    h = started(Harness(spare=1))
+    h.steps(5)
+    for s in (3, 4):
+        h.ckpt(s)
+    h.step(loss=NAN, local={2: float("inf")})           # step 5: the bad run's copy of 5
+    h.ckpt(5)
+    h.stopped()
+    assert of(h.advance(2.0), a.StartRun)[0].restore_step == 4
+    # the new run trains 5, 6 ... again: until it is well past 5 (the bad run's newest copy), a copy
+    # of 5 may still be the bad run's (a backup that trailed), so 5 is not restored
+    h.steps(2)
+    h.ckpt(5)
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    run = of(h.diag(checks), a.StartRun)[0]
+    assert run.restore_step == 4
+    # once it has gone past them (and the slots a backup trails by), its own copies count
+    h.steps(12)
+    last = h.st.steps_done - 1
+    h.ckpt(last)
+    assert h.st.bad_steps == []
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    assert of(h.diag(checks), a.StartRun)[0].restore_step == last
+
+
+def test_a_restart_from_further_back_forgets_the_signals_of_the_steps_it_trains_again():
+    h = started(Harness())
+    h.steps(10)
+    h.ckpt(3)
+    assert len(h.st.signals.loss_hist) == 10
+    crash(h)
+    run = of(h.diag(of(h.stopped(), a.RunChecks)[0]), a.StartRun)[0]
+    assert run.restore_step == 3 and len(h.st.signals.loss_hist) == 4        # steps 0..3
 
 
 def test_fail_slow_rounds_evict_the_rank_that_computes_slowly():
@@ -225,6 +302,26 @@ def test_stop_time_checks_then_replay_isolate_a_silent_corrupter():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m2", "evicted"), ("m4", "active")]
 
 
+def test_a_machine_lost_during_a_replay_ends_it_and_is_evicted():
+    h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
+                        policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))
+    h.steps(3)
+    for attempt in range(2):
+        h.step(loss=NAN)
+        h.stopped()
+        acts = h.advance(2.0)
+        if attempt == 0:
+            h.steps(2)
+    groups = of(acts, a.StartReplayGroup)
+    assert h.st.phase == JobPhase.REPLAYING
+    h.cluster.dead.add("m3")
+    acts = h.event(MachineLost(machine="m3"))
+    assert sorted(x.run for x in of(acts, a.StopWorkers) if x.run is not None) == sorted(g.run for g in groups)
+    assert records(acts, "replay_done")[0]["machines"] == ["m3"]
+    assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m3", "evicted"), ("m4", "active")]
+    assert h.st.phase == JobPhase.RUNNING and of(acts, a.StartRun)[0].slots == ["m0", "m1", "m2", "m4"]
+
+
 def version(i: int, status: str, mode: str = "lazy", path: str | None = None) -> dict:
     return {"id": i, "job_id": 1, "hash": f"{i:064x}", "path": path or f"/v/{i}", "source": "/code",
             "status": status, "mode": mode, "window_s": 86400.0, "created_at": 0.0,
@@ -276,6 +373,33 @@ def test_injection_cancel_and_transitions():
     assert h.st.phase == JobPhase.CANCELLED and of(acts, a.FinishJob)[0].reason == "enough"
     assert h.tick() == []                            # a finished job decides nothing more
 
+
+def test_scheduled_faults_are_armed_with_their_step_at_the_first_commit():
+    from stalwart.controller.job.state import ChaosPlan
+    h = Harness(steps=40)
+    h.st.chaos = [ChaosPlan(kind="crash", machine=1, rank=None, step=30, params={}),
+                  ChaosPlan(kind="nan", machine=0, rank=None, step=35, params={})]
+    h = started(h)
+    acts = h.steps(1)
+    sent = of(acts, a.SendChaos)
+    # sent at once, armed: the agent applies each when its own ranks completed that many steps
+    assert [(c.machine, c.kind, c.at_step, c.step) for c in sent] == [("m1", "crash", 30, 30), ("m0", "nan", 35, 35)]
+    assert h.st.chaos == [] and len(records(acts, "chaos_sent")) == 2
+    assert of(h.steps(3), a.SendChaos) == []          # sent once
+    # an injection now is not armed
+    assert of(h.event(Inject(kind="gpu-xid", machine=1, params={})), a.SendChaos)[0].at_step is None
+
+
+def test_an_armed_fault_goes_off_when_a_rank_of_its_machine_completed_its_step():
+    from stalwart.agent.armed import ArmedChaos
+    armed = ArmedChaos()
+    armed.arm(p.Chaos(kind="crash", step=30, at_step=30))
+    armed.arm(p.Chaos(kind="nan", step=32, at_step=32))
+    assert armed.due({}) == [] and armed.due({2: 28, 3: 27}) == []
+    assert [c.kind for c in armed.due({2: 29, 3: 28})] == ["crash"]     # rank 2 completed 30 steps
+    assert armed.due({2: 29, 3: 29}) == [] and len(armed) == 1
+    assert [c.kind for c in armed.due({2: 40})] == ["nan"]              # armed late: at the next report
+    assert len(armed) == 0 and armed.due({2: 41}) == []
 
 # -- a controller restart ------------------------------------------------------------------------
 
@@ -414,3 +538,20 @@ def test_silence_during_a_stop_is_judged_against_the_other_machines_not_the_cloc
     assert h.st.incident.lost == {"m1"}
     h.stopped(["m0"])
     assert ("m1", "evicted") in [(x.machine, x.state) for x in of(h.log, a.AssignMachine)]
+
+
+def test_a_short_pool_with_nothing_free_asks_the_backend_at_most_every_few_seconds():
+    h = started(Harness())
+    h.steps(3)
+    h.ckpt(2)
+    h.cluster.dead.add("m1")
+    h.event(MachineLost(machine="m1"))
+    h.stopped(["m0"])                        # m2 takes m1's slot: the pool (1) is empty, nothing free
+    h.step()
+    h.advance(5.0)
+    asked = of(h.advance(10.0), a.RequestMachines)
+    assert [x.count for x in asked] == [1, 1]        # every 5 s at most: the controller counts those coming
+    h.cluster.machines.append("m3")                        # a new machine registers
+    acts = h.advance(2.0)
+    assert ("m3", "standby") in [(x.machine, x.state) for x in of(acts, a.AssignMachine)]
+    assert not of(h.advance(10.0), a.RequestMachines)

@@ -27,6 +27,17 @@ def test_a_decision_is_written_all_or_nothing(tmp_path):
         store.close()
 
 
+def test_a_submitted_job_has_its_report_from_the_moment_its_id_exists(tmp_path):
+    from stalwart.controller.report import build_report
+    store = Store(f"sqlite:///{tmp_path}/s.db")
+    try:
+        job = store.create_job("j", {"machines": 1, "steps": 10}, 1.0, submitted=True)
+        assert [e["kind"] for e in store.events(job)] == ["job_submitted"]
+        assert build_report(store, job, now=2.0)["job_id"] == job      # (was a 500 before the first commit)
+    finally:
+        store.close()
+
+
 def test_a_database_of_an_older_stalwart_is_refused_with_one_line(tmp_path):
     db = tmp_path / "old.db"
     con = sqlite3.connect(db)

@@ -19,11 +19,15 @@ import shutil
 import threading
 from typing import Callable
 
+import msgspec
+
+from stalwart import protocol as p
 from stalwart.agent.paths import ckpt_root  # noqa: F401  (re-exported for the agent)
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt
 
+SCAN_EVERY_S = 1.0      # the fallback scan of the shared memory (announcements do the rest)
 log = logging.getLogger("stalwart.agent")
 
 
@@ -75,38 +79,53 @@ class CkptManager:
 
     # -- the watcher ------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(0.05):
+        # SDK workers announce each complete snapshot (`on_shard`); this slow scan only catches
+        # what an announcement missed (a worker killed between its commit and its message)
+        while not self._stop.wait(SCAN_EVERY_S):
             try:
                 self._scan()
             except Exception as e:   # never let a bad shard stop the watcher
                 log.warning("checkpoint watcher: %s", e)
 
+    def on_shard(self, rank: int, step: int, path: str) -> None:
+        """A worker committed `step` of `rank` to its slot at `path`."""
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.shm_dir):
+            log.warning("rank %s announced a shard outside this machine's memory: %s", rank, path)
+            return
+        hdr = memckpt.read_header(path)
+        if hdr is None or hdr.get("rank") != rank or hdr.get("step") != step:
+            return                                  # (its slot was reused by a newer step already)
+        self._handle(rank, [(step, path)])
+
     def _scan(self) -> None:
         shards: dict[int, list[tuple[int, str]]] = {}
         for rank, step, path in memckpt.list_shards(self.shm_dir):   # sorted by (rank, step)
             shards.setdefault(rank, []).append((step, path))
+        for rank, held in shards.items():
+            self._handle(rank, held)
+
+    def _handle(self, rank: int, held: list[tuple[int, str]]) -> None:
+        """The rank's complete shards in step order: announce, back up and persist the new ones."""
         with self._cfg_lock:
             backup, every, store = self._backup, self._every, self.store
-        for rank, held in shards.items():
             seen = self._seen.get(rank, -1)
             new = [(s, p) for s, p in held if s > seen]
             if not new:
-                continue
+                return
             step, path = new[-1]
             self._seen[rank] = step
-            self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "own",
-                       "holder": self.machine_id})
-            if backup is not None:       # only the newest step goes to the peer
-                fut = self.client.push(tuple(backup["addr"]), rank, step, path)
-                fut.add_done_callback(lambda f, r=rank, s=step, b=backup: self._pushed(f, r, s, b))
-            if not store.durable_dir:
-                continue
-            # every K-th step is made durable, also one this scan came too late to see as newest:
-            # the rank's slots still hold the last few steps
-            for s, _ in new:
-                if (s + 1) % every == 0:
-                    fut = store.persist(rank, s, or_newer=True)
-                    fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
+        self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "own", "holder": self.machine_id})
+        if backup is not None:       # only the newest step goes to the peer
+            fut = self.client.push(tuple(backup["addr"]), rank, step, path)
+            fut.add_done_callback(lambda f, r=rank, s=step, b=backup: self._pushed(f, r, s, b))
+        if not store.durable_dir:
+            return
+        # every K-th step is made durable, also one that arrived too late to be the newest: the
+        # rank's slots still hold the last few steps
+        for s, _ in new:
+            if (s + 1) % every == 0:
+                fut = store.persist(rank, s, or_newer=True)
+                fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
 
     def _pushed(self, fut, rank: int, step: int, backup: dict) -> None:
         try:
@@ -164,3 +183,26 @@ class CkptManager:
         self.server.stop()
         self.store.close()
 
+    def prepare_run(self, cmd: p.Start, emit: Callable[[dict], None]) -> list[dict[str, str]] | None:
+        """Checkpoint set-up and restore shards for a run: the extra env of each worker, or None
+        (reported as `restore_failed`) when a rank has no valid copy anywhere."""
+        if cmd.ckpt is not None:
+            backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
+                if cmd.ckpt.backup is not None else None
+            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
+        extra = []
+        for w in cmd.workers:
+            env = p.rank_env(w)
+            if w.restore:
+                candidates = [msgspec.to_builtins(c) for c in w.restore]
+                try:
+                    tier, path, errors = self.materialize(w.rank, candidates)
+                except RestoreFailed as e:
+                    emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
+                          "step": w.restore[0].step, "error": str(e)})
+                    return None
+                env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
+                emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
+                      "step": w.restore[0].step, "tier": tier, "skipped": errors})
+            extra.append(env)
+        return extra

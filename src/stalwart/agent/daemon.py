@@ -17,21 +17,23 @@ import time
 import msgspec
 
 from stalwart import protocol as p
-from stalwart.agent.ckpt import CkptManager, RestoreFailed, ckpt_root
+from stalwart.agent.ckpt import CkptManager, ckpt_root
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
 from stalwart.agent.outbox import Outbox
-from stalwart.agent.probes.disk import DiskProbe
-from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
-from stalwart.agent.probes.kmsg import KmsgProbe
-from stalwart.agent.probes.nic import NicProbe
-from stalwart.agent.workers import Worker, WorkerSet, kill_tree, renice, warm_nice
+from stalwart.agent.armed import ChaosCommands
+from stalwart.agent.probes.gpu import make_gpu_source
+from stalwart.agent.probeset import machine_probes
+from stalwart.agent.progress import ProgressWatch, hook_env
+from stalwart.agent.tracer import trace_workers
+from stalwart.agent.workers import Worker, WorkerSet, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
 
 log = logging.getLogger("stalwart.agent")
+PLAIN_REFILL_AFTER_S = 55.0     # a run without step reports gets its spares this long after 5 s
 
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
@@ -51,7 +53,12 @@ class Agent:
     def __init__(self, client: Client, machine_id: str, workdir: str, address: str = "127.0.0.1",
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
                  kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
-                 controller_file: str | None = None, labels: dict[str, str] | None = None):
+                 controller_file: str | None = None, labels: dict[str, str] | None = None,
+                 nic: list[str] | None = None, shared_host: bool = False):
+        """`kmsg`: the host kernel log to follow (None: /dev/kmsg when readable; "off"); `nic`: the
+        interfaces to watch (None: the default route's and every RDMA port); `shared_host`: other
+        agents share this host (host-wide probes off; see agent/probeset.py). A probe option that
+        cannot work here raises probeset.ProbeSetupError."""
         self.client = client        # the controller's address and credentials (token, CA)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
@@ -97,9 +104,21 @@ class Agent:
         for stale in (self.disk_override,):
             if os.path.exists(stale):
                 os.unlink(stale)
-        self.monitor = Monitor(self._probes(kmsg, min_free_bytes), self.emit,
-                               certain_kinds=frozenset({"disk_full"}))
-        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit)
+        from stalwart.agent.probes.simgpu import SimGpu
+        if os.path.exists(self.simgpu_path):
+            os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
+        SimGpu(self.simgpu_path, self.gpus)
+        probes = machine_probes(self.workdir, self.simgpu_path, gpus, self.kmsg_path, self.disk_override,
+                                min_free_bytes, nic=nic, kmsg=kmsg, shared_host=shared_host,
+                                netns_ifname=self.netns.host_ifname if self.netns is not None else None)
+        self.monitor = Monitor(probes, self.emit, certain_kinds=frozenset({"disk_full"}))
+        self.progress = ProgressWatch(os.path.join(self.workdir, "fr"), lambda: list(self.workers.workers),
+                                      self._has_sdk, lambda: dict(self._last_step), lambda: self._run,
+                                      self.emit, period_s=heartbeat_s)
+        # peers fetch backups at this machine's address (a local namespace machine's agent stays
+        # in the root namespace: loopback there)
+        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit,
+                                peer_host=self.address if self.netns is None else "127.0.0.1")
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
                                       self.emit, period_s=heartbeat_s)
@@ -107,30 +126,28 @@ class Agent:
                                    self._prefix, self.emit)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
+        self.chaos_cmds = ChaosCommands(self.chaos.apply, self.emit, lambda: self._last_step,
+                                        lambda: [pid for pid in self.workers.pids() + self.warm.pids()
+                                                 + [self.diagnoser.warm_pid() or 0] if pid])
 
     def _load_network(self, path: str | None) -> dict | None:
         if not path:
             return None
-        import json
         with open(path) as f:
             net = json.load(f)
         return {"self": net["machines"][self.machine_id], "machines": net["machines"]}
 
-    def _probes(self, kmsg: str | None, min_free_bytes: int) -> list:
-        """The machine's probes: GPU (NVML or simulated), kernel log, NIC, disk."""
-        from stalwart.agent.probes.simgpu import SimGpu
-        if os.path.exists(self.simgpu_path):
-            os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
-        SimGpu(self.simgpu_path, self.gpus)
-        open(self.kmsg_path, "a").close()
-        probes = [GpuProbe(make_gpu_source(self.simgpu_path, self.gpus), interval_s=1.0),
-                  KmsgProbe(kmsg or self.kmsg_path, interval_s=0.5),
-                  DiskProbe([self.workdir], min_free_bytes=min_free_bytes, min_free_ratio=0.5,
-                            interval_s=1.0, fake_free_bytes_file=self.disk_override)]
-        if self.netns is not None:
-            # The host end of the machine's veth mirrors its NIC the way a switch port does.
-            probes.append(NicProbe([self.netns.host_ifname], interval_s=1.0))
-        return probes
+    def _has_sdk(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self._conns
+
+    def _refill_due(self) -> bool:
+        """Spares are started once the run is through its start-up: 5 s after it began and a rank
+        here reported a step (a script without the SDK reports none: after a minute)."""
+        if self._refill_at is None:
+            return False
+        late = time.time() - self._refill_at[0]
+        return late >= 0 and (bool(self._last_step) or late >= PLAIN_REFILL_AFTER_S)
 
     def _send_to_rank(self, rank: int, msg: dict) -> None:
         w = self.workers.by_rank(rank)
@@ -148,12 +165,14 @@ class Agent:
                      "priority back needs root)")
         self.monitor.start()
         self.metrics.start()
+        self.progress.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._command_loop, "commands"),
                              (self._sender_loop, "events")):
             threading.Thread(target=target, name=name, daemon=True).start()
         self._stop.wait()
         self.monitor.stop()
         self.metrics.stop()
+        self.progress.stop()
         self.chaos.cleanup()
         self.workers.stop()
         self.warm.stop()
@@ -185,6 +204,7 @@ class Agent:
     def _register(self) -> None:
         reply = self.client.post(f"/api/agents/{self.machine_id}/register", p.encode(self.registration()))
         self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
+        self.progress.period_s = self.heartbeat_s
         # beats may ride on events when the controller allows 3 missed beats or more (a
         # controller that does not say so gets every heartbeat)
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
@@ -257,8 +277,8 @@ class Agent:
             if not self.registered.wait(0.5):
                 continue
             wait = 5.0
-            if self._refill_at is not None:
-                wait = max(0.0, min(wait, self._refill_at[0] - time.time()))
+            if self._refill_at is not None:   # (until the run's first step, look again each second)
+                wait = max(0.0 if self._last_step else 1.0, min(wait, self._refill_at[0] - time.time()))
             try:
                 reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait={wait:.2f}",
                                         timeout=15)
@@ -277,7 +297,7 @@ class Agent:
                     log.exception("command %s failed", raw.get("type"))
                     self.emit({"type": "command_failed", "command": raw.get("type"),
                                "kind": raw.get("kind"), "error": str(e)})
-            if self._refill_at is not None and time.time() >= self._refill_at[0]:
+            if self._refill_due():
                 _, run_cmd = self._refill_at
                 self._refill_at = None
                 self._refill(run_cmd)
@@ -348,8 +368,12 @@ class Agent:
                 self._report_spares()
             if kind == "failing":
                 self._on_worker_failing(pid, msg)
+            if kind == "shard" and isinstance(msg.get("rank"), int):
+                self.ckpt.on_shard(msg["rank"], int(msg.get("step", -1)), str(msg.get("path", "")))
+                continue
             if kind == "step" and isinstance(msg.get("rank"), int):
                 self._last_step[msg["rank"]] = int(msg.get("step", -1))
+                self.chaos_cmds.on_step()
             if kind in FORWARDED:
                 msg["run"] = self._run
                 self.emit(msg)
@@ -365,7 +389,7 @@ class Agent:
         elif isinstance(cmd, p.Stop):
             self._stop_workers(cmd.run, cmd.grace_s)
         elif isinstance(cmd, p.Chaos):
-            self._chaos(cmd)
+            self.chaos_cmds.command(cmd)
         elif isinstance(cmd, p.Trace):
             self._trace(cmd)
         elif isinstance(cmd, p.Diagnose):
@@ -404,7 +428,8 @@ class Agent:
         path = p.python_path(spec.code_path, env.get("PYTHONPATH"))
         if path:
             env["PYTHONPATH"] = path
-        return env
+        # the flight-recorder hook of every worker (worker/frhook.py): hang evidence without the SDK
+        return hook_env(env, self.progress.fr_dir, self.heartbeat_s)
 
     def _prepare_run(self, cmd: p.Start) -> list[dict[str, str]] | None:
         """Checkpoint set-up and restore shards for a run; the extra env of each worker, or None
@@ -412,26 +437,7 @@ class Agent:
         if cmd.spec.job != self._job:
             self.ckpt.clear_own()
             self._job = cmd.spec.job
-        if cmd.ckpt is not None:
-            backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
-                if cmd.ckpt.backup is not None else None
-            self.ckpt.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
-        extra = []
-        for w in cmd.workers:
-            env = p.rank_env(w)
-            if w.restore:
-                candidates = [msgspec.to_builtins(c) for c in w.restore]
-                try:
-                    tier, path, errors = self.ckpt.materialize(w.rank, candidates)
-                except RestoreFailed as e:
-                    self.emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
-                               "step": w.restore[0].step, "error": str(e)})
-                    return None
-                env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
-                self.emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
-                           "step": w.restore[0].step, "tier": tier, "skipped": errors})
-            extra.append(env)
-        return extra
+        return self.ckpt.prepare_run(cmd, self.emit)
 
     def _cold_start(self, cmd: p.Start, extra: list[dict[str, str]]) -> None:
         base = self._spec_env(cmd.spec)
@@ -443,6 +449,7 @@ class Agent:
         """Start a run's workers: hand the ranks to warm workers when they are ready, else cold."""
         self.workers.stop()
         self._last_step.clear()
+        self.progress.reset()
         extra = self._prepare_run(cmd)
         if extra is None:
             return
@@ -473,7 +480,8 @@ class Agent:
         if self.keep_warm and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
-            self._refill_at = (time.time() + 5.0, cmd)   # after the run is through its start-up
+            # after the run is through its start-up: 5 s on, once a rank here reported a step
+            self._refill_at = (time.time() + 5.0, cmd)
 
     def _hand_over(self, cmd: p.Start, extra: list[dict[str, str]], pids: list[int]) -> None:
         by_pid = {w.proc.pid: w for w in self.warm.workers}
@@ -547,37 +555,10 @@ class Agent:
             self._warm_key = None
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
-    def _chaos(self, chaos: p.Chaos) -> None:
-        cmd = {"type": "chaos", "kind": chaos.kind, "rank": chaos.rank, "step": chaos.step,
-               "from_step": chaos.step, **chaos.params}
-        if cmd["kind"] == "machine-down":
-            self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
-            time.sleep(0.05)  # let the sender thread carry the injection time out
-            for pid in self.workers.pids() + self.warm.pids() + [self.diagnoser.warm_pid() or 0]:
-                if not pid:
-                    continue
-                kill_tree(pid)
-            os._exit(137)
-        t = self.chaos.apply(cmd)
-        self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
-
     def _trace(self, cmd: p.Trace) -> None:
-        """Stacks of every training process of this machine (workers and their children), with
-        each worker's process state: a stopped or frozen worker is itself evidence."""
-        import psutil
-
-        from stalwart.agent.tracer import capture
-        pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None}
-        try:
-            records = capture(pids, timeout_s=cmd.timeout_s, machine=self.machine_id)
-        except FileNotFoundError as e:      # py-spy missing: states alone still tell a lot
-            records = [{"rank": r, "pid": p, "role": "worker", "machine": self.machine_id,
-                        "threads": [], "error": str(e)} for r, p in pids.items()]
-        for rec in records:
-            try:
-                rec["status"] = psutil.Process(rec["pid"]).status()
-            except psutil.Error:
-                rec["status"] = "gone"
+        """Stacks, process states and flight-recorder summaries of this machine's workers."""
+        pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None and w.rank is not None}
+        records = trace_workers(pids, cmd.timeout_s, self.machine_id, self.progress.summaries)
         self.emit({"type": "stacks", "run": cmd.run, "records": records})
 
     # -- worker exits ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Deque
 
 DEFAULT_LIMIT = 20_000
 # What may be dropped, first to last; every other kind is evidence (`protocol.EVIDENCE`).
-DROP_ORDER = ("metrics", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed", "standby_ready")
+DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed",
+              "standby_ready")
 
 
 class Outbox:

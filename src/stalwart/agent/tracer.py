@@ -20,7 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import psutil
 
@@ -142,3 +142,29 @@ def capture(pids_by_rank: Mapping[int, int], timeout_s: float = 5.0, machine: An
     with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(unique))),
                             thread_name_prefix="stalwart-tracer") as pool:
         return list(pool.map(one, unique))
+
+
+def trace_workers(pids_by_rank: Mapping[int, int], timeout_s: float, machine: Any,
+                  flight_recorder: Callable[[dict[int, set[int]]], dict[int, dict]] | None = None) -> list[dict]:
+    """What a machine answers a `trace` command with: the stacks of every training process
+    (:func:`capture`) with each process' state (a stopped or frozen worker is itself evidence), and
+    each worker's flight-recorder summary where it has one (``flight_recorder(trees)``: rank ->
+    summary, given each rank's process-tree pids). Without py-spy the states alone still tell a lot."""
+    try:
+        records = capture(pids_by_rank, timeout_s=timeout_s, machine=machine)
+    except FileNotFoundError as e:
+        records = [{"rank": r, "pid": p, "role": "worker", "machine": machine, "threads": [], "error": str(e)}
+                   for r, p in pids_by_rank.items()]
+    trees: dict[int, set[int]] = {}
+    for rec in records:
+        try:
+            rec["status"] = psutil.Process(rec["pid"]).status()
+        except psutil.Error:
+            rec["status"] = "gone"
+        if rec.get("rank") is not None:
+            trees.setdefault(rec["rank"], set()).add(rec["pid"])
+    summaries = flight_recorder(trees) if flight_recorder is not None else {}
+    for rec in records:
+        if rec.get("role") == "worker" and rec.get("rank") in summaries:
+            rec["flight_recorder"] = summaries[rec["rank"]]
+    return records

@@ -5,10 +5,13 @@ Input: one dump per rank of ``torch._C._distributed_c10d._dump_fr_trace_json()``
 is a JSON object whose ``entries`` each carry ``pg_id``, ``process_group``
 (``[id, name]``), ``collective_seq_id`` (per process group, 1-based, 0 for
 point-to-point ops), ``p2p_seq_id``, ``is_p2p``, ``profiling_name`` (e.g.
-``"gloo:all_reduce"``) and ``retired`` (completed).  With gloo ``pg_config`` is
-empty and send/recv are not recorded (measured with torch 2.13), so group membership is taken from
-``pg_ranks`` when given, otherwise from
-the ranks that recorded an entry for the group.
+``"gloo:all_reduce"``) and ``retired`` (completed). A group is identified across ranks by its
+name (``process_group[0]``), not by ``pg_id``, which counts the groups each process created: with
+``new_group(..., use_local_synchronization=True)`` (the SDK's groups) each rank creates only its own,
+so two different data-parallel groups share a pg_id while their names (a hash of the members) differ.
+With gloo ``pg_config`` is empty and send/recv are not recorded (measured with torch 2.13), so
+group membership is taken from ``pg_ranks`` when given, otherwise from the ranks that recorded an
+entry for the group.
 
 :func:`laggards` is pure: per process group, the highest collective sequence id
 any rank reached is the collective the job is stuck on; the ranks whose last id
@@ -75,7 +78,8 @@ def parse(dump: str | bytes | Mapping[str, Any]) -> list[Op]:
     for i, e in enumerate(dump.get("entries", [])):
         try:
             pg = e.get("process_group") or [str(e["pg_id"]), ""]
-            ops.append(Op(pg_id=str(e["pg_id"]), pg_name=str(pg[1]) if len(pg) > 1 else "",
+            ops.append(Op(pg_id=str(pg[0]) if pg and pg[0] not in (None, "") else str(e["pg_id"]),
+                          pg_name=str(pg[1]) if len(pg) > 1 else "",
                           seq=int(e.get("collective_seq_id", 0)),
                           p2p_seq=int(e.get("p2p_seq_id", 0)), is_p2p=bool(e.get("is_p2p")),
                           name=str(e.get("profiling_name", "")), retired=bool(e.get("retired")),

@@ -25,6 +25,7 @@ from typing import Callable
 
 from stalwart import auth
 from stalwart.agent.workers import die_with_parent, kill_tree
+from stalwart.backends.base import Backend
 from stalwart.client import Client, ControllerUnreachable
 
 log = logging.getLogger("stalwart.local")
@@ -46,7 +47,14 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "stalwart.cli"]
 
 
-class LocalCluster:
+class LocalCluster(Backend):
+    """The local backend: a fixed set of machines on this host, started with the cluster (N
+    active, S standby, P spare): `request` has none to add, the pool refills from the spares, and
+    an evicted machine stays up (its role keeps it out; its logs and state stay for a look)."""
+
+    kind = "local"
+    listen_host = "127.0.0.1"        # where the controller listens (a Slurm cluster's: every address)
+
     def __init__(self, state_dir: str, machines: int, gpus_per_machine: int,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, db_url: str | None = None,
                  log_level: str = "INFO", network: str = "auto"):
@@ -66,6 +74,7 @@ class LocalCluster:
         self.network_mode = network
         self.net = None                    # backends.netns.Network when machines have their own network
         self.network_file: str | None = None
+        self._netns_machines: dict[str, dict] = {}      # machine -> its namespace (network.json)
         self.store_host = "127.0.0.1"
         self.controller_restarts = 0
         self.on_controller_restart: Callable[[str], None] | None = None   # told what happened
@@ -111,9 +120,8 @@ class LocalCluster:
         self.store_host = self._start_network()
         self._stopping.clear()
         # a fresh cluster: jobs an earlier one left in this state dir cannot be resumed
-        self._start_controller("127.0.0.1:0", timeout, extra=["--abandon-running"])
-        for i in range(self.n):
-            self.start_agent(f"m{i}")
+        self._start_controller(f"{self.listen_host}:0", timeout, extra=["--abandon-running"])
+        self.start_agents(self.url, self.n)
         self.wait_registered(timeout)
         threading.Thread(target=self._supervise, name="controller-supervisor", daemon=True).start()
         return self.url
@@ -126,7 +134,7 @@ class LocalCluster:
             _python() + ["controller", "--db", self.db_url, "--listen", listen,
                          "--state-dir", self.state_dir, "--port-file", port_file, "--store-host", self.store_host,
                          "--heartbeat", str(self.heartbeat_s), "--missed-beats", str(self.missed_beats),
-                         "--log-level", self.log_level] + list(extra), "controller.log")
+                         "--log-level", self.log_level] + self.controller_args() + list(extra), "controller.log")
         self.controller = proc
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
@@ -151,9 +159,9 @@ class LocalCluster:
                 port = (self.url or "").rsplit(":", 1)[-1]
                 try:
                     try:
-                        self._start_controller(f"127.0.0.1:{port}", 60.0)
+                        self._start_controller(f"{self.listen_host}:{port}", 60.0)
                     except RuntimeError:          # the port was taken meanwhile
-                        self._start_controller("127.0.0.1:0", 60.0)
+                        self._start_controller(f"{self.listen_host}:0", 60.0)
                 except RuntimeError as e:
                     log.error("could not restart the controller: %s", e)
                     if self.on_controller_restart:
@@ -180,15 +188,69 @@ class LocalCluster:
         prefix = "sw" + os.urandom(3).hex()
         self.net = netns.Network(prefix, state_dir=os.path.join(self.state_dir, "netns"))
         self.net.create()
-        machines = {}
-        for i in range(self.n):
-            m = self.net.add_machine(i)
-            machines[f"m{i}"] = {k: getattr(m, k) for k in ("name", "index", "ns", "ifname", "host_ifname",
-                                                             "address", "gateway", "prefix")}
         self.network_file = os.path.join(self.state_dir, "network.json")
-        with open(self.network_file, "w") as f:
-            json.dump({"prefix": prefix, "gateway": self.net.gateway, "machines": machines}, f)
+        for i in range(self.n):
+            self._add_namespace(i)
         return self.net.gateway
+
+    def _add_namespace(self, i: int) -> None:
+        """Machine `i`'s namespace, recorded in the network file its agent reads at start."""
+        assert self.net is not None and self.network_file is not None
+        m = self.net.add_machine(i)
+        self._netns_machines[f"m{i}"] = {k: getattr(m, k) for k in ("name", "index", "ns", "ifname",
+                                                                      "host_ifname", "address", "gateway",
+                                                                      "prefix")}
+        tmp = self.network_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"prefix": self.net.prefix, "gateway": self.net.gateway, "machines": self._netns_machines}, f)
+        os.replace(tmp, self.network_file)
+
+    # -- machines coming and going while the cluster runs ----------------------------------------
+    def add_machine(self, timeout: float = 60.0) -> str:
+        """One more machine (the next free name), registered idle: what a cluster's provisioning
+        hands back (a repaired or a new host); a running job's standby pool refills from it."""
+        with self._ctl_lock:
+            i, self.n = self.n, self.n + 1
+            machine = f"m{i}"
+            if self.net is not None:
+                self._add_namespace(i)
+            self.start_agent(machine)
+        self.wait_registered(timeout)
+        return machine
+
+    def retire_machine(self, machine: str) -> None:
+        """Stop a machine's agent and workers and remove its namespace (an evicted machine handed
+        back to the cluster); the controller calls it lost if a job still held it."""
+        with self._ctl_lock:
+            proc = self.agents.pop(machine, None)
+        if proc is not None:
+            kill_tree(proc.pid)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.net is not None and machine in self._netns_machines:
+            self.net.remove_machine(int(self._netns_machines.pop(machine)["index"]))
+
+    def controller_args(self) -> list[str]:
+        """More options for the controller (a backend's config)."""
+        return []
+
+    # -- the backend interface ----------------------------------------------------------------------
+    def start_agents(self, controller_url: str, count: int) -> list[str]:
+        names = [f"m{len(self.agents) + i}" for i in range(count)]
+        for m in names:
+            self.start_agent(m)
+        return names
+
+    def evict(self, machine: str, reason: str, labels: dict[str, str]) -> None:
+        """Nothing to tell: the controller's role keeps an evicted local machine out."""
+
+    def request(self, count: int) -> list[str]:
+        return []           # a fixed cluster: its standby pool refills from its --spare machines
+
+    def release(self) -> None:
+        self.stop()
 
     def start_agent(self, machine: str) -> None:
         extra = ["--network-file", self.network_file] if self.network_file else []
@@ -200,7 +262,7 @@ class LocalCluster:
                          "--token-file", self.token_file,
                          "--controller-file", self.controller_file] + extra + [
                          "--workdir", os.path.join(self.state_dir, "machines", machine),
-                         "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s),
+                         "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
                          "--log-level", self.log_level], f"agent-{machine}.log")
 
     def wait_registered(self, timeout: float) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 from stalwart.errors import InvalidRequest
 
@@ -100,17 +101,33 @@ def check_runnable(kind: str, euid: int | None = None) -> None:
 
 
 def validate_against(spec: ChaosSpec, machines_total: int, gpus_per_machine: int,
-                     active_machines: int) -> None:
-    """Check a chaos request against the cluster: machine exists, rank lives on it, host can do it."""
+                     active_machines: int, slots: Sequence[str] | None = None,
+                     known: Collection[str] | None = None) -> None:
+    """Check a chaos request against the cluster: machine exists, rank lives on it, host can do it.
+
+    At submit time the layout is the initial one (machines m0.., the first `active_machines` hold
+    the ranks in order). For a running job, `slots` (the machine of each slot, now) and `known`
+    (every machine the controller knows) say where ranks live after standbys took over."""
     check_runnable(spec.kind)
-    if spec.machine >= machines_total:
+    name = f"m{spec.machine}"
+    if known is not None:
+        if name not in known:
+            raise ChaosError(f"chaos {spec.kind}: machine {name} does not exist "
+                             f"(machines: {', '.join(sorted(known, key=_machine_order)) or 'none'})")
+    elif spec.machine >= machines_total:
         raise ChaosError(f"chaos {spec.kind}: machine {spec.machine} does not exist "
                          f"(machines are m0..m{machines_total - 1})")
-    if spec.rank is not None:
-        if spec.machine >= active_machines:
-            raise ChaosError(f"chaos {spec.kind}: machine m{spec.machine} is a standby and holds no "
-                             f"rank at start")
-        lo = spec.machine * gpus_per_machine
-        if not lo <= spec.rank < lo + gpus_per_machine:
-            raise ChaosError(f"chaos {spec.kind}: rank {spec.rank} does not live on machine "
-                             f"m{spec.machine} (it holds ranks {lo}..{lo + gpus_per_machine - 1})")
+    if spec.rank is None:
+        return
+    slots = list(slots) if slots is not None else [f"m{i}" for i in range(active_machines)]
+    if name not in slots:
+        raise ChaosError(f"chaos {spec.kind}: machine {name} holds no rank of the job "
+                         f"(its machines are {', '.join(slots)})")
+    lo = slots.index(name) * gpus_per_machine
+    if not lo <= spec.rank < lo + gpus_per_machine:
+        raise ChaosError(f"chaos {spec.kind}: rank {spec.rank} does not live on machine "
+                         f"{name} (it holds ranks {lo}..{lo + gpus_per_machine - 1})")
+
+
+def _machine_order(name: str) -> tuple[int, str]:
+    return (int(name[1:]) if name[1:].isdigit() else 1 << 30, name)

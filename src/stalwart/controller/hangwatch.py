@@ -7,7 +7,9 @@ The controller feeds a :class:`HangWatch` per run:
 
 * ``on_step(rank, step, t)`` when a rank reports a finished step through the SDK;
 * ``on_activity(rank, t)`` when the agent sees a worker make progress without the SDK
-  (its CPU time or its log file grew, see :func:`progressed` for that test).
+  (its CPU time or its log file grew outside a collective, see :func:`progressed`);
+* ``on_collectives(rank, count, t)`` for a rank without the SDK: how many collectives it has
+  entered (its flight recorder, sampled by the agent), when that grew.
 
 and calls ``check(now)`` periodically (every second is enough to fire within
 ``timeout + 1 s`` of the last progress).
@@ -27,8 +29,16 @@ Timeout (auto-calibrated, ByteRobust "no step progress past an auto-calibrated t
   count for ranks that report steps (a rank spinning in a stuck NCCL collective burns CPU
   and would otherwise never be declared hung).
 
-Ranks that never report a step (a plain torchrun script without the SDK) are judged on
-activity alone against the uncalibrated timeout.
+Ranks that never report a step (a plain torchrun script without the SDK) have no steps to
+calibrate on: their collectives stand in for steps. Once such a rank has entered new collectives
+more than ``hang_warmup_steps`` times, the intervals between those marks calibrate the timeout
+exactly as step intervals do; without a flight recorder (no marks) the uncalibrated timeout stays.
+Their activity counts at all times, because the agent counts CPU time only outside a collective (a
+rank spinning inside a stuck one shows no progress, see :func:`progressed`). And they are judged
+together: a rank waiting inside a collective may be waiting for another rank that computes, so
+step-less ranks are stalled only when none of them has progressed within the timeout (a data-
+parallel job stops as a whole when one rank stops; which rank it was is the flight recorder's and
+the stacks' business, not this timer's).
 """
 
 from __future__ import annotations
@@ -97,6 +107,9 @@ class _RankState:
     step_t: float | None = None
     reports: int = 0
     activity_t: float | None = None
+    coll: int | None = None          # collectives entered (ranks without the SDK)
+    coll_t: float | None = None
+    coll_marks: int = 0
 
 
 @dataclass
@@ -173,23 +186,47 @@ class HangWatch:
         if st.step is not None and step <= st.step:
             return
         if st.step_t is not None:
-            interval = t - st.step_t
             st.reports += 1
-            if st.reports > self.policy.hang_warmup_steps:
-                recent = self._recent.setdefault(rank, [])
-                recent.append(interval)
-                del recent[:-self.window]
-                if not self._calibrated:      # activity no longer counts: progress times may drop
-                    self._lower = None
-                self._calibrated = True
-            else:
-                self._warmup_max = max(self._warmup_max, interval)
+            self._interval(rank, st.reports, t - st.step_t)
         else:
             # the first report's distance from the start is a warm-up interval too
             if self.started_at is not None:
                 self._warmup_max = max(self._warmup_max, t - self.started_at)
             self._lower = None
         st.step, st.step_t = step, t
+        self._latched = None
+
+    def _interval(self, rank: int, marks: int, interval: float) -> None:
+        """One more interval between a rank's progress marks (steps, or collectives without the
+        SDK): past the warm-up marks it calibrates the timeout."""
+        if marks > self.policy.hang_warmup_steps:
+            recent = self._recent.setdefault(rank, [])
+            recent.append(interval)
+            del recent[:-self.window]
+            if not self._calibrated:      # activity no longer counts: progress times may drop
+                self._lower = None
+            self._calibrated = True
+        else:
+            self._warmup_max = max(self._warmup_max, interval)
+
+    def on_collectives(self, rank: int, count: int, t: float) -> None:
+        """Rank ``rank`` (without the SDK) had entered ``count`` collectives at ``t``.
+
+        A count that did not grow, a report older than the rank's last mark, and any count from a
+        rank that reports SDK steps (its steps are its progress) are ignored."""
+        rank, t = _rank(rank), _time("t", t)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"collective count must be a non-negative integer (got {count!r})")
+        st = self._touch(rank, t)
+        if st.step is not None or (st.coll is not None and count <= st.coll) or \
+                (st.coll_t is not None and t < st.coll_t):
+            return
+        if st.coll_t is not None:
+            st.coll_marks += 1
+            self._interval(rank, st.coll_marks, t - st.coll_t)
+        elif self.started_at is not None:
+            self._warmup_max = max(self._warmup_max, t - self.started_at)
+        st.coll, st.coll_t = count, t
         self._latched = None
 
     def on_activity(self, rank: int, t: float) -> None:
@@ -233,8 +270,10 @@ class HangWatch:
         are `warmup_timeout()` and `timeout()`, computed once per check (each looks at every
         rank's history: per rank, a check over thousands of ranks would be quadratic)."""
         if st.step is None:
-            times = [x for x in (st.activity_t, self.started_at, self._resumed_at) if x is not None]
-            return (max(times) if times else None), warmup
+            times = [x for x in (st.activity_t, st.coll_t, self.started_at, self._resumed_at) if x is not None]
+            # a rank calibrated on its collectives is judged on the calibrated timeout
+            return (max(times) if times else None), current if self._calibrated and st.coll is not None \
+                else warmup
         if not self._calibrated:
             times = [x for x in (st.step_t, st.activity_t, self._resumed_at) if x is not None]
             return max(times), current
@@ -256,9 +295,15 @@ class HangWatch:
         stalled: dict[int, float] = {}
         timeouts = []
         warmup, current = self.warmup_timeout(), self.timeout()
+        progress = {rank: self._progress(st, warmup, current) for rank, st in self._state.items()}
+        # step-less ranks are judged together (see the module docstring): the newest progress of any
+        shared = max((last for r, (last, _) in progress.items()
+                      if last is not None and self._state[r].step is None), default=None)
         lower = math.inf
         for rank, st in self._state.items():
-            last, limit = self._progress(st, warmup, current)
+            last, limit = progress[rank]
+            if st.step is None and shared is not None:
+                last = shared
             if last is not None:
                 lower = min(lower, last)
                 if now - last > limit:
@@ -274,7 +319,9 @@ class HangWatch:
         since = min(stalled.values())
         limit = max(timeouts)
         if top is None:
-            what = "no rank has reported a step"
+            marks = any(st.coll is not None for st in self._state.values())
+            what = ("no rank has reported a step" if not marks else
+                    "no rank entered a new collective or used CPU outside one")
         elif laggards:
             what = (f"ranks {laggards} never reported step {top} "
                     f"({len(self._state) - len(laggards)} others did)")
@@ -294,22 +341,31 @@ class HangWatch:
 @dataclass(frozen=True)
 class ActivitySample:
     """What the agent samples per worker without the SDK: cumulative CPU seconds of the
-    worker and its children, and the size of its log file in bytes."""
+    worker and its children, the size of its log files in bytes, and from its flight recorder
+    (None/False without one) how many collectives it has entered and whether it is inside one."""
 
     cpu_s: float
     log_bytes: int
+    collectives: int | None = None
+    in_collective: bool = False
 
 
 def progressed(prev: ActivitySample | None, cur: ActivitySample, min_cpu_s: float = 0.05) -> bool:
-    """Whether a worker made progress between two samples: its log grew, or it used at
-    least ``min_cpu_s`` more CPU.  A log that shrank (rotated) counts as growth; the first
-    sample (``prev`` None) is progress."""
+    """Whether a worker made progress between two samples: it entered a new collective; or,
+    outside a collective, its log grew or it used at least ``min_cpu_s`` more CPU.  Inside a
+    collective CPU time and log lines prove nothing (NCCL's wait spins, a watchdog thread
+    prints).  A log that shrank (rotated) counts as growth; the first sample (``prev`` None)
+    is progress."""
     if not isinstance(cur, ActivitySample) or (prev is not None and not isinstance(prev, ActivitySample)):
         raise ValueError("progressed needs ActivitySample values")
     if not min_cpu_s >= 0:
         raise ValueError(f"min_cpu_s must be >= 0 (got {min_cpu_s!r})")
     if prev is None:
         return True
+    if cur.collectives is not None and (prev.collectives is None or cur.collectives > prev.collectives):
+        return True
+    if cur.in_collective:
+        return False
     return cur.log_bytes != prev.log_bytes or cur.cpu_s - prev.cpu_s >= min_cpu_s
 
 

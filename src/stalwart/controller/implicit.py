@@ -119,9 +119,56 @@ def _ids(indices: list[int], by_index: dict) -> list[Any]:
     return [by_index[i] for i in indices]
 
 
+def stuck_groups(fr_dumps: Mapping[int, Any], pg_ranks: Mapping[str, list[int]] | None = None
+                 ) -> dict[str, flightrec.GroupLag]:
+    """The process groups some rank is blocked in (an unfinished collective), with the ranks
+    that never entered it. Groups whose members merely disagree with nobody waiting are left out:
+    a summary taken a moment apart from the others (a rank stopped mid-step, a group whose last
+    entry left the recorder's buffer) is no evidence of who holds the job up."""
+    return {k: g for k, g in flightrec.laggards(fr_dumps, pg_ranks).items() if g.waiting and g.laggards}
+
+
+def describe_group(members: Sequence[int], topo: Any) -> str:
+    """A group of ranks in the job's words: "the world", "dp group [1, 3]", or "ranks [...]"."""
+    ranks = sorted(members)
+    if ranks == list(range(topo.world_size)):
+        return "the world group"
+    for kind in ("tp", "cp", "ep", "dp", "pp"):
+        try:
+            if ranks and sorted(topo.group(kind, ranks[0])) == ranks and topo.size(kind) > 1:
+                return f"{kind} group {ranks}"
+        except ValueError:
+            break
+    return f"ranks {ranks}"
+
+
+def flightrec_evidence(fr_dumps: Mapping[int, Any], topo: Any, now: float) -> dict | None:
+    """What the ranks' flight-recorder summaries (agent/progress.py) say about a hang, for the
+    incident's record: per stuck group the collective (op and sequence number), the ranks waiting
+    in it and the ones that never entered it; and how long before `now` each laggard's recorder
+    last wrote (a stopped or frozen process stops writing). None when no group is stuck."""
+    groups = stuck_groups(fr_dumps)
+    if not groups:
+        return None
+    out = []
+    for g in groups.values():
+        out.append({"group": describe_group(list(g.last_seq), topo), "pg": g.pg_id, "op": g.stuck_op,
+                    "seq": g.stuck_seq, "waiting": list(g.waiting), "laggards": list(g.laggards),
+                    "laggard_last_seq": {str(r): g.last_seq[r] for r in g.laggards}})
+    lagging = sorted({r for g in groups.values() for r in g.laggards})
+    silent = {str(r): round(now - float(fr_dumps[r]["t"]), 1) for r in lagging
+              if isinstance(fr_dumps.get(r), Mapping) and isinstance(fr_dumps[r].get("t"), (int, float))}
+    summary = "; ".join(f"ranks {g['laggards']} never entered {g['op'] or 'a collective'} #{g['seq']} of "
+                        f"{g['group']} (ranks {g['waiting']} wait in it)" for g in out)
+    if silent:
+        summary += " (their recorders last wrote " + ", ".join(f"{s:g} s" for s in silent.values()) + \
+            " before the capture)"
+    return {"groups": out, "laggards": lagging, "silent_s": silent, "summary": summary}
+
+
 def _from_flightrec(fr_dumps: Mapping[int, Any], pg_ranks: Mapping[str, list[int]] | None,
                     topo: Any, max_fraction: float) -> tuple[Any, str] | None:
-    lags = flightrec.laggards(fr_dumps, pg_ranks)
+    lags = stuck_groups(fr_dumps, pg_ranks)
     lagging = flightrec.stuck_ranks(lags)
     if not lagging:
         return None
@@ -129,8 +176,9 @@ def _from_flightrec(fr_dumps: Mapping[int, Any], pg_ranks: Mapping[str, list[int
     agg = Aggregation(groups=[("entered", others), ("laggards", lagging)], outliers=lagging,
                       ambiguous=False, healthy=others)
     d = decide_eviction(agg, topo, max_fraction)
-    where = "; ".join(f"pg {g.pg_id}: ranks {g.laggards} never entered {g.stuck_op or 'a collective'} "
-                      f"#{g.stuck_seq}" for g in lags.values() if g.laggards)
+    where = "; ".join(f"ranks {g.laggards} never entered {g.stuck_op or 'a collective'} #{g.stuck_seq} of "
+                      f"{describe_group(list(g.last_seq), topo)} (ranks {g.waiting} wait in it)"
+                      for g in lags.values())
     return d, where
 
 

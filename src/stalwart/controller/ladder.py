@@ -67,18 +67,27 @@ def next_rung(previous: Sequence[str], replay_possible: bool) -> str:
 
 
 def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mapping[tuple, tuple],
-            missing: Iterable[str] = ()) -> dict:
+            missing: Iterable[str] = (), lost: Iterable[str] = ()) -> dict:
     """What the agents' check results say.
 
     `results` are the rows of every machine's `diag_result` (check, ok, machine, measure, and for
     `inter` the pair key). `pair_index` maps a pair key (round, machine_a, machine_b) to slot indices.
-    Machines in `missing` never reported (they timed out): that alone fails them.
+    Machines in `missing` never reported (they timed out): that alone fails them; machines in
+    `lost` fell silent during the checks. A machine that reported without a single row while
+    others have rows fails too: its check processes died (a machine going down takes them along).
     Returns {"bad": {machine: reason}, "links": [...], "summary": {...}}.
     """
-    bad: dict[str, str] = {m: "did not finish its checks in time" for m in missing}
+    results = list(results)
+    bad: dict[str, str] = {m: "lost during the checks (no heartbeat)" for m in lost}
+    for m in missing:
+        bad.setdefault(m, "did not finish its checks in time")
     by_check: dict[str, list[Mapping]] = defaultdict(list)
     for r in results:
         by_check[r["check"]].append(r)
+    answered = {r["machine"] for r in results}
+    for m in slots:
+        if results and m not in answered:
+            bad.setdefault(m, "its checks produced no result (their processes died)")
     for r in by_check.get("selftest", []) + by_check.get("intra", []):
         if not r.get("ok"):
             bad.setdefault(r["machine"], f"{r['check']} failed: {r.get('detail', '')}".strip())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from stalwart.controller import ledger
+from stalwart.controller.startup import startup_phases
 from stalwart.controller.store import Store
 
 
@@ -71,6 +72,7 @@ def build_report(store: Store, job_id: int, now: float | None = None,
         "wall_s": round(led.wall_s, 3), "productive_s": round(led.productive_s, 3),
         "ettr": round(led.ettr, 5), "window_ettr": round(led.window_ettr, 5),
         "unproductive_s": {k: round(v, 3) for k, v in led.unproductive.items()},
+        "startup_phases": startup_phases(events),
         "steps_lost": led.steps_lost, "incidents": incidents, "incidents_by_mechanism": by_mech,
         "machines": machines, "runs": runs, "losses": {str(k): v for k, v in losses.items()},
         "control_plane": gaps,

@@ -35,6 +35,8 @@ from stalwart.spec import JobSpec
 log = logging.getLogger("stalwart.controller")
 RUNNING_STATES = ("pending", "waiting", "running", "recovering", "tracing", "diagnosing", "replaying")
 ALIVE_EVERY_S = 1.0
+BACKEND_WATCH_S = 1.0     # how often the backend is asked whether the cluster took the machines away
+REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for this long
 MONITOR_EVERY_S = 0.1
 STALL_S = 0.5             # the monitor woke this much later than asked: the controller stalled
 # Chaos for the control plane: a file naming a job phase; the controller SIGKILLs itself right after
@@ -76,7 +78,9 @@ class Controller:
         self.store_host = store_host
         self.heartbeat_s = heartbeat_s
         self.missed_beats = missed_beats
-        self.backend = backend
+        self.backend = backend      # backends.base.Backend: evicts, refills, says when the cluster ended
+        self._requested: dict[str, float] = {}     # machines asked of the backend -> when
+        self._ended: str | None = None             # why the cluster took the machines away
         self.rendezvous = Rendezvous()
         self._lock = threading.RLock()
         self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False, last_beat=None)
@@ -93,6 +97,8 @@ class Controller:
         else:
             self._take_over(down_at)
         threading.Thread(target=self._monitor, name="heartbeat-monitor", daemon=True).start()
+        if backend is not None:
+            threading.Thread(target=self._watch_backend, name="backend-watch", daemon=True).start()
 
     # -- a restart ----------------------------------------------------------------------------------
     def _abandon(self) -> None:
@@ -217,6 +223,8 @@ class Controller:
                     if m["alive"] and now - m["last_beat"] > self.heartbeat_s * self.missed_beats:
                         m["alive"] = False
                         lost.append(m)
+            if lost and self._cluster_ended():
+                lost = []           # the jobs are cancelled with the cluster's reason
             for m in lost:
                 log.warning("machine %s lost: no heartbeat for %.1fs", m["id"], now - m["last_beat"])
                 self.store.upsert_machine(m["id"], last_beat=m["last_beat"])
@@ -264,10 +272,65 @@ class Controller:
             rec = self._machines.setdefault(machine, {"id": machine, "alive": False, "last_beat": None})
             rec.update(state=state, reason=reason, job_id=None if state == "idle" else job_id)
         if state == "evicted" and self.backend is not None:
+            from stalwart.backends.base import drain_reason
+            labels = dict((rec.get("info") or {}).get("labels") or {})
             try:
-                self.backend.evict(machine, f"stalwart: job {job_id} incident {incident}: {reason}")
+                self.backend.evict(machine, drain_reason(incident, reason), labels)
             except Exception:       # the cluster keeps its own view; the job goes on
                 log.exception("the backend could not evict %s", machine)
+
+    def request_machines(self, job_id: int, count: int) -> list[str]:
+        """A job's standby pool is short and no machine is free: ask the backend for `count`
+        machines, less those asked before that have not registered yet."""
+        if self.backend is None or count <= 0:
+            return []
+        now = time.time()
+        with self._lock:
+            for m, t in list(self._requested.items()):
+                if m in self._machines or now - t > REQUEST_TTL_S:
+                    del self._requested[m]
+            count -= len(self._requested)
+        if count <= 0:
+            return []
+        try:
+            names = self.backend.request(count)
+        except Exception:
+            log.exception("the backend could not provide %d machine(s)", count)
+            return []
+        with self._lock:
+            self._requested.update({m: now for m in names})
+        if names:
+            log.info("job %s: asked the cluster for %s", job_id, ", ".join(names))
+            self.store.commit(job_id, [("event", {"kind": "machines_requested", "t": now,
+                                                  "data": {"machines": names, "backend": self.backend.kind}})],
+                              None)
+        return names
+
+    def _watch_backend(self) -> None:
+        """When the cluster takes the machines away (a time limit, a preemption, a cancel of the
+        allocation), every live job ends, cancelled with the cluster's reason."""
+        while not self._stop.wait(BACKEND_WATCH_S):
+            self._cluster_ended()
+
+    def _cluster_ended(self) -> bool:
+        """Ask the backend whether the cluster ended; if so (once), cancel every live job with its
+        reason. Also asked before lost machines are reported: agents that Slurm stopped at a time
+        limit are the allocation's end, not machine faults to recover from."""
+        if self._ended is not None:
+            return True
+        try:
+            why = self.backend.ended() if self.backend is not None else None
+        except Exception:
+            log.exception("the backend could not say whether the cluster still runs")
+            return False
+        if why is None:
+            return False
+        self._ended = why
+        log.warning("the cluster ended: %s", why)
+        for runner in list(self.jobs.values()):
+            if not runner.terminal:
+                runner.post(Cancel(reason=why))
+        return True
 
     def job_finished(self, job_id: int, machines: list[str]) -> None:
         """A job ended: its machines go back to the free pool, its stores close."""
@@ -358,7 +421,7 @@ class Controller:
             raise InvalidRequest(str(e)) from None
         now = time.time()
         off = snapshot.versionable(spec.code_dir, self.state_dir)
-        job_id = self.store.create_job(spec.name, spec.to_dict(), now)
+        job_id = self.store.create_job(spec.name, spec.to_dict(), now, submitted=True)
         st = S.JobState(job_id=job_id, created_at=now, versioning_off=off,
                         chaos=[S.ChaosPlan(kind=c.kind, machine=c.machine, rank=c.rank, step=c.step,
                                            params=dict(c.params)) for c in chaos],
@@ -374,9 +437,7 @@ class Controller:
             st.versions, st.version_id, st.code_path = [row], row["id"], row["path"]
         else:
             log.info("job %s: hot update off: %s", job_id, off)
-        self.store.commit(job_id, [("event", {"kind": "job_submitted", "data": {"spec": spec.to_dict()},
-                                              "t": now}),
-                                   ("job", {"state": "running"})], S.dumps(st))
+        self.store.commit(job_id, [("job", {"state": "running"})], S.dumps(st))
         runner = JobRunner(self, spec, st)
         self.jobs[job_id] = runner
         runner.start()
@@ -420,7 +481,8 @@ class Controller:
         try:
             c = catalogue.parse(text)
             catalogue.validate_against(c, len(self._machines), runner.spec.gpus_per_machine,
-                                       runner.spec.machines)
+                                       runner.spec.machines, slots=list(runner.state.slots),
+                                       known=set(self._machines))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         runner.post(Inject(kind=c.kind, machine=c.machine, rank=c.rank, params=dict(c.params)))

@@ -223,8 +223,18 @@ class Store:
             raise ValueError(f"unknown store operation {kind!r}")
 
     # -- jobs ----------------------------------------------------------------------------------
-    def create_job(self, name: str, spec: dict, now: float) -> int:
-        return self._insert(jobs, name=name, spec=spec, state="pending", created_at=now)
+    def create_job(self, name: str, spec: dict, now: float, submitted: bool = False) -> int:
+        """A new job's row; with `submitted`, its `job_submitted` event in the same transaction (a
+        report can be built from the moment the job's id is known)."""
+        with self._lock, self.engine.begin() as c:
+            res = c.execute(jobs.insert().values(**_enc(dict(name=name, spec=spec, state="pending",
+                                                                created_at=now))))
+            key = res.inserted_primary_key
+            assert key is not None
+            job_id = int(key[0])
+            if submitted:
+                self._op(c, job_id, "event", {"kind": "job_submitted", "data": {"spec": spec}, "t": now})
+        return job_id
 
     def update_job(self, job_id: int, **values) -> None:
         self._update(jobs, jobs.c.id == job_id, **values)

@@ -71,6 +71,8 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--min-compute-s", type=float, default=0.0,
                    help="forward and backward of a step last at least this long (sleeps the rest): "
                         "emulates a bigger model's step time")
+    p.add_argument("--slow-while", metavar="FILE",
+                   help="while FILE exists, a step's compute lasts at least 1 s (a test paces the job)")
     p.add_argument("--plain", action="store_true",
                    help="bare torch.distributed instead of the stalwart worker SDK")
     p.add_argument("--ckpt-dir", default=None, help="--plain only: checkpoint directory")
@@ -283,8 +285,9 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         hang = getattr(ctx, "maybe_hang", None)
         local_loss = gpipe_step(stage, x, y, args.micro_batches, links,
                                 functools.partial(hang, step, "pp") if hang else None)
-        if args.min_compute_s > 0:
-            time.sleep(max(0.0, args.min_compute_s - (time.perf_counter() - t0)))
+        min_s = max(args.min_compute_s, 1.0 if args.slow_while and os.path.exists(args.slow_while) else 0.0)
+        if min_s > 0:
+            time.sleep(max(0.0, min_s - (time.perf_counter() - t0)))
         ctx.on_gradients(step, params)
         if hang:
             hang(step, "dp")
@@ -297,7 +300,9 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         metrics = {"loss": loss, "grad_norm": gnorm, "tokens": args.batch * cfg.seq_len}
         ctx.report(step, **metrics)
         if ctx.rank == 0 and args.log_every and step % args.log_every == 0:
-            print(json.dumps({"step": step, **metrics}), flush=True)
+            sdk = getattr(ctx, "blocking_s", None)     # (the worker SDK's own time, so far)
+            print(json.dumps({"step": step, **metrics, "t": round(time.time(), 4),
+                              **({"sdk_s": round(sdk, 6)} if sdk is not None else {})}), flush=True)
         history.append({"step": step, **metrics, "step_time": t1 - t0})
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             ctx.checkpoint({"model": stage.state_dict(), "optim": opt.state_dict(),

@@ -47,11 +47,13 @@ class Context:
     def __init__(self, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  cp: int | None = None, ep: int | None = None, timeout_s: float = 60.0):
         self._chaos: dict[str, dict] = {}
+        self._imported_at = time.time()       # torch and the training script are loaded
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
         self.link = AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
         if os.environ.get(Env.STANDBY) == "1":
             self._wait_for_activation()
+            self._imported_at = time.time()   # (a warm worker was loaded long before)
         env = os.environ
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
@@ -84,7 +86,8 @@ class Context:
         # ...on fewer layers where the job honours it (0: keep the job's own depth)
         self.replay_layers = _env_int(Env.REPLAY_LAYERS, 0) if self.replay else 0
         shm = None if self.replay else env.get(Env.SHM_DIR)
-        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2))) \
+        self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2)),
+                                           on_commit=self._shard_committed) \
             if shm else None
         self.cuda = torch.cuda.is_available() and env.get(Env.FORCE_CPU) != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
@@ -94,10 +97,19 @@ class Context:
         self._init_process_groups()
         self._step_t0 = time.time()
         self._compute_s = 0.0
+        # seconds the training thread spent inside the SDK's per-step calls (begin_step,
+        # on_gradients, report, the in-memory checkpoint): what stalwart costs a step
+        self.blocking_s = 0.0
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
         self._begin_t = time.time()
-        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run})
+        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run,
+                        "imported": self._imported_at, "ready": time.time()})
+
+    def _shard_committed(self, step: int, path: str) -> None:
+        """A snapshot is complete (the background commit thread): tell the agent at once, so it
+        streams the backup and makes durable copies without polling the shared memory."""
+        self.link.send({"type": "shard", "rank": self.rank, "step": step, "path": path})
 
     # -- set-up ------------------------------------------------------------------------------
     def _wait_for_activation(self) -> None:
@@ -199,18 +211,21 @@ class Context:
         A step's duration runs from the end of the previous step (its report) so that the time
         between steps (checkpointing, logging) counts as part of training, not as lost time.
         """
+        t0 = time.perf_counter()
         if self._last_report is None:
             self._step_t0 = time.time()
         err = self.gpu.fatal()
         if err is not None:
             raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
         slow = self.gpu.slowdown()
+        self.blocking_s += time.perf_counter() - t0
         if slow > 1.0 and self._compute_s > 0:
             time.sleep((slow - 1.0) * self._compute_s)   # a throttled GPU: every step takes longer
         self._begin_t = time.time()
 
     def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
         """Call after backward and before the data-parallel reduction of the gradients."""
+        t0 = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
         self._compute_s = time.time() - self._begin_t
         if self.chaos_active("nan", step):
@@ -223,10 +238,12 @@ class Context:
             # wrong although the norm this rank computed looked fine, so the per-rank norms do not
             # name the machine; the non-finite update shows only after the reduction.
             grads[0].view(-1)[0] = float("inf")
+        self.blocking_s += time.perf_counter() - t0
 
     def report(self, step: int, loss: float | None = None, grad_norm: float | None = None,
                tokens: int | None = None, **extra: float) -> None:
         """Report step metrics (sent to the agent off the training thread)."""
+        t0 = time.perf_counter()
         now = time.time()
         msg = {"type": "step", "rank": self.rank, "step": step, "t": now, "dur": now - self._step_t0,
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
@@ -234,6 +251,7 @@ class Context:
         msg.update(extra)
         self.link.send(msg)
         self._last_report = self._step_t0 = now
+        self.blocking_s += time.perf_counter() - t0
 
     def checkpoint(self, state: Any, step: int) -> None:
         """Checkpoint the state reached after `step`.
@@ -243,7 +261,9 @@ class Context:
         steps). Without one: a durable file every `ckpt_every` steps.
         """
         if self.mem is not None:
+            t0 = time.perf_counter()
             self.mem.snapshot(state, step)
+            self.blocking_s += time.perf_counter() - t0
             return
         if self.replay:
             return

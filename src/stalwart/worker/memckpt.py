@@ -29,7 +29,7 @@ import re
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 FORMAT = "stalwart-shard/1"
 ALIGN = 64
@@ -243,13 +243,14 @@ class MemCheckpointer:
     """
 
     def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05,
-                 slots: int = 2):
+                 slots: int = 2, on_commit: Callable[[int, str], None] | None = None):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         if not isinstance(slots, int) or isinstance(slots, bool) or not 2 <= slots <= 999:
             raise ValueError(f"slots must be an int from 2 to 999, got {slots!r}")
         self.dir = dir
         self.rank = rank
+        self.on_commit = on_commit          # (step, header path) once a snapshot is complete
         self.layout = dict(layout or {})
         self.headroom = headroom
         os.makedirs(dir, exist_ok=True)
@@ -318,6 +319,8 @@ class MemCheckpointer:
         crc = crc_of(slot.buf[:n].numpy()) if n else 0
         hdr["checksum"] = zlib.crc32(meta, crc)
         write_header(slot.base, hdr)
+        if self.on_commit is not None:
+            self.on_commit(hdr["step"], slot.base + ".hdr")
 
     def wait(self) -> None:
         """Block until every submitted snapshot is committed; re-raises a background failure."""

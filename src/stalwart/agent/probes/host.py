@@ -8,6 +8,10 @@ debounced over `warn_after` consecutive checks, never machine-certain:
   MemTotal) — the kernel OOM killer is near (CPU OOM is 10% of ByteRobust's incidents).
 - host_overload: 1-minute load average per CPU above `max_load_per_cpu` (CPU overload,
   11% of incidents, slows every rank of the job).
+- cpu_oom (with `oom_kills=True`): the kernel's OOM killer killed a process since the last check
+  (`oom_kill` of `<proc>/vmstat`, Linux 4.13+), reported at once. The kernel-log probe reports the
+  same kill with the victim's pid and name from /dev/kmsg, so the agent turns this on only where it
+  cannot read /dev/kmsg: one kill is one alert.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ def read_meminfo(path: str) -> dict[str, int]:
     return out
 
 
+def read_vmstat(path: str, key: str) -> int | None:
+    """One counter of a /proc/vmstat file (None when the kernel has no such counter)."""
+    with open(path, encoding="ascii") as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return None
+
+
 def read_loadavg(path: str) -> float:
     """The 1-minute load average from a /proc/loadavg file."""
     with open(path, encoding="ascii") as f:
@@ -52,6 +66,7 @@ class HostProbe(Probe):
         cpus: int | None = None,
         interval_s: float = 5.0,
         warn_after: int = 2,
+        oom_kills: bool = False,
     ) -> None:
         super().__init__()
         if min_available_bytes < 0 or not 0 <= min_available_ratio < 1:
@@ -67,6 +82,8 @@ class HostProbe(Probe):
         self.cpus = cpus or os.cpu_count() or 1
         self.interval_s = interval_s
         self._debounce = Debounce(warn_after)
+        self.oom_kills = oom_kills
+        self._oom: int | None = None
 
     def check(self, now: float) -> list[HealthEvent]:
         """Read memory and load once; warn on conditions that persisted `warn_after` checks."""
@@ -80,4 +97,11 @@ class HostProbe(Probe):
         if load / self.cpus > self.max_load_per_cpu:
             findings["host_overload"] = {"load1": load, "cpus": self.cpus}
         fired = self._debounce.observe_all(set(findings))
-        return [self.event(kind, "warn", False, now, **findings[kind]) for kind in sorted(fired)]
+        events = [self.event(kind, "warn", False, now, **findings[kind]) for kind in sorted(fired)]
+        if self.oom_kills:
+            kills = read_vmstat(os.path.join(self.proc_root, "vmstat"), "oom_kill")
+            if kills is not None and self._oom is not None and kills > self._oom:
+                events.append(self.event("cpu_oom", "warn", False, now, kills=kills - self._oom,
+                                         source="/proc/vmstat"))
+            self._oom = kills
+        return events

@@ -8,7 +8,9 @@ Checked every 30 s by default (Table 3: network items are inspected every 30 s).
 
 Events: nic_missing (interface gone), nic_down (operstate not up, or no carrier),
 nic_flap (carrier_changes grew since the last check), nic_errors (an error counter grew
-by at least `error_threshold`).
+by at least `error_threshold`), nic_drops (`rx_dropped` + `tx_dropped` grew by at least
+`drop_threshold` in one check: a host drops packets under load now and then, so only a burst
+counts).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class NicProbe(Probe):
         root: str = "/sys/class/net",
         interval_s: float = 30.0,
         error_threshold: int = 1,
+        drop_threshold: int = 1000,
     ) -> None:
         super().__init__()
         if interval_s <= 0:
@@ -58,6 +61,10 @@ class NicProbe(Probe):
         self.root = root
         self.interval_s = interval_s
         self.error_threshold = error_threshold
+        if drop_threshold < 1:
+            raise ValueError(f"NIC drop threshold must be >= 1, got {drop_threshold}")
+        self.drop_threshold = drop_threshold
+        self._drops: dict[str, dict[str, int]] = {}
         self._fixed = list(interfaces) if interfaces is not None else None
         self._carrier_changes: dict[str, int] = {}
         self._errors: dict[str, dict[str, int]] = {}
@@ -71,10 +78,10 @@ class NicProbe(Probe):
         except OSError:
             return []
 
-    def _counters(self, iface: str) -> dict[str, int]:
+    def _counters(self, iface: str, suffix: str = "_errors") -> dict[str, int]:
         stats = os.path.join(self.root, iface, "statistics")
         try:
-            names = sorted(n for n in os.listdir(stats) if n.endswith("_errors"))
+            names = sorted(n for n in os.listdir(stats) if n.endswith(suffix))
         except OSError:
             return {}
         out = {}
@@ -93,6 +100,7 @@ class NicProbe(Probe):
                 events.append(self.event("nic_missing", "warn", False, now, interface=iface))
                 self._carrier_changes.pop(iface, None)
                 self._errors.pop(iface, None)
+                self._drops.pop(iface, None)
                 continue
             state = _read(os.path.join(base, "operstate")) or "unknown"
             carrier = _read_int(os.path.join(base, "carrier"))
@@ -119,4 +127,10 @@ class NicProbe(Probe):
                 if grown:
                     events.append(self.event("nic_errors", "warn", False, now, interface=iface, delta=grown))
             self._errors[iface] = counters
+            drops, before_drops = self._counters(iface, "_dropped"), self._drops.get(iface)
+            self._drops[iface] = drops
+            if before_drops is not None:
+                delta = {k: v - before_drops[k] for k, v in drops.items() if k in before_drops and v > before_drops[k]}
+                if sum(delta.values()) >= self.drop_threshold:
+                    events.append(self.event("nic_drops", "warn", False, now, interface=iface, delta=delta))
         return events

@@ -86,6 +86,12 @@ class AssignMachine:
     incident: int | None = None
 
 
+@dataclass(frozen=True)
+class RequestMachines:
+    """The standby pool is short and no machine is free: ask the cluster's backend for more."""
+    count: int
+
+
 # -- agents ------------------------------------------------------------------------------------------
 
 
@@ -183,9 +189,10 @@ class SendChaos:
     rank: int | None
     step: int
     params: dict[str, Any] = field(default_factory=dict)
+    at_step: int | None = None      # armed on the agent until its ranks completed this many steps
 
 
 Action = Union[Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,
-               FinishJob, AssignMachine, StartRun, StopWorkers, Prewarm, PrepareSpares, TraceStacks,
+               FinishJob, AssignMachine, RequestMachines, StartRun, StopWorkers, Prewarm, PrepareSpares, TraceStacks,
                RunChecks, StartReplayGroup, CloseScratch, SendChaos]
 STORE_ACTIONS = (Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint)

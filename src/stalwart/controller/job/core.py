@@ -78,6 +78,8 @@ class JobCore:
             return self.run.on_ckpt(st, ev)
         if isinstance(ev, p.Metrics):
             return self.implicit.on_metrics(st, machine, ev)
+        if isinstance(ev, p.Activity):
+            return self.run.on_activity(st, ev)
         if isinstance(ev, p.WorkerExit):
             return self.failure.on_worker_exit(st, machine, ev, now)
         if isinstance(ev, p.Health):
@@ -92,6 +94,8 @@ class JobCore:
             return self.run.on_done(st, ev, now)
         if isinstance(ev, p.Started):
             return self.run.on_started(st, machine, ev, now)
+        if isinstance(ev, p.Hello):
+            return self.run.on_hello(st, ev)
         if isinstance(ev, p.RestoreSourceUsed):
             return self.run.on_restore_source(st, ev, now)
         if isinstance(ev, p.RestoreFailed):
@@ -102,7 +106,7 @@ class JobCore:
             return self.hotupdate.on_spares_ready(st, machine, ev.key, now)
         if isinstance(ev, p.CommandFailed):
             return self.failure.on_command_failed(st, machine, ev, now)
-        return []          # hello, restored, prewarmed, standby_ready: the agent's own business
+        return []          # restored, prewarmed, standby_ready: the agent's own business
 
     # -- timers ---------------------------------------------------------------------------------
     def tick(self, st: JobState, now: float) -> Actions:

@@ -98,8 +98,11 @@ class Executor:
             self._start_replay_group(act)
         elif isinstance(act, a.CloseScratch):
             ctl.rendezvous.close_scratch(self.job_id, act.name)
+        elif isinstance(act, a.RequestMachines):
+            ctl.request_machines(self.job_id, act.count)
         elif isinstance(act, a.SendChaos):
-            ctl.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params))
+            ctl.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params,
+                                             at_step=act.at_step))
         else:
             raise TypeError(f"the executor cannot perform {act!r}")
 

@@ -120,6 +120,10 @@ class RunState:
     restore_tiers: dict[int, str] = field(default_factory=dict)
     restore_skipped: dict[int, list[str]] = field(default_factory=dict)
     hang: HangWatch | None = None
+    # the workers' start-up as their SDK tells it (hello): ranks heard, latest import/ready times
+    hello_ranks: set[int] = field(default_factory=set)
+    imported_at: float = 0.0
+    ready_at: float = 0.0
 
 
 @dataclass
@@ -245,6 +249,21 @@ class Signals:
     step_times: list[tuple[float, int]] = field(default_factory=list)   # (t, step) for steps/s
 
 
+OPEN_END = 2 ** 62      # the end of a bad range no run has closed yet
+
+
+@dataclass
+class BadSteps:
+    """Checkpoint copies of steps [lo, hi) that must not be restored: the state after a NaN or a
+    jump (hi open until the restart), or a step whose copy failed its checksum. The step numbers
+    are reused: the run restored from before `lo` writes good copies of the same steps. So the
+    restart closes the range at the newest copy then held, and it lapses once a later run
+    committed step `until` (its own copies replaced the bad ones in every tier)."""
+    lo: int
+    hi: int
+    until: int | None = None       # None: open (no run has started since)
+
+
 @dataclass
 class HotUpdatePrep:
     """Spare workers warming up on a coming code version."""
@@ -261,6 +280,7 @@ class Pool:
     standby: list[str] = field(default_factory=list)
     warm: set[str] = field(default_factory=set)       # standbys whose workers are pre-spawned
     next_refill: float = 0.0
+    next_request: float = 0.0     # when the pool may next ask the cluster for machines
 
 
 @dataclass
@@ -308,7 +328,7 @@ class JobState:
     chaos: list[ChaosPlan] = field(default_factory=list)
     chaos_applied: list[float] = field(default_factory=list)  # injection times
     avail: Availability = field(default_factory=Availability)
-    bad_steps: list[tuple[int, int]] = field(default_factory=list)   # [lo, hi) never restored
+    bad_steps: list[BadSteps] = field(default_factory=list)   # copies never to be restored
     diag_seq: int = 0
     diag: Diagnosis | None = None
     replay: Replay | None = None
@@ -337,7 +357,7 @@ class JobState:
         return next((v for v in self.versions if v["id"] == self.version_id), None)
 
     def is_bad(self, step: int) -> bool:
-        return any(lo <= step < hi for lo, hi in self.bad_steps)
+        return any(b.lo <= step < b.hi for b in self.bad_steps)
 
     def bad_step_set(self, steps: set[int]) -> set[int]:
         """Which of `steps` must never be restored."""

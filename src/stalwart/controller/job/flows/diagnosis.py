@@ -98,6 +98,22 @@ class DiagnosisFlow:
         d.wait.discard(machine)
         return self.diagnosed(st, now) if not d.wait else []
 
+    def on_lost(self, st: JobState, machine: str, now: float) -> Actions:
+        """A machine fell silent during the checks: certain evidence, so the checks stop (its
+        partners would only wait out their bound for it) and the incident is localized again with
+        the machine lost: it is evicted, nobody else is blamed for its silence."""
+        d, inc = st.diag, st.incident
+        if d is None or inc is None or self.core.reconcile.pending(st):
+            return []
+        st.diag = None
+        took = round(now - d.started, 3)
+        inc.data["stop_time_checks"] = {"checks": d.checks, "seconds": took, "aborted": f"{machine} lost",
+                                        "results": d.results}
+        acts: Actions = [CloseScratch(name=d.name), save_data(inc),
+                         record("checks_done", now, incident=inc.seq, seconds=took, evict=[],
+                                aborted=f"{machine} lost")]
+        return acts + self.core.failure.recover(st, inc, self.core.failure.resolution(st, inc, now), now)
+
     def tick(self, st: JobState, now: float) -> Actions:
         d = st.diag
         if d is not None and d.wait and now > d.deadline:
@@ -110,7 +126,8 @@ class DiagnosisFlow:
         st.diag = None
         res = inc.resolution
         pair_index = {(k.round, k.a, k.b): (k.i, k.j) for k in d.pairs}
-        v = ladder.verdict(d.results, list(st.slots), pair_index, missing=sorted(d.wait))
+        v = ladder.verdict(d.results, list(st.slots), pair_index, missing=sorted(d.wait),
+                           lost=sorted(m for m in inc.lost if m in st.slots))
         ready = len(self.ctx.ready_standbys(st))
         evict, why = ladder.evictions(v, ready)
         took = round(now - d.started, 3)

@@ -110,20 +110,9 @@ class FailureFlow:
             noted.append(record("machine_unstopped", now, machine=sorted(inc.awaiting), incident=inc.seq))
         inc.lost |= inc.awaiting
         inc.awaiting = set()
-        self._close_bad_steps(st)
         acts: Actions = noted + [record("run_stopped", now, run=st.run_seq),
                          UpdateRun(seq=st.run_seq, fields={"stopped_at": now, "end_step": st.steps_done})]
         return acts + self.localize(st, now)
-
-    def _close_bad_steps(self, st: JobState) -> None:
-        """A corrupted run (NaN) marks its steps from the bad one on as never to be restored, open
-        ended while it runs; once it stopped it wrote nothing after its last step (plus the steps
-        a rank can be ahead in memory): the same step numbers trained again by the next run are
-        good. (Left open, every restore for 10,000 steps went back before the NaN.)"""
-        pending = st.run.pending.keys() if st.run is not None else ()
-        top = max([st.steps_done - 1, *pending])
-        hi = top + 1 + self.ctx.policy.mem_slots
-        st.bad_steps = [(lo, min(end, hi)) if lo <= top < end else (lo, end) for lo, end in st.bad_steps]
 
     # -- localizing and recovering ---------------------------------------------------------------
     def localize(self, st: JobState, now: float) -> Actions:
@@ -139,14 +128,18 @@ class FailureFlow:
             res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
                                     cause=inc.reason or "the controller restarted", mechanism="reattempt")
             return self.recover(st, inc, res, now)
-        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=tuple(inc.alerts),
-                             implicit_symptom=inc.symptom if inc.implicit else None,
-                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason)
-        res = policy.resolve(self.ctx.snapshot(st), ev, now)
+        res = self.resolution(st, inc, now)
         started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
         if started is not None:
             return started
         return self.recover(st, inc, res, now)
+
+    def resolution(self, st: JobState, inc: Incident, now: float) -> policy.Resolution:
+        """What the incident's evidence so far says (`policy.resolve`)."""
+        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=tuple(inc.alerts),
+                             implicit_symptom=inc.symptom if inc.implicit else None,
+                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason)
+        return policy.resolve(self.ctx.snapshot(st), ev, now)
 
     def _injected_at(self, st: JobState, inc: Incident) -> float | None:
         near = [t for t in st.chaos_applied if t <= inc.detected_at + 0.5 and inc.detected_at - t < 120]
@@ -282,6 +275,12 @@ class FailureFlow:
             inc.trace_wait.discard(machine)
             if st.phase == JobPhase.TRACING and not inc.trace_wait:
                 acts += self.core.implicit.finish_trace(st, now)
+        elif machine in st.slots and st.incident is not None and st.phase in (JobPhase.DIAGNOSING,
+                                                                              JobPhase.REPLAYING):
+            st.incident.lost.add(machine)      # evicted with the verdict: never restarted on
+            acts.append(record("machine_lost", now, machine=machine, incident=st.incident.seq))
+            acts += (self.core.diagnosis.on_lost(st, machine, now) if st.phase == JobPhase.DIAGNOSING
+                     else self.core.replay.on_lost(st, machine, now))
         if machine in st.pool.standby:
             st.pool.standby.remove(machine)
             st.pool.warm.discard(machine)

@@ -14,7 +14,8 @@ from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
 from stalwart.controller.job.actions import TraceStacks
 from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
-from stalwart.controller.job.state import FailSlow, JobPhase, JobState, PendingStep, Signals
+from stalwart.controller.job.state import (OPEN_END, BadSteps, FailSlow, JobPhase, JobState, PendingStep,
+                                           Signals)
 from stalwart.controller.peerwatch import PeerWatch
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class ImplicitFlow:
         acts = self.core.failure.open(st, "hang", now, trace=True)
         if st.incident is not None:
             st.incident.reason = verdict.reason
+            st.incident.data["hang"] = {"timeout_s": round(verdict.timeout_s, 3), "calibrated": verdict.calibrated,
+                                        "stalled_since": verdict.stalled_since,
+                                        "stalled_ranks": sorted(verdict.stalled)}
         return acts
 
     def on_stacks(self, st: JobState, machine: str, ev: protocol.Stacks, now: float) -> Actions:
@@ -102,12 +106,21 @@ class ImplicitFlow:
         stacks = inc.stacks
         odd = sorted({rec["rank"] for recs in stacks.values() for rec in recs
                       if rec.get("role") == "worker" and rec.get("status") in ABNORMAL_STATES})
+        # each rank's flight-recorder summary, where its agent had one (agent/progress.py)
+        fr = {rec["rank"]: rec["flight_recorder"] for recs in stacks.values() for rec in recs
+              if rec.get("role") == "worker" and isinstance(rec.get("rank"), int)
+              and isinstance(rec.get("flight_recorder"), dict)}
+        evidence = implicit.flightrec_evidence(fr, self.ctx.topo, now) if fr else None
         if odd:
             machines = [st.slots[i] for i in self.ctx.topo.machines_of(odd)]
             reason = f"rank(s) {odd} stopped or frozen on {', '.join(machines)}"
+            if evidence is not None:
+                reason += f"; flight recorder: {evidence['summary']}"
         elif stacks:
-            d = implicit.decide_hang(stacks, self.ctx.topo, list(st.slots))
+            d = implicit.decide_hang(stacks, self.ctx.topo, list(st.slots), fr_dumps=fr or None)
             machines, reason = list(d.machines), d.reason
+            if evidence is not None and d.source != "flightrec":
+                reason += f"; flight recorder: {evidence['summary']}"
             if machines and not self.ctx.policy.over_evict:
                 reason = f"{reason}; not evicting on stacks (policy.over_evict is off): stop-time checks decide"
                 machines = []
@@ -116,6 +129,8 @@ class ImplicitFlow:
         inc.implicit_evict = machines
         inc.reason = f"{inc.reason or 'hang'}; {reason}"
         inc.data.update(stacks=stacks, analysis=inc.reason)
+        if evidence is not None:
+            inc.data["flight_recorder"] = evidence
         acts: Actions = [save_data(inc), record("incident_traced", now, incident=inc.seq, machines=machines)]
         return acts + self.core.failure.stop_run(st, now)
 
@@ -137,7 +152,7 @@ class ImplicitFlow:
             return None
         local = {r: v for r, v in acc.local.items() if v is not None}
         culprits = [st.slots[i] for i in culprit_machines(local, self.ctx.topo)] if local else []
-        st.bad_steps.append((s, s + 10_000))          # never restore the corrupted state
+        st.bad_steps.append(BadSteps(lo=s, hi=OPEN_END))      # never restore the corrupted state
         kind = "nan" if "nan" in reason.lower() or "inf" in reason.lower() else "loss_spike"
         acts = self.core.failure.open(st, kind, now)
         if st.incident is not None:

@@ -1,12 +1,12 @@
 """The warm standby pool while the job runs: keep it at its size (`--standby N|auto`, the P99 of
 Binomial(machines, daily failure rate)) by taking idle machines (a spare of the local backend, an
-agent that registers later), warming their workers at once so the next failover does not wait
-for `import torch`."""
+agent that registers later), warming their workers so the next failover does not wait for
+`import torch` (from the job's first step on: until then they would slow the first start)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stalwart.controller.job.actions import AssignMachine, Prewarm
+from stalwart.controller.job.actions import AssignMachine, Prewarm, RequestMachines
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import JobState
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
 
 REFILL_EVERY_S = 1.0
+REQUEST_EVERY_S = 5.0     # asks the cluster again at most this often (the controller counts those coming)
 
 
 class PoolFlow:
@@ -23,6 +24,13 @@ class PoolFlow:
     def prewarm(self, st: JobState, machine: str) -> Actions:
         st.pool.warm.add(machine)
         return [Prewarm(machine=machine, code_path=st.code_path, version=st.version_id)]
+
+    def warm_standbys(self, st: JobState) -> Actions:
+        """Pre-spawn the workers of the standbys that have none yet."""
+        acts: Actions = []
+        for m in [m for m in st.pool.standby if m not in st.pool.warm]:
+            acts += self.prewarm(st, m)
+        return acts
 
     def refill(self, st: JobState, now: float) -> Actions:
         if now < st.pool.next_refill:
@@ -34,8 +42,16 @@ class PoolFlow:
             st.pool.warm.discard(m)
         short = want - len(st.pool.standby)
         acts: Actions = []
+        started = st.best_steps > 0          # the job's first step is done
+        if started:
+            acts += self.warm_standbys(st)
         for m in self.ctx.cluster.free()[:max(0, short)]:
             st.pool.standby.append(m)
-            acts += [AssignMachine(machine=m, state="standby")] + self.prewarm(st, m)
+            acts += [AssignMachine(machine=m, state="standby")] + (self.prewarm(st, m) if started else [])
             acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
+        short = want - len(st.pool.standby)
+        if short > 0 and now >= st.pool.next_request:
+            # nothing free: the cluster's backend may provide (a Slurm allocation, a new pod)
+            st.pool.next_request = now + REQUEST_EVERY_S
+            acts.append(RequestMachines(count=short))
         return acts

@@ -102,6 +102,24 @@ class ReplayFlow:
             return []       # this group still runs: `check` would wait too (without looking at every group)
         return self.check(st, now)
 
+    def on_lost(self, st: JobState, machine: str, now: float) -> Actions:
+        """A machine fell silent during the replay: that is certain evidence, no need to finish the
+        replay. Its groups are stopped and the lost machines are evicted."""
+        rp, inc = st.replay, st.incident
+        if rp is None or inc is None or inc.resolution is None or self.core.reconcile.pending(st):
+            return []
+        st.replay = None
+        lost = sorted(m for m in inc.lost if m in st.slots)
+        acts: Actions = [StopWorkers(machines=list(g.machines), run=run) for run, g in rp.groups.items()]
+        acts += [CloseScratch(name=rp.name),
+                 record("replay_done", now, incident=inc.seq, machines=lost, seconds=round(now - rp.started, 3))]
+        res = dataclasses.replace(inc.resolution, mechanism="evict_restart", evict=lost, suspects=lost,
+                                  cause=f"{inc.resolution.cause}; {', '.join(lost)} lost during the dual-phase replay")
+        short = policy.standby_shortfall(lost, len(self.ctx.ready_standbys(st)))
+        if short is not None:
+            res = dataclasses.replace(res, mechanism="fail", fail_reason=short)
+        return acts + self.core.failure.recover(st, inc, res, now)
+
     def check(self, st: JobState, now: float) -> Actions:
         rp = st.replay
         assert rp is not None

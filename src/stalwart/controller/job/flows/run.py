@@ -12,7 +12,7 @@ from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
-from stalwart.controller.job.state import ChaosPlan, JobPhase, JobState, PendingStep, RunState
+from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
 
 if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
@@ -41,8 +41,9 @@ class RunFlow:
         st.slots = free[:spec.machines]
         st.pool.standby = free[spec.machines:spec.machines + want]
         acts: Actions = [AssignMachine(machine=m, state="active") for m in st.slots]
-        for m in st.pool.standby:      # standbys warm up on the code the runs use
-            acts += [AssignMachine(machine=m, state="standby")] + self.core.pool.prewarm(st, m)
+        # standbys warm up once the first step is done (pool.refill): their `import torch` must not
+        # compete with the first run's start-up for the machines' (or, locally, the host's) CPUs
+        acts += [AssignMachine(machine=m, state="standby") for m in st.pool.standby]
         if st.versioning_off:
             log.info("job %s: hot update off: %s", st.job_id, st.versioning_off)
         return acts + self.start_run(st, -1, {}, now)
@@ -66,9 +67,27 @@ class RunFlow:
                           machines=list(st.slots),
                           hang=HangWatch(self.ctx.policy, ranks=range(self.ctx.world), started_at=now))
         self.core.implicit.new_run(st, now)
+        lost = max(0, st.steps_done - start_step)
+        if lost:            # the rolling signals forget the steps this run trains again
+            sig = st.signals
+            sig.loss_hist, sig.grad_hist = sig.loss_hist[:-lost], sig.grad_hist[:-lost]
         st.steps_done = start_step
         st.progress_at_run_start = st.best_steps
+        self._close_bad_steps(st)
         return acts
+
+    def _close_bad_steps(self, st: JobState) -> None:
+        """A run starts from before every bad range: an open range ends at the newest copy held
+        now (the bad run's), and lapses once this run's copies have replaced those (its commits
+        past the range, plus the memory slots a backup may trail by)."""
+        held = [s for tiers in st.avail.copies.values() for by_step in tiers.values() for s in by_step]
+        for b in st.bad_steps:
+            if b.until is None:
+                b.hi = min(b.hi, max([s + 1 for s in held if s >= b.lo], default=b.lo + 1))
+                b.until = b.hi + self.ctx.policy.mem_slots
+
+    def _lapse_bad_steps(self, st: JobState) -> None:
+        st.bad_steps = [b for b in st.bad_steps if b.until is None or st.steps_done <= b.until]
 
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
@@ -108,8 +127,13 @@ class RunFlow:
         assert st.run is not None
         acts: Actions = [record("step", acc.t, run=st.run_seq, step=s, dur=acc.dur, loss=acc.loss,
                                 grad_norm=acc.grad_norm, tokens=acc.tokens)]
+        first = st.best_steps == 0
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
+        if first:                   # the job trains: the standbys may warm up now
+            acts += self.core.pool.warm_standbys(st)
+        if st.bad_steps:
+            self._lapse_bad_steps(st)
         st.run.committed += 1
         if st.run.committed % RANK_TIMES_EVERY == 0 and acc.times:
             times = [acc.times.get(r, (None, None)) for r in range(self.ctx.world)]
@@ -140,9 +164,42 @@ class RunFlow:
             return self.core.failure.finish(st, "succeeded", None, now)
         return []
 
+    def on_activity(self, st: JobState, ev: protocol.Activity) -> Actions:
+        """Progress without step reports (CPU outside a collective, new collectives): the hang
+        timer's evidence for a plain script, and for any rank before its first step."""
+        run = st.run
+        if run is None or run.hang is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
+            return []
+        world = self.ctx.world
+        for r in ev.ranks:
+            if 0 <= r < world:
+                run.hang.on_activity(r, ev.t)
+        for r, count in ev.collectives.items():
+            if 0 <= r < world and count >= 0:
+                run.hang.on_collectives(r, count, ev.t)
+        return []
+
+    def on_hello(self, st: JobState, ev: protocol.Hello) -> Actions:
+        """A worker's SDK is up; once every rank of the run is, the run's start-up is recorded
+        (the ledger splits the job's start-up into waiting, spawn, import, rendezvous, first step)."""
+        run = st.run
+        if run is None or ev.run != st.run_seq or ev.rank is None or ev.imported is None or ev.ready is None:
+            return []
+        if ev.rank in run.hello_ranks:
+            return []
+        run.hello_ranks.add(ev.rank)
+        run.imported_at = max(run.imported_at, ev.imported)
+        run.ready_at = max(run.ready_at, ev.ready)
+        if len(run.hello_ranks) < self.ctx.world:
+            return []
+        return [record("workers_ready", run.ready_at, run=run.seq, imported=run.imported_at,
+                       ready=run.ready_at)]
+
     # -- chaos ------------------------------------------------------------------------------------
     def fire_chaos(self, st: JobState, now: float) -> Actions:
-        due = [c for c in st.chaos if c.step is not None and st.steps_done >= c.step]
+        """Send the scheduled faults, armed with their step (agent/armed.py): the agent applies
+        one the moment its own ranks completed that many steps, however late the commits here."""
+        due = [c for c in st.chaos if c.step is not None]
         acts: Actions = []
         for c in due:
             st.chaos.remove(c)
@@ -152,8 +209,9 @@ class RunFlow:
     def inject(self, st: JobState, c: ChaosPlan, now: float) -> Actions:
         data = {"kind": c.kind, "machine": c.machine, "rank": c.rank, "step": c.step, "params": c.params}
         return [record("chaos_sent", now, **data),
-                SendChaos(machine=f"m{c.machine}", kind=c.kind, rank=c.rank, step=st.steps_done,
-                          params=dict(c.params))]
+                SendChaos(machine=f"m{c.machine}", kind=c.kind, rank=c.rank,
+                          step=c.step if c.step is not None else st.steps_done, params=dict(c.params),
+                          at_step=c.step)]
 
     def on_chaos_applied(self, st: JobState, machine: str, ev: protocol.ChaosApplied, now: float) -> Actions:
         if ev.injected_at is not None:
@@ -192,7 +250,7 @@ class RunFlow:
     def on_restore_failed(self, st: JobState, ev: protocol.RestoreFailed, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
-        st.bad_steps.append((ev.step, ev.step + 1))
+        st.bad_steps.append(BadSteps(lo=ev.step, hi=ev.step + 1))
         acts: Actions = [record("restore_failed", ev.t or now, run=st.run_seq, rank=ev.rank, error=ev.error)]
         if st.phase == JobPhase.RUNNING:
             acts += self.core.failure.open(st, "restore_failed", now)

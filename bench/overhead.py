@@ -1,0 +1,230 @@
+"""Overhead benchmark: the same job under bare torchrun, torchrun with the worker SDK, and
+`stalwart run`, in one invocation.
+
+    python bench/overhead.py [--quick] [--steps 300] [--json FILE]
+
+For each layout (4 workers: tp 2, dp 2 on 2 machines x 2; 8 workers: tp 2, pp 2, dp 2 on 4 x 2;
+`--quick`: the 4-worker one alone) it runs the bundled GPT (rank 0 prints every step with its wall
+time) three times, one after the other, and prints:
+
+- steady-state steps/s: the median rate of 10-step blocks between 30% and 90% of the steps;
+- command to first step (s);
+- CPU-seconds per training step in that window of the workers, of stalwart's own processes
+  (controller, agents, their checkers and spare/standby workers) and of torchrun's launcher;
+- the SDK's blocking time per step (begin_step, gradients, report, the in-memory checkpoint).
+
+and the ratios against bare torchrun. `--json FILE` writes
+{"layouts": [{"workers", "tp", "pp", "dp", "throughput_ratio", "own_cpu_share",
+"sdk_blocking_share", "first_step_ratio"}, ...]}: stalwart's steps/s over bare torchrun's, its own
+processes' CPU over its workers' CPU, the SDK's blocking time over the step time, and its
+command-to-first-step over bare torchrun's. Not a timed test; run it alone on the host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+GPT_ARGS = ["-m", "stalwart.examples.gpt", "--log-every", "1"]
+LAYOUTS = [(2, 1, 2), (2, 2, 2)]          # (tp, pp, dp); 2 GPUs per machine
+OWN_MARKERS = ("stalwart.cli", "stalwart.diag.worker", "stalwart.agent.peerxfer", "py-spy")
+
+
+def role_of(proc: psutil.Process) -> str:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "gone"
+    if "torch.distributed.run" in cmd:
+        return "launcher"
+    if "stalwart.examples.gpt" in cmd:
+        try:
+            standby = proc.environ().get("STALWART_STANDBY") == "1"
+        except psutil.Error:
+            standby = False
+        # a warm spare or standby waiting at its barrier is stalwart's cost (a bench job has no fault,
+        # so none is activated: /proc keeps the environment a process started with)
+        return "own" if standby else "worker"
+    if any(m in cmd for m in OWN_MARKERS):
+        return "own"
+    return "other"
+
+
+class CpuSampler(threading.Thread):
+    """CPU seconds of every process under `root`, by role, every `every` seconds."""
+
+    def __init__(self, root: int, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.root, self.every = root, every
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                top = psutil.Process(self.root)
+                procs = [top] + top.children(recursive=True)
+            except psutil.Error:
+                return
+            snap: dict[int, tuple[str, float]] = {}
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    snap[p.pid] = (role_of(p), t.user + t.system)
+                except psutil.Error:
+                    pass
+            self.samples.append((time.time(), snap))
+
+    def window(self, ta: float, tb: float) -> dict[str, float]:
+        """CPU seconds by role between the samples nearest `ta` and `tb`."""
+        before = next((s for t, s in reversed(self.samples) if t <= ta), self.samples[0][1] if self.samples else {})
+        after = next((s for t, s in self.samples if t >= tb), self.samples[-1][1] if self.samples else {})
+        out: dict[str, float] = {}
+        for pid, (role, cpu) in after.items():
+            start = before.get(pid, (role, 0.0))[1]
+            out[role] = out.get(role, 0.0) + max(0.0, cpu - start)
+        return out
+
+
+def read_steps(path: str) -> list[dict]:
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{") and '"step"' in line and '"t"' in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out
+
+
+def measure(steps: list[dict], launched: float, sampler: CpuSampler) -> dict:
+    if len(steps) < 20:
+        raise RuntimeError(f"only {len(steps)} steps were logged")
+    by = {s["step"]: s for s in steps}
+    last = max(by)
+    lo, hi = int(0.3 * last), int(0.9 * last)
+    rates = []
+    for a in range(lo, hi - 9, 10):
+        if a in by and a + 10 in by and by[a + 10]["t"] > by[a]["t"]:
+            rates.append(10 / (by[a + 10]["t"] - by[a]["t"]))
+    ta, tb = by[lo]["t"], by[hi]["t"]
+    n = hi - lo
+    cpu = sampler.window(ta, tb)
+    out = {"steps_per_s": statistics.median(rates), "first_step_s": by[min(by)]["t"] - launched,
+           "worker_cpu_per_step": cpu.get("worker", 0.0) / n, "own_cpu_per_step": cpu.get("own", 0.0) / n,
+           "launcher_cpu_per_step": cpu.get("launcher", 0.0) / n, "step_s": (tb - ta) / n}
+    if "sdk_s" in by[lo] and "sdk_s" in by[hi]:
+        out["sdk_s_per_step"] = (by[hi]["sdk_s"] - by[lo]["sdk_s"]) / n
+    return out
+
+
+def _run(argv: list[str], env: dict, cwd: str, log_path: str | None, timeout: float) -> tuple[float, CpuSampler]:
+    launched = time.time()
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        sampler = CpuSampler(proc.pid)
+        sampler.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise RuntimeError(f"{argv[:6]}... did not finish within {timeout:.0f}s")
+        sampler.stop.set()
+        sampler.join(5)
+        if code != 0:
+            raise RuntimeError(f"{' '.join(argv[:8])}... exited with {code}"
+                               + (f"; see {log_path}" if log_path else ""))
+        return launched, sampler
+    finally:
+        if log_path:
+            out.close()
+
+
+def torchrun(tp: int, pp: int, dp: int, steps: int, sdk: bool, work: str) -> dict:
+    d = tempfile.mkdtemp(dir=work)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", STALWART_CKPT_DIR=os.path.join(d, "ckpt"),
+               STALWART_STEPS=str(steps))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp * dp),
+            *GPT_ARGS, "--tp", str(tp), "--pp", str(pp), "--steps", str(steps)] + ([] if sdk else ["--plain"])
+    log = os.path.join(d, "out.log")
+    launched, sampler = _run(argv, env, d, log, 600)
+    return measure(read_steps(log), launched, sampler)
+
+
+def stalwart(tp: int, pp: int, dp: int, steps: int, work: str) -> dict:
+    d = tempfile.mkdtemp(dir=work)
+    machines = tp * pp * dp // 2
+    argv = [sys.executable, "-m", "stalwart.cli", "run", "--state-dir", os.path.join(d, "sd"), "--fresh",
+            "--machines", str(machines), "--gpus-per-machine", "2", "--tp", str(tp), "--pp", str(pp),
+            "--dp", str(dp), "--steps", str(steps), "--standby", "1", "--ckpt-every", "10",
+            "--", sys.executable, *GPT_ARGS]
+    launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, os.path.join(d, "run.log"), 900)
+    log = os.path.join(d, "sd", "machines", "m0", "logs", "run1_rank0.out")
+    return measure(read_steps(log), launched, sampler)
+
+
+def layout_row(tp: int, pp: int, dp: int, r: dict) -> dict:
+    bare, st = r["bare"], r["stalwart"]
+    return {"workers": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp,
+            "throughput_ratio": round(st["steps_per_s"] / bare["steps_per_s"], 4),
+            "own_cpu_share": round(st["own_cpu_per_step"] / st["worker_cpu_per_step"], 4),
+            "sdk_blocking_share": round(st.get("sdk_s_per_step", 0.0) / st["step_s"], 4),
+            "first_step_ratio": round(st["first_step_s"] / bare["first_step_s"], 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the 4-worker layout alone, fewer steps")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 300, --quick 200)")
+    ap.add_argument("--json", help="write the ratios per layout here")
+    a = ap.parse_args(argv)
+    steps = a.steps or (200 if a.quick else 300)
+    if steps < 50:
+        ap.error("--steps must be >= 50 (the window is 30%%..90%% of the steps)")
+    layouts = LAYOUTS[:1] if a.quick else LAYOUTS
+    work = tempfile.mkdtemp(prefix="stalwart-overhead-")
+    rows = []
+    try:
+        for tp, pp, dp in layouts:
+            r = {}
+            for mode in ("bare", "sdk", "stalwart"):
+                print(f"[{tp * pp * dp} workers, tp {tp} pp {pp} dp {dp}] {mode} ...", flush=True)
+                r[mode] = (torchrun(tp, pp, dp, steps, mode == "sdk", work) if mode != "stalwart"
+                           else stalwart(tp, pp, dp, steps, work))
+            print(f"\n{tp * pp * dp} workers (tp {tp}, pp {pp}, dp {dp}), {steps} steps; window 30%..90%")
+            print(f"{'':34s}{'bare torchrun':>16s}{'torchrun + SDK':>16s}{'stalwart run':>16s}")
+            for key, fmt in (("steps_per_s", "{:.2f}"), ("first_step_s", "{:.1f}"),
+                             ("worker_cpu_per_step", "{:.3f}"), ("own_cpu_per_step", "{:.4f}"),
+                             ("launcher_cpu_per_step", "{:.4f}"), ("sdk_s_per_step", "{:.5f}")):
+                vals = [fmt.format(r[m][key]) if key in r[m] else "-" for m in ("bare", "sdk", "stalwart")]
+                print(f"{key:34s}" + "".join(f"{v:>16s}" for v in vals))
+            row = layout_row(tp, pp, dp, r)
+            rows.append(row)
+            print(f"ratios vs bare torchrun: throughput {row['throughput_ratio']:.3f}x, stalwart's own CPU "
+                  f"{100 * row['own_cpu_share']:.1f}% of its workers', SDK blocking "
+                  f"{100 * row['sdk_blocking_share']:.2f}% of a step, first step {row['first_step_ratio']:.2f}x\n",
+                  flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"layouts": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Running one job on a cluster a launcher started (`stalwart run`, `stalwart slurm submit`):
+submit it, show its progress, stop the cluster at the end or on Ctrl-C, print the summary."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from stalwart.client import ApiError, ControllerUnreachable
+
+
+def poll(cluster, path: str, patience_s: float = 90.0) -> dict:
+    """GET from the cluster's controller, riding out a controller restart (its supervisor brings
+    it back, maybe on another port)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return cluster.client(timeout=10).get(path)
+        except ControllerUnreachable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def run_job(cluster, spec, start: Callable[[], None]) -> int:
+    """`start()` the cluster, run `spec` on it to the end; the exit code (0 succeeded, 1 not,
+    130 interrupted). The cluster is stopped whatever happens."""
+    from stalwart.progress import Progress, summary
+    rep = job = None
+    cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
+    try:
+        start()
+        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
+        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
+              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
+        prog = Progress()
+        while True:
+            st = poll(cluster, f"/api/jobs/{job}")
+            prog.update(st)
+            if st["state"] != "running":
+                rep = st
+                break
+            time.sleep(0.5)
+        prog.close()
+    except KeyboardInterrupt:
+        print("\nstalwart: interrupted; stopping everything", file=sys.stderr)
+        if job is not None:
+            try:
+                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": "interrupted (Ctrl-C)"})
+            except (ControllerUnreachable, ApiError):
+                pass
+        return 130
+    finally:
+        cluster.stop()
+    print(summary(rep))
+    return 0 if rep["state"] == "succeeded" else 1

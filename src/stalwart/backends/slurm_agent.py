@@ -1,0 +1,78 @@
+"""What `srun` starts on each node of a stalwart allocation: names the node's machine
+(`m<first + SLURM_NODEID>`), learns its topology labels and address from Slurm, then becomes the
+node's agent (`stalwart agent … --label switch=… --label slurm.node=…`).
+
+    python -m stalwart.backends.slurm_agent --config STATE/slurm/backend.json --first K
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import socket
+import sys
+
+from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, parse_record, run_cli
+
+
+def node_address(node: str) -> str:
+    """The node's address as Slurm reaches it (NodeAddr), else its host name's."""
+    try:
+        addr = parse_record(run_cli(["scontrol", "-o", "show", "node", node])).get("NodeAddr", "")
+        ipaddress.ip_address(addr)
+        return addr
+    except (SlurmError, ValueError):
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def controller_url(cfg: SlurmConfig) -> str:
+    """Where the controller is now: its published address (it may have restarted on another
+    port since the config was written), else the config's."""
+    try:
+        with open(os.path.join(cfg.state_dir, "controller.json")) as f:
+            return str(json.load(f)["url"])
+    except (OSError, ValueError, KeyError):
+        return cfg.controller_url
+
+
+def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str]) -> list[str]:
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    machine = f"m{first + int(env.get('SLURM_NODEID', '0'))}"
+    labels = SlurmBackend(cfg).labels(node)
+    if env.get("SLURM_JOB_ID"):
+        labels["slurm.job"] = env["SLURM_JOB_ID"]
+    argv = [cfg.python, "-m", "stalwart.cli", "agent", "--controller", controller_url(cfg),
+            "--machine-id", machine, "--token-file", cfg.token_file,
+            "--controller-file", os.path.join(cfg.state_dir, "controller.json"),
+            "--workdir", cfg.workdir.format(state_dir=cfg.state_dir, machine=machine, node=node),
+            "--gpus", str(cfg.gpus), "--heartbeat", str(cfg.heartbeat_s), "--address", node_address(node),
+            "--log-level", cfg.log_level]
+    for k, v in sorted(labels.items()):
+        argv += ["--label", f"{k}={v}"]
+    return argv + list(cfg.agent_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stalwart.backends.slurm_agent")
+    ap.add_argument("--config", required=True, help="the backend's JSON config (<state-dir>/slurm/backend.json)")
+    ap.add_argument("--first", type=int, default=0, help="the first node's machine index")
+    a = ap.parse_args(argv)
+    try:
+        cfg = SlurmConfig.load(a.config)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"error: cannot read {a.config}: {e}", file=sys.stderr)
+        return 2
+    args = agent_argv(cfg, a.first, dict(os.environ))
+    os.environ.update(cfg.env)
+    sys.stdout.flush()
+    os.execv(args[0], args)
+    return 0     # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
