@@ -151,6 +151,7 @@ class Sim:
         self.max_step = -1
         self.rngs: dict[int, random.Random] = {}
         self._pipes: dict[int, list[int]] = {}
+        self.coming = 0               # machines the scheduler is providing
         self.stats = {"core_events": 0, "ticks": 0, "reports": 0}
 
     # -- the job ----------------------------------------------------------------------------------
@@ -404,15 +405,29 @@ class Sim:
                 self.agents.replay(act)
             elif isinstance(act, a.FinishJob):
                 self.finish(act)
+            elif isinstance(act, a.RequestMachines):
+                self.request(act.count)
+            elif isinstance(act, (a.CreateRun, a.UpdateRun, a.SaveVersion, a.AddCheckpoint, a.CloseScratch)):
+                pass            # the store's and the rendezvous' business: nothing simulated
+            else:               # SendChaos (the simulator injects no chaos) or a new action kind
+                raise TypeError(f"the simulator cannot perform {act!r}")
 
     def assign(self, act: a.AssignMachine) -> None:
         self.cluster.assign(act.machine, act.state)
         if act.state == "evicted":
             self.bad.pop(act.machine, None)
             self.slow_machines.discard(act.machine)
+            self.coming += 1            # the scheduler replaces a drained machine
+            self.later(self.profile.provision_s, self.provision)
+
+    def request(self, count: int) -> None:
+        """The pool is short and nothing is free: the scheduler provides what is not already coming."""
+        for _ in range(max(0, count - self.coming)):
+            self.coming += 1
             self.later(self.profile.provision_s, self.provision)
 
     def provision(self) -> None:
+        self.coming = max(0, self.coming - 1)
         self.cluster.new_machine()
         self.last_change = self.now
         self.wake(self.now + 1e-3)

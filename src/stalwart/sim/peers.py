@@ -67,11 +67,11 @@ POLICIES: dict[str, Platform] = {p.name: p for p in (
     STALWART,
     replace(STALWART, name="stalwart-no-standby", about="no warm standbys: an eviction ends the job, "
                                                          "the scheduler requeues it", standby=False),
-    replace(STALWART, name="stalwart-no-memckpt", about="no in-memory checkpoint: restores from the "
+    replace(STALWART, name="stalwart-no-inmem-ckpt", about="no in-memory checkpoint: restores from the "
                                                          "durable tier", memory_ckpt=False),
-    replace(STALWART, name="stalwart-no-overevict", about="stacks do not evict a group: checks and replay "
+    replace(STALWART, name="stalwart-no-over-evict", about="stacks do not evict a group: checks and replay "
                                                            "look for the culprit", policy={"over_evict": False}),
-    replace(STALWART, name="stalwart-no-hotupdate", about="code updates requeue the job", hot_update=False),
+    replace(STALWART, name="stalwart-no-hot-update", about="code updates requeue the job", hot_update=False),
     replace(STALWART, name="stalwart-no-topology", about="standbys taken in the pool's order, not by "
                                                           "switch and pod", topology=False),
 )}
