@@ -45,14 +45,15 @@ class FakeCluster:
 
 
 class Harness:
-    def __init__(self, machines: int = 2, gpus: int = 2, standby: int = 1, steps: int = 50, spare: int = 0,
+    def __init__(self, machines: int = 2, gpus: int = 2, standby: int | str = 1, steps: int = 50, spare: int = 0,
                  versions: list[dict] | None = None, **spec):
         policy = spec.pop("policy", {})
         self.spec = JobSpec.from_dict({"name": "t", "machines": machines, "gpus_per_machine": gpus,
                                        "steps": steps, "standby": standby, "command": ["python", "train.py"],
                                        "code_dir": "/code", "policy": policy, **spec})
         self.now = T0
-        self.cluster = FakeCluster([f"m{i}" for i in range(machines + standby + spare)], self)
+        pool = standby if isinstance(standby, int) else 0        # "auto": the spares make the pool
+        self.cluster = FakeCluster([f"m{i}" for i in range(machines + pool + spare)], self)
         self.core = JobCore(self.spec, self.cluster)
         self.st = S.JobState(job_id=1, created_at=T0, avail=Availability(memory={"own": 3, "backup": 2}),
                              versions=list(versions or []))
