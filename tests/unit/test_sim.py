@@ -11,7 +11,6 @@ from stalwart import cli
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import AgentEvent, Tick
 from stalwart.controller.pool import p99_standbys
 from stalwart.controller.restore import Availability
 from stalwart.sim import peers, results
