@@ -10,7 +10,7 @@ profile's recall), stacks, exits, alerts.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
@@ -85,6 +85,7 @@ class Agents:
         i = self.slot_of(machine)
         if i is None:
             return {}
+        assert sim.st is not None
         own_keep, backup_keep = sim.st.avail.memory.get("own", 3), sim.st.avail.memory.get("backup", 2)
         own = [s for s in range(last - own_keep + 1, last + 1) if s >= tr.start_step]
         back = [s for s in range(last - backup_keep + 1, last + 1) if s >= tr.start_step]
@@ -109,8 +110,8 @@ class Agents:
             if f.kind == "hang" and f.persistent:
                 if machine in where:
                     fn = "all_gather"
-                elif any(i in sim.pipeline_slots(sim.training.slots.index(w)) for w in where
-                         if w in sim.training.slots):
+                elif sim.training is not None and any(
+                        i in sim.pipeline_slots(sim.training.slots.index(w)) for w in where if w in sim.training.slots):
                     fn = "recv"
             elif f.kind == "slow" and machine in where:
                 fn = "forward"
@@ -124,7 +125,7 @@ class Agents:
             if not sim.cluster.alive(m):
                 continue
             bad = self.caught(m, act.checks)
-            results = []
+            results: list[dict[str, Any]] = []
             for c in act.checks:
                 if c == "inter":
                     results += [{"check": "inter", "ok": bad != "inter", "detail": "ok" if bad != "inter" else
@@ -159,7 +160,8 @@ class Agents:
         or a hang that never finishes); else every rank finishes its steps."""
         sim = self.sim
         dt = sim.profile.replay_phase_s
-        bug = sim.bugs.get(sim.training.version) if sim.training is not None else None
+        bug = sim.bugs.get(sim.training.version) if sim.training is not None and sim.training.version is not None \
+            else None
         if bug:                 # the code itself fails: in every group
             if bug == "nan":
                 self.send(dt, act.machines[0], p.Step(run=act.run, rank=0, step=0, t=sim.now + dt, loss=float("nan")))
@@ -245,7 +247,7 @@ class Agents:
         if kind == "exception":
             sim.freeze(sim.now)
             tail = ""
-            if sim.platform.log_tails:      # a traceback in the job's own code (code_path)
+            if sim.platform.log_tails and sim.st is not None:     # a traceback in the job's own code
                 tail = (f'Traceback (most recent call last):\n  File "{sim.st.code_path}/train.py", line 88, '
                         f'in <module>\nValueError: shapes do not match (version {version})')
             self.send(sim.profile.detect_exit_s, tr.slots[0], p.WorkerExit(

@@ -371,7 +371,8 @@ class Sim:
             if isinstance(act, a.Record):
                 seg.log.append({"t": act.t, "kind": act.kind, "data": act.data})
             elif isinstance(act, a.OpenIncident):
-                inc = {"segment": seg.index, "seq": act.seq, "symptom": act.symptom, "category": act.category,
+                inc: dict[str, Any] = {
+                       "segment": seg.index, "seq": act.seq, "symptom": act.symptom, "category": act.category,
                        "detected_at": act.detected_at - T0, "mechanism": None, "evicted": 0,
                        "fault": "update" if act.symptom == "hot_update" else
                        (self.blame.category if self.blame is not None else "none")}
@@ -379,14 +380,14 @@ class Sim:
                 self.incidents.append(inc)
                 self.open_symptom = act.symptom
             elif isinstance(act, a.UpdateIncident):
-                inc = self._inc.get((seg.index, act.seq))
-                if inc is not None:
+                known = self._inc.get((seg.index, act.seq))
+                if known is not None:
                     for k in ("mechanism", "symptom", "category"):
                         if k in act.fields:
-                            inc[k] = act.fields[k]
+                            known[k] = act.fields[k]
                     if "evicted" in act.fields:
-                        inc["evicted"] = len(act.fields["evicted"] or [])
-                        inc["evicted_machines"] = list(act.fields["evicted"] or [])
+                        known["evicted"] = len(act.fields["evicted"] or [])
+                        known["evicted_machines"] = list(act.fields["evicted"] or [])
             elif isinstance(act, a.AssignMachine):
                 self.assign(act)
             elif isinstance(act, a.StartRun):

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with open(os.path.join(HERE, "measured.json")) as f:
         base = json.load(f)
-    loaded = []
+    loaded: list[Any] = []
     for path in (a.recovery, a.detection):
         if path is None:
             loaded.append(None)
