@@ -46,6 +46,8 @@ def add_commands(sub: Any) -> None:
                    help="override a failure-model value (daily_rate, multi_machine_share, ...)")
     s.add_argument("--json", help="write the results as JSON to this file")
     s.add_argument("--plot", help="write the ETTR-over-time plot (SVG) to this file")
+    s.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="simulations run side by side in processes (default: the CPU count)")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=main)
     from stalwart.sim.whatif import add_parser as add_whatif
@@ -55,7 +57,7 @@ def add_commands(sub: Any) -> None:
 def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platform]]:
     from stalwart.sim.engine import Config
     from stalwart.sim.failures import Model
-    for name in ("gpus", "gpus_per_machine", "pp", "seeds"):
+    for name in ("gpus", "gpus_per_machine", "pp", "seeds", "jobs"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if a.standby != "auto" and not (a.standby.isdigit()):
@@ -77,28 +79,50 @@ def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platfor
     return cfg, model, peers.parse(a.policies)
 
 
-def simulate(cfg: "Config", model: "Model", profile_name: str, policies: list[peers.Platform], seeds: list[int],
-             progress: Any = None) -> list[dict]:
-    """Every policy on every seed's trace: one summary per (policy, seed)."""
+def one(cfg: "Config", model: "Model", profile_name: str, policy: str, seed: int) -> dict:
+    """One policy on one seed's trace (the trace depends on the seed alone)."""
     from stalwart.sim import results
     from stalwart.sim.cluster import job_labels
     from stalwart.sim.engine import Config, Sim
     from stalwart.sim.failures import trace
     from stalwart.sim.profile import load
-    profile = load(profile_name)
     dp = cfg.machines // cfg.pp
-    runs = []
-    for seed in seeds:
-        faults = trace(model, cfg.machines, cfg.days, seed, lambda i: job_labels(i, cfg.pp, dp)["switch"])
-        for plat in policies:
-            t0 = time.perf_counter()
-            sim = Sim(Config(**{**cfg.__dict__}), plat, profile, model, faults, seed).run()
-            r = results.summarize(sim, time.perf_counter() - t0)
-            runs.append(r)
-            if progress is not None:
-                progress(f"seed {seed} {plat.name:<24} ETTR {r['ettr']:.2%}  ({r['runtime_s']:.1f} s, "
-                         f"{len(faults)} faults)")
-    return runs
+    faults = trace(model, cfg.machines, cfg.days, seed, lambda i: job_labels(i, cfg.pp, dp)["switch"])
+    t0 = time.perf_counter()
+    sim = Sim(Config(**{**cfg.__dict__}), peers.POLICIES[policy], load(profile_name), model, faults, seed).run()
+    r = results.summarize(sim, time.perf_counter() - t0)
+    r["faults_total"] = len(faults)
+    return r
+
+
+def simulate(cfg: "Config", model: "Model", profile_name: str, policies: list[peers.Platform], seeds: list[int],
+             progress: Any = None, jobs: int = 1) -> list[dict]:
+    """Every policy on every seed's trace: one summary per (policy, seed), in that order. `jobs`
+    processes run simulations side by side (each is independent and deterministic)."""
+    tasks = [(plat.name, seed) for seed in seeds for plat in policies]
+
+    def said(r: dict) -> dict:
+        if progress is not None:
+            progress(f"seed {r['seed']} {r['policy']:<24} ETTR {r['ettr']:.2%}  ({r['runtime_s']:.1f} s, "
+                     f"{r['faults_total']} faults)")
+        return r
+    if jobs <= 1 or len(tasks) == 1:
+        return [said(one(cfg, model, profile_name, name, seed)) for name, seed in tasks]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from stalwart.controller.pool import p99_standbys
+    p99_standbys(1, 0.0)            # scipy imported once, before the processes fork (seconds each)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                             mp_context=multiprocessing.get_context("fork")) as pool:
+        futs = {pool.submit(one, cfg, model, profile_name, name, seed): (name, seed) for name, seed in tasks}
+        done = {futs[f]: said(f.result()) for f in as_completed(futs)}
+    return [done[t] for t in tasks]
+
+
+def _cpu() -> float:
+    """User CPU seconds of this process and its finished children (the simulations' processes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
 
 
 def main(a: argparse.Namespace) -> int:
@@ -107,18 +131,19 @@ def main(a: argparse.Namespace) -> int:
     cfg, model, policies = config(a)
     load(a.profile)                       # a bad profile fails before any work
     t0 = time.perf_counter()
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    cpu0 = _cpu()
     say = None if a.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    runs = simulate(cfg, model, a.profile, policies, list(range(a.seed, a.seed + a.seeds)), say)
+    runs = simulate(cfg, model, a.profile, policies, list(range(a.seed, a.seed + a.seeds)), say, a.jobs)
     runtime = time.perf_counter() - t0
-    user = resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu0
+    user = _cpu() - cpu0
     agg = results.aggregate(runs)
     print(f"stalwart sim: {cfg.gpus} GPUs ({cfg.machines} machines x {cfg.gpus_per_machine}), {a.days:g} days, "
           f"profile {a.profile}, {a.seeds} seed(s), step {cfg.step_s:g} s, durable checkpoint every "
           f"{cfg.durable_every_s:g} s")
     print(results.table(agg))
     print(results.mechanisms_table(agg))
-    print(f"runtime {runtime:.1f} s (CPU {user:.1f} s) for {len(runs)} simulation(s)")
+    print(f"runtime {runtime:.1f} s (CPU {user:.1f} s) for {len(runs)} simulation(s) in {min(a.jobs, len(runs))} "
+          f"process(es)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results.json_doc(cfg, a.profile, agg, runs, runtime, round(user, 2)), f, indent=1)
