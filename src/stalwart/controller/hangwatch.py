@@ -140,6 +140,9 @@ class HangWatch:
     # a lower bound of every rank's last progress (None: unknown), so that a check within the
     # floor timeout of it needs no look at every rank (a controller ticks 5 times a second)
     _lower: float | None = field(default=None, init=False, repr=False)
+    # no rank can be stalled before this time (the earliest last progress + its timeout, from the
+    # last full look); any report, activity or resume forgets it (timeouts and progress move)
+    _quiet_until: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_floor_s", "hang_safety_factor", "hang_warmup_steps"):
@@ -160,6 +163,7 @@ class HangWatch:
 
     # ------------------------------------------------------------------ events
     def _touch(self, rank: int, t: float) -> _RankState:
+        self._quiet_until = None
         if self.started_at is None:
             self.started_at = t
             self._lower = None
@@ -244,6 +248,7 @@ class HangWatch:
         rank's last progress, without touching the step history reports keep arriving for."""
         self._resumed_at = _time("t", t)
         self._latched = None
+        self._quiet_until = None
 
     # --------------------------------------------------------------- timeouts
     @property
@@ -292,6 +297,8 @@ class HangWatch:
             return self._latched
         if self._lower is not None and now - self._lower <= self.policy.hang_timeout_floor_s:
             return None             # every timeout is at least the floor: nobody can be stalled yet
+        if self._quiet_until is not None and now <= self._quiet_until:
+            return None             # nothing changed since a look that saw nobody due before then
         stalled: dict[int, float] = {}
         timeouts = []
         warmup, current = self.warmup_timeout(), self.timeout()
@@ -299,17 +306,19 @@ class HangWatch:
         # step-less ranks are judged together (see the module docstring): the newest progress of any
         shared = max((last for r, (last, _) in progress.items()
                       if last is not None and self._state[r].step is None), default=None)
-        lower = math.inf
+        lower = due = math.inf
         for rank, st in self._state.items():
             last, limit = progress[rank]
             if st.step is None and shared is not None:
                 last = shared
             if last is not None:
                 lower = min(lower, last)
+                due = min(due, last + limit)
                 if now - last > limit:
                     stalled[rank] = last
                     timeouts.append(limit)
         self._lower = lower if math.isfinite(lower) else None
+        self._quiet_until = due if math.isfinite(due) else None
         if not stalled:
             return None
         last_step = {r: st.step for r, st in self._state.items() if st.step is not None}
