@@ -184,7 +184,7 @@ class Sim:
         for f in self.faults:
             self.later(f.t, self.inject, f)
             if f.freezes:
-                self.prewindow(T0 + f.t)
+                self.prewindow(T0 + f.t, f.kind != "slow")
         self.later(0.0, self.submit, 0)
         while self.heap:
             t, _, fn, args = heapq.heappop(self.heap)
@@ -201,12 +201,22 @@ class Sim:
             self.seg.end = self.end
         return self
 
-    def prewindow(self, t: float) -> None:
+    def prewindow(self, t: float, hang_only: bool = False) -> None:
         """Report every step for PRE_STEPS steps before `t`, when a fault that only the hang watch or
-        the throughput watch may see shows: their timeouts are calibrated on step times."""
-        self.later(max(0.0, t - self.now - PRE_STEPS * self.cfg.step_s * 1.1), self.busy, t + 1.0)
+        the throughput watch may see shows: their timeouts are calibrated on step times.
+        `hang_only`: only the hang watch needs them (see `busy`)."""
+        self.later(max(0.0, t - self.now - PRE_STEPS * self.cfg.step_s * 1.1), self.busy, t + 1.0, hang_only)
 
-    def busy(self, until: float) -> None:
+    def busy(self, until: float, hang_only: bool = False) -> None:
+        tr = self.training
+        warmup = self.spec.policy.hang_warmup_steps
+        if hang_only and tr is not None and tr.stepping and tr.reports <= warmup:
+            # a run whose ranks reported no more than their warm-up steps: the hang watch calibrates
+            # on the very next intervals, so warm-up + 2 reports of single steps do
+            short = (warmup + 2) * tr.pace * 1.1
+            if until - 1.0 - self.now > short + 1e-6:
+                self.later(until - 1.0 - short - self.now, self.busy, until, False)
+                return
         self.busy_until = max(self.busy_until, until)
         self.schedule_tick()
 
@@ -313,6 +323,7 @@ class Sim:
         loss = math.nan if nan else 2.0
         comp = self.compute_times(tr, dur)
         tr.reported = k
+        tr.reports += 1
         self.stats["reports"] += 1
         for i, m in enumerate(tr.slots):
             self._handle(AgentEvent(machine=m, event=p.Step(
@@ -475,7 +486,7 @@ class Sim:
                 delay = 1.0 if f.hard or f.kind in IMMEDIATE else self.draw_exp(f, self.model.recur_mean_s)
                 self.later(fo + delay, self.recur, f, m, tr)
                 if f.freezes:
-                    self.prewindow(self.now + fo + delay)
+                    self.prewindow(self.now + fo + delay, f.kind != "slow")
         bug = self.bugs.get(version)
         if bug:                  # a faulty version fails in its first step
             self.later(fo + 0.5 * tr.pace, self._bug, bug, version, tr)

@@ -23,6 +23,7 @@ class Training:
     anchors: list[tuple[float, float, float]] = field(default_factory=list)   # (t, steps done, pace)
     frozen: float | None = None     # no progress after this time
     reported: int = -1              # the last step reported to the job core
+    reports: int = 0                # reports of this run's steps to the job core
     durable_reported: int = -1
     nan_from: float | None = None   # steps completing from this time on have a NaN loss
     version: int | None = None
