@@ -48,6 +48,8 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--plot", help="write the ETTR-over-time plot (SVG) to this file")
     s.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="simulations run side by side in processes (default: the CPU count)")
+    s.add_argument("--whatif", action="store_true",
+                   help="agents report per-rank compute times; print the what-if straggler analysis")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=main)
     from stalwart.sim.whatif import add_parser as add_whatif
@@ -65,7 +67,7 @@ def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platfor
     if not (a.days > 0 and a.days <= 3650):
         raise ValueError(f"--days must be > 0 and at most 3650 (got {a.days})")
     cfg = Config(gpus=a.gpus, gpus_per_machine=a.gpus_per_machine, pp=a.pp, days=a.days, step_s=a.step_s,
-                 durable_every_s=a.durable_every_s, standby=a.standby)
+                 durable_every_s=a.durable_every_s, standby=a.standby, compute_times=a.whatif)
     cfg.check()
     model = Model()
     for kv in a.set:
@@ -92,6 +94,13 @@ def one(cfg: "Config", model: "Model", profile_name: str, policy: str, seed: int
     sim = Sim(Config(**{**cfg.__dict__}), peers.POLICIES[policy], load(profile_name), model, faults, seed).run()
     r = results.summarize(sim, time.perf_counter() - t0)
     r["faults_total"] = len(faults)
+    if cfg.compute_times:             # the what-if mode: the run's recorded per-rank times
+        from stalwart.sim import whatif
+        recs = [e["data"] for seg in sim.segments for e in seg.log if e["kind"] == "rank_times"]
+        try:
+            r["whatif"] = whatif.analyze(recs, sim.spec.topology())
+        except ValueError as e:
+            r["whatif"] = {"error": str(e)}
     return r
 
 
@@ -142,6 +151,14 @@ def main(a: argparse.Namespace) -> int:
           f"{cfg.durable_every_s:g} s")
     print(results.table(agg))
     print(results.mechanisms_table(agg))
+    for r in runs if a.whatif else []:
+        w = r.get("whatif") or {}
+        if "error" in w:
+            print(f"what-if ({r['policy']}, seed {r['seed']}): {w['error']}")
+        elif w:
+            from stalwart.sim.whatif import render
+            who = f"what-if ({r['policy']}, seed {r['seed']}, one rank per machine):"
+            print(render(0, w).replace("job 0:", who, 1))
     print(f"runtime {runtime:.1f} s (CPU {user:.1f} s) for {len(runs)} simulation(s) in {min(a.jobs, len(runs))} "
           f"process(es)")
     if a.json:

@@ -144,6 +144,9 @@ class Sim:
             if f.freezes:
                 self.prewindow(T0 + f.t, f.kind != "slow")
         self.later(0.0, self.submit, 0)
+        if self.cfg.compute_times:   # what-if mode: every step reported for a while each hour (rank_times)
+            for h in range(1, int(self.cfg.days * 24) + 1):
+                self.later(h * 3600.0, self.busy, T0 + h * 3600.0 + (PRE_STEPS - 1) * self.cfg.step_s * 1.1)
         while self.heap:
             t, _, fn, args = heapq.heappop(self.heap)
             if t > self.end:
