@@ -233,3 +233,11 @@ def test_whatif_command_reads_a_job_from_the_store(tmp_path, capsys):
     assert "no job 99" in capsys.readouterr().err
     assert cli.main(["whatif", "--job", "1", "--state-dir", str(tmp_path / "none")]) == 2
     assert "no stalwart state" in capsys.readouterr().err
+
+
+def test_sim_whatif_mode_analyzes_the_simulated_rank_times(capsys):
+    """The simulated last pipeline stage computes 15% longer (the loss head): it is the slowest."""
+    assert cli.main(["sim", "--gpus", "128", "--pp", "4", "--days", "0.15", "--quiet", "--jobs", "1",
+                     "--policies", "stalwart", "--whatif"]) == 0
+    out = capsys.readouterr().out
+    assert "what-if (stalwart, seed 1" in out and "without its slowest stage    (stage 3:" in out, out
