@@ -117,7 +117,7 @@ def table(agg: dict[str, dict]) -> str:
         u = r["unproductive_s"]
         w = r["window_ettr_min"]
         lines.append(f"{name:<22} {r['ettr']:>7.2%} {r['ettr_min']:>7.2%} {r['ettr_max']:>7.2%} "
-                     f"{(f'{w:.0%}' if w is not None else '-'):>7} " +
+                     f"{(f'{max(0.0, w):.0%}' if w is not None else '-'):>7} " +
                      " ".join(f"{_h(u[c]):>8}" for c in cols) +
                      f" {r['incidents']:>6.0f} {r['throughput']:>6.1%}")
     lines.append("unproductive time in hours (mean over seeds); '1h min' = the lowest 1-hour sliding ETTR seen; "
