@@ -274,8 +274,10 @@ def cmd_status(a) -> int:
     print(f"  step {live.get('step', rep['steps_completed'])}/{rep['steps_target']}"
           f"  loss {live.get('loss', rep['final_loss'])}"
           f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
+    warm = set(live.get("standby_warm") or ())
     for m in rep["machines"]:
-        print(f"  machine {m['id']:<6} {m['state']:<9} {m.get('address') or ''} {m.get('reason') or ''}")
+        note = " (warm)" if m["id"] in warm else ""
+        print(f"  machine {m['id']:<6} {m['state'] + note:<9} {m.get('address') or ''} {m.get('reason') or ''}")
     for inc in rep["incidents"]:
         print(f"  incident {inc['id']}: {inc['symptom']} -> {inc['mechanism']} evicted {inc['machines_evicted']}")
     return 0

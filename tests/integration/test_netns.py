@@ -155,6 +155,25 @@ def test_machines_reach_each_other_and_the_gateway(network: Network):
     assert time.monotonic() - t0 < 2.0
 
 
+def _mac(link: str) -> str:
+    return json.loads(subprocess.run(["ip", "-j", "link", "show", link], capture_output=True, text=True,
+                                     check=True).stdout)[0]["address"]
+
+
+@pytest.mark.root
+def test_the_gateways_mac_stays_when_machines_come_and_go(network: Network):
+    """A bridge takes its lowest port's MAC unless it has its own: removing or adding a machine
+    would change the gateway's MAC under every other namespace's ARP cache (their connections to
+    the controller stalled until the entry expired)."""
+    mac = _mac(network.bridge)
+    assert mac == netns.bridge_mac(network.prefix)
+    network.add_machine(2)
+    network.remove_machine(0)
+    network.add_machine(3)
+    assert _mac(network.bridge) == mac
+    assert reachable(network.machines[1], network.gateway)
+
+
 GLOO_RANK = textwrap.dedent(
     """
     import sys, datetime, torch, torch.distributed as dist

@@ -69,6 +69,49 @@ def test_judge_pairs_slow_machine_is_bad_in_both_pairs():
     assert v["pairs"]["2-3"]["mbps"] == 2000.0
 
 
+def timed(nbytes, seconds, latency_s=0.0004):
+    """A pair's result as the check reports it, from a synthetic transfer time."""
+    return {"ok": True, "mbps": nbytes * 8 / 1e6 / seconds, "latency_s": latency_s, "detail": "ok"}
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_a_slow_machine_fails_only_its_own_pairs_against_the_others(n):
+    """Synthetic timings: 2 MiB in ~2 ms on healthy pairs (with noise), the pairs through machine 1
+    throttled 50x. Only machine 1 is bad, with n = 3 too, where two of the three pairs are slow
+    (the median pair would be a slow one: the reference is each machine's best pair)."""
+    noise = [1.0, 1.7, 0.8, 2.5, 1.2, 0.9, 3.0, 1.1]
+    results = {}
+    for k, (i, j) in enumerate(ring_edges(n)):
+        seconds = 0.002 * noise[k % len(noise)]
+        results[(i, j)] = timed(2 << 20, seconds * 50 if 1 in (i, j) else seconds)
+    v = judge_pairs(results, n, min_ratio=0.1, min_mbps=5.0)
+    assert v["bad_machines"] == [1] and v["bad_links"] == []
+    slow = {k for k, p in v["pairs"].items() if p["bad"]}
+    assert slow == {f"{i}-{j}" for i, j in ring_edges(n) if 1 in (i, j)}
+    assert all("x the others'" in v["pairs"][k]["why"] for k in slow)
+    assert v["reference_mbps"] > 2000
+
+
+def test_a_busy_host_is_not_a_slow_link():
+    """Healthy pairs measured several times apart (a busy host) and one pair 8x slower than the
+    best: within the ratio, nobody is bad."""
+    results = {p: timed(2 << 20, 0.002 * f) for p, f in zip(ring_edges(6), [1, 3, 8, 2, 5, 1.5])}
+    v = judge_pairs(results, 6, min_ratio=0.1, min_mbps=5.0)
+    assert v["bad_machines"] == [] and v["bad_links"] == [] and not any(p["bad"] for p in v["pairs"].values())
+
+
+def test_latency_far_above_the_others_fails_a_pair_but_noise_does_not():
+    results = {p: timed(2 << 20, 0.002, latency_s=0.0005) for p in ring_edges(4)}
+    results[(0, 1)] = timed(2 << 20, 0.002, latency_s=0.03)       # 60x, but only 30 ms: noise
+    assert judge_pairs(results, 4, min_ratio=0.1, min_mbps=5.0)["bad_links"] == []
+    results[(0, 1)] = timed(2 << 20, 0.002, latency_s=0.4)        # 400 ms: a delayed link
+    v = judge_pairs(results, 4, min_ratio=0.1, min_mbps=5.0)
+    assert v["bad_links"] == [(0, 1)] and "latency 400.0 ms" in v["pairs"]["0-1"]["why"]
+    for m in (1, 2):                                             # machine 2 answers slowly to everyone
+        results = {p: timed(2 << 20, 0.002, latency_s=0.5 if m in p else 0.0005) for p in ring_edges(4)}
+        assert judge_pairs(results, 4, min_ratio=0.1, min_mbps=5.0)["bad_machines"] == [m]
+
+
 def test_judge_pairs_below_absolute_floor():
     results = {p: ok(30.0) for p in ring_edges(3)}   # all slow alike: the floor catches it
     assert judge_pairs(results, 3)["bad_machines"] == [0, 1, 2]
@@ -101,7 +144,7 @@ def test_judge_pairs_accepts_either_orientation():
 
 def test_judge_pairs_two_machines():
     assert judge_pairs({(0, 1): failed()}, 2) == {
-        "bad_machines": [], "bad_links": [(0, 1)], "median_mbps": None,
+        "bad_machines": [], "bad_links": [(0, 1)], "reference_mbps": None, "reference_latency_s": None,
         "pairs": {"0-1": {**failed(), "bad": True}}}
     assert judge_pairs({(0, 1): ok()}, 2)["bad_links"] == []
     assert judge_pairs({}, 1)["pairs"] == {}

@@ -185,3 +185,14 @@ def test_trimmed_mean_follows_a_rank_slow_every_other_step_and_ignores_a_lone_pa
     assert trimmed_mean([0.1, 0.3]) == pytest.approx(0.2)   # too few values to trim
     with pytest.raises(ValueError):
         trimmed_mean([])
+
+
+def test_a_verdict_can_ask_for_a_steady_group():
+    """The most-flagged group flagged in 2 of 5 rounds is noise when 4 are asked for."""
+    r = FailSlowRounds()
+    for i, outliers in enumerate([ranks_on(5), ranks_on(3), ranks_on(5), [], ranks_on(9)]):
+        r.add_round(outliers, TOPO, i)
+    assert r.verdict() == ("tp", [5]) and r.verdict(min_flags=4) is None
+    for i in range(5, 9):
+        r.add_round(ranks_on(5), TOPO, i)
+    assert r.verdict(min_flags=4) == ("tp", [5])          # the last 5 rounds: 9, then 5 four times

@@ -74,13 +74,22 @@ def test_rdma_probe_state_flap_errors_drops(tmp_path):
               counters={"symbol_error": 3, "link_downed": 1, "port_xmit_discards": 50})
     evs = {e.kind: e for e in p.check(1.0)}
     assert set(evs) == {"nic_down", "nic_flap", "nic_errors"}            # 50 discards: under the threshold
-    assert evs["nic_down"].detail == {"interface": "mlx5_0/1", "rdma": True, "operstate": "DOWN",
-                                      "phys_state": "Disabled"}
+    down = evs["nic_down"].detail
+    assert {k: down[k] for k in ("interface", "rdma", "operstate", "phys_state", "standing")} == \
+        {"interface": "mlx5_0/1", "rdma": True, "operstate": "DOWN", "phys_state": "Disabled", "standing": True}
+    # the down state and the link_downed step are one occurrence
+    assert evs["nic_flap"].detail["occurrences"] == down["occurrences"] and len(down["occurrences"]) == 1
     assert evs["nic_errors"].detail["delta"] == {"symbol_error": 3}
     assert all(e.probe == "nic" and e.severity == "warn" and not e.machine_certain for e in evs.values())
+    [again] = p.check(1.5)                      # still down, nothing counted since: the same occurrence
+    assert again.kind == "nic_down" and again.detail["occurrences"] == down["occurrences"]
     make_port(tmp_path, "mlx5_0", 1, counters={"symbol_error": 3, "link_downed": 1, "port_xmit_discards": 400})
     assert [(e.kind, e.detail["delta"]) for e in p.check(2.0)] == [("nic_drops", {"port_xmit_discards": 350})]
     assert p.check(3.0) == []
+    make_port(tmp_path, "mlx5_0", 1, counters={"symbol_error": 3, "link_downed": 2, "port_xmit_discards": 400})
+    [flap] = p.check(4.0)                       # down and up again between two checks: a new occurrence
+    assert flap.kind == "nic_flap" and not flap.detail["standing"]
+    assert set(flap.detail["occurrences"]).isdisjoint(down["occurrences"])
     with pytest.raises(ValueError):
         RdmaProbe(["mlx5_0/1"], error_threshold=0)
 
@@ -93,8 +102,10 @@ def test_nic_probe_drops_need_a_burst(tmp_path):
     assert p.check(1.0) == []                       # a host drops packets now and then
     make_nic(tmp_path, "eth0", errors={"rx_errors": 0, "rx_dropped": 1200, "tx_dropped": 400})
     [e] = p.check(2.0)
-    assert e.kind == "nic_drops" and e.detail == {"interface": "eth0", "delta": {"rx_dropped": 700,
-                                                                                  "tx_dropped": 400}}
+    assert e.kind == "nic_drops" and e.detail["delta"] == {"rx_dropped": 700, "tx_dropped": 400}
+    make_nic(tmp_path, "eth0", errors={"rx_errors": 0, "rx_dropped": 2300, "tx_dropped": 400})
+    [e2] = p.check(3.0)                             # a burst on consecutive checks: one occurrence
+    assert e2.detail["occurrences"] == e.detail["occurrences"] and e.detail["interface"] == "eth0"
     with pytest.raises(ValueError):
         NicProbe(["eth0"], root=str(tmp_path), drop_threshold=0)
 

@@ -31,6 +31,13 @@ def test_waits_for_machines_then_starts_with_warm_standbys():
     assert records(acts, "run_started") == [{"run": 1, "start_step": 0, "machines": ["m0", "m1"]}]
     assert [x.machine for x in of(h.step(), a.Prewarm)] == ["m2"]      # the first step is done
     assert of(h.step(), a.Prewarm) == []
+    assert h.core.live(h.st)["standby_warm"] == []          # spawned, still importing
+    h.agent("m2", p.StandbyReady(pid=11))
+    h.agent("m2", p.StandbyReady(pid=11))                   # (the same worker twice counts once)
+    h.agent("m0", p.StandbyReady(pid=12))                   # an active machine's spare: not the pool's
+    assert h.core.live(h.st)["standby_warm"] == []
+    h.agent("m2", p.StandbyReady(pid=13))
+    assert h.core.live(h.st)["standby_warm"] == ["m2"]      # every worker of m2 waits at the barrier
 
 
 def test_the_runs_start_up_is_recorded_once_every_rank_said_hello():
@@ -204,8 +211,7 @@ def test_nan_with_a_named_rank_evicts_its_machine():
     h.ckpt(3)
     acts = h.step(loss=NAN, local={2: float("inf")})
     assert of(acts, a.OpenIncident)[0].symptom == "nan"
-    h.stopped()
-    acts = h.advance(2.0)
+    acts = h.stopped()              # the named machine is the evidence: no wait for more
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     assert of(acts, a.StartRun)[0].restore_step == 3          # never the corrupted step
 
@@ -217,8 +223,7 @@ def test_the_steps_after_a_nan_are_restorable_again_once_a_later_run_rewrote_the
         h.ckpt(s)
     h.step(loss=NAN, local={2: float("inf")})           # step 5: the bad run's copy of 5
     h.ckpt(5)
-    h.stopped()
-    assert of(h.advance(2.0), a.StartRun)[0].restore_step == 4
+    assert of(h.stopped() + h.advance(2.0), a.StartRun)[0].restore_step == 4
     # the new run trains 5, 6 ... again: until it is well past 5 (the bad run's newest copy), a copy
     # of 5 may still be the bad run's (a backup that trailed), so 5 is not restored
     h.steps(2)
@@ -555,3 +560,22 @@ def test_a_short_pool_with_nothing_free_asks_the_backend_at_most_every_few_secon
     acts = h.advance(2.0)
     assert ("m3", "standby") in [(x.machine, x.state) for x in of(acts, a.AssignMachine)]
     assert not of(h.advance(10.0), a.RequestMachines)
+
+
+def test_a_jump_a_restart_reproduces_at_the_same_step_is_the_trainings_own():
+    h = started(Harness(spare=1))
+    h.steps(6)
+    for s in (4, 5):
+        h.ckpt(s)
+    spike = h.st.steps_done
+    acts = h.step(loss=50.0)                       # a 25x loss jump: an incident
+    assert of(acts, a.OpenIncident)[0].symptom == "loss_spike"
+    run = of(h.stopped() + h.advance(2.0), a.StartRun)[0]
+    assert run.restore_step < spike
+    while h.st.steps_done < spike:
+        assert not of(h.step(), a.OpenIncident)
+    acts = h.step(loss=50.0)                       # the same jump at the same step: the data's
+    assert not of(acts, a.OpenIncident) and records(acts, "jump_reproduced")[0]["step"] == spike
+    assert h.st.phase == JobPhase.RUNNING
+    acts = h.step(loss=500.0)                      # a new jump at another step is an incident again
+    assert of(acts, a.OpenIncident)[0].symptom == "loss_spike"

@@ -42,7 +42,9 @@ def test_all_pass_means_nothing_to_evict():
 def test_slow_machine_fails_with_both_partners():
     rows = base([x for k in PAIRS for x in inter(k, mbps=0.06 if "m1" in k else 2000.0)])
     v = ladder.verdict(rows, SLOTS, PAIRS)
-    assert v["bad"] == {"m1": "inter-machine test failed with every partner"}
+    assert list(v["bad"]) == ["m1"]
+    assert v["bad"]["m1"] == ("inter-machine test failed with every partner (with m0: 0.06 Mbit/s is below 5; "
+                              "with m2: 0.06 Mbit/s is below 5)")
     assert ladder.evictions(v, 1)[0] == ["m1"]
 
 
@@ -53,6 +55,28 @@ def test_partitioned_link_evicts_both_ends_only_with_two_standbys():
     assert ladder.evictions(v, 2)[0] == ["m1", "m2"]
     evict, why = ladder.evictions(v, 1)
     assert evict == ["m1"] and "link m1<->m2" in why
+
+
+def test_pair_measures_reach_the_verdict_per_pair():
+    rows = base([x for k in PAIRS for x in inter(k, mbps=0.9 if "m2" in k else 3000.0)])
+    for r in rows:
+        if r["check"] == "inter":
+            r["measure"]["latency_s"] = 0.0004
+    v = ladder.verdict(rows, SLOTS, PAIRS)
+    assert list(v["bad"]) == ["m2"] and "with m1: 0.90 Mbit/s is below 5" in v["bad"]["m2"]
+    assert {k: (p["mbps"], p["bad"]) for k, p in v["pairs"].items()} == {
+        "0-1": (3000.0, False), "1-2": (0.9, True), "2-3": (0.9, True), "0-3": (3000.0, False)}
+    assert v["pairs"]["1-2"]["latency_s"] == 0.0004 and "below 5" in v["pairs"]["1-2"]["why"]
+
+
+def test_two_machines_cannot_tell_which_end_of_a_bad_pair():
+    rows = [{"check": "inter", "machine": m, "pair": [0, "m0", "m1"], "ok": True,
+             "measure": {"mbps": 0.5, "latency_s": 0.001}} for m in ("m0", "m1")]
+    v = ladder.verdict(rows, ["m0", "m1"], {(0, "m0", "m1"): (0, 1)})
+    assert v["bad"] == {} and v["links"] == [["m0", "m1"]]
+    evict, why = ladder.evictions(v, 1)
+    assert evict == [] and "cannot tell which end" in why
+    assert ladder.evictions(v, 2)[0] == ["m0", "m1"]
 
 
 def test_selftest_failure_and_missing_machine_are_bad():

@@ -152,15 +152,12 @@ def test_interrupted_write_never_appears_complete(shm_dir, monkeypatch):
         ck.snapshot(state, 0)
         ck.snapshot(state, 1)
         ck.wait()
-        real_copy, calls = torch.Tensor.copy_, []
+        def crashing_copy(dst, src):         # the process "dies" after 3 tensors of step 2
+            for d, t in zip(dst[:3], src[:3]):
+                d.copy_(t)
+            raise KeyboardInterrupt("simulated crash mid-copy")
 
-        def crashing_copy(self, src, *a, **kw):       # the process "dies" after 3 tensors of step 2
-            calls.append(1)
-            if len(calls) > 3:
-                raise KeyboardInterrupt("simulated crash mid-copy")
-            return real_copy(self, src, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, "copy_", crashing_copy)
+        monkeypatch.setattr(torch, "_foreach_copy_", crashing_copy)
         with pytest.raises(KeyboardInterrupt):
             ck.snapshot({k: v + 100 for k, v in state.items()}, 2)
         monkeypatch.undo()
@@ -231,3 +228,19 @@ def test_slot_grows_and_header_is_json(shm_dir):
     hdr_view, view = memckpt.encode_shard(path)
     assert len(view) == hdr_view["nbytes"] and memckpt.still_current(path, hdr_view)
     view.release()
+
+
+def test_prune_keeps_the_newest_steps_of_one_rank_by_name(tmp_path):
+    from stalwart.agent.shards import prune
+    for rank, step in [(0, 5), (0, 12), (0, 7), (1, 3), (0, 100)]:
+        base = memckpt.step_base(str(tmp_path), rank, step)
+        for ext in (".data", ".hdr"):
+            open(base + ext, "w").close()
+    open(memckpt.slot_base(str(tmp_path), 0, 0) + ".hdr", "w").close()        # own slots: not steps
+    open(memckpt.step_base(str(tmp_path), 0, 1) + ".data", "w").close()       # no header: not a shard
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 0)] == [5, 7, 12, 100]
+    prune(str(tmp_path), 0, keep=2)
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 0)] == [12, 100]
+    assert not os.path.exists(memckpt.step_base(str(tmp_path), 0, 5) + ".data")
+    assert [s for s, _ in memckpt.step_shards(str(tmp_path), 1)] == [3]
+    assert memckpt.step_shards(str(tmp_path / "none"), 0) == []

@@ -1,5 +1,6 @@
 """The agent's event buffer while the controller is away: bounded, metrics first, evidence never."""
 import threading
+import time
 
 import pytest
 
@@ -37,6 +38,25 @@ def test_an_undelivered_batch_goes_back_in_order():
     box.put({"type": "step", "step": 5})
     box.give_back(batch)
     assert [e["step"] for e in box.take(0, max_batch=10)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_routine_events_linger_for_company_evidence_goes_at_once():
+    box = Outbox()
+    box.put({"type": "step", "step": 0})
+    threading.Timer(0.05, lambda: box.put({"type": "step", "step": 1})).start()
+    t0 = time.monotonic()
+    assert [e["step"] for e in box.take(timeout=1.0, linger=0.3)] == [0, 1]     # waited for the second
+    assert time.monotonic() - t0 >= 0.25
+    box.put({"type": "metrics"})
+    threading.Timer(0.05, lambda: box.put({"type": "worker_exit", "rank": 0})).start()
+    t0 = time.monotonic()
+    out = box.take(timeout=1.0, linger=30.0)         # the exit ends the wait
+    assert [e["type"] for e in out] == ["metrics", "worker_exit"] and time.monotonic() - t0 < 20
+    box.put({"type": "restored", "rank": 0})         # nothing routine in the queue: no wait at all
+    assert box.take(timeout=1.0, linger=30.0) == [{"type": "restored", "rank": 0}]
+    box.put({"type": "step", "step": 2})
+    box.give_back([{"type": "health"}])              # given back evidence counts too
+    assert len(box.take(timeout=1.0, linger=30.0)) == 2
 
 
 def test_take_waits_for_an_event():

@@ -93,3 +93,52 @@ def test_a_machine_silent_for_two_beats_after_the_stop_is_lost():
     # short beats: never less than the floor (one late beat on a loaded host is no silence)
     assert policy.silent_during_stop({"m1"}, {"m1": 8.5}, now=10.0, heartbeat_s=0.5) == []
     assert policy.silent_during_stop({"m1"}, {"m1": 7.9}, now=10.0, heartbeat_s=0.5) == ["m1"]
+
+
+def net(machine="m1", kind="nic_down", t=10.0, ids=("eth0/link@0#1",), standing=False):
+    return Alert(machine, kind, "warn", machine_certain=False, network=True, t=t, occurrences=ids,
+                 standing=standing)
+
+
+def test_one_flap_is_one_occurrence_however_many_alerts_report_it():
+    """The probe reports one flap as a down state and then as a carrier change, and a link that
+    stays down on every check: each is one occurrence of the network rule."""
+    down, flap = net(t=10.0, standing=True), net(kind="nic_flap", t=11.0)
+    assert policy.network_occurrences((down, flap), "m1", 11.0, 300.0) == ["eth0/link@0#1"]
+    assert not policy.should_open_incident(flap, snap(recent_alerts=(down,)), 11.0)
+    stays = tuple(net(t=10.0 + k, standing=True) for k in range(30))
+    assert not policy.should_open_incident(stays[-1], snap(recent_alerts=stays[:-1]), 40.0)
+    r = policy.resolve(snap(), Evidence(exits=(crash(secondary=True),), alerts=(down, flap)), now=12.0)
+    assert (r.mechanism, r.evict) == ("reattempt", [])
+
+
+def test_a_second_occurrence_within_the_window_evicts_and_is_a_guess():
+    first = net(t=10.0, ids=("eth0/link@0#1",))
+    second = net(kind="nic_flap", t=70.0, ids=("eth0/link@0#2",))
+    assert policy.should_open_incident(second, snap(recent_alerts=(first,)), 70.0)
+    late = net(kind="nic_flap", t=400.0, ids=("eth0/link@0#3",))
+    assert not policy.should_open_incident(late, snap(recent_alerts=(first,)), 400.0)
+    r = policy.resolve(snap(), Evidence(alerts=(first, second)), now=71.0)
+    assert (r.mechanism, r.evict, r.certain) == ("evict_restart", ["m1"], False)
+    assert "2 occurrences within 300s" in r.cause
+    # alerts from probes that name no occurrence count one each (as before)
+    assert policy.should_open_incident(net(t=12.0, ids=()), snap(recent_alerts=(net(t=11.0, ids=()),)), 12.0)
+
+
+def test_a_network_condition_still_standing_when_the_job_failed_names_the_machine():
+    down = net(t=10.0, standing=True)
+    hang = Evidence(alerts=(down,), implicit_symptom="hang", implicit_reason="hang; stacks inconclusive",
+                    standing=("m1",))
+    r = policy.resolve(snap(), hang, now=20.0)
+    assert (r.mechanism, r.evict, r.symptom, r.certain) == ("evict_restart", ["m1"], "nic_down", False)
+    assert "nic_down on m1 still standing when the job failed" in r.cause
+    # ... but not when something certain explains the failure
+    gpu = Alert("m2", "gpu_lost", "fatal", machine_certain=True, t=9.0)
+    r = policy.resolve(snap(), Evidence(alerts=(gpu, down), standing=("m1",)), now=20.0)
+    assert (r.evict, r.certain) == (["m2"], True)
+
+
+def test_a_certain_eviction_is_certain_a_stack_guess_is_not():
+    assert policy.resolve(snap(), Evidence(lost=("m2",)), now=5.0).certain
+    r = policy.resolve(snap(), Evidence(implicit_symptom="hang", implicit_evict=("m0", "m1")), now=5.0)
+    assert (r.evict, r.certain, r.mechanism) == (["m0", "m1"], False, "fail")

@@ -284,7 +284,8 @@ def test_nic_probe_down_flap_errors(tmp_path):
     evs = {e.kind: e for e in p.check(30.0)}
     assert set(evs) == {"nic_down", "nic_flap"}
     assert all(e.severity == "warn" and not e.machine_certain for e in evs.values())
-    assert evs["nic_down"].detail == {"interface": "eth0", "operstate": "down", "carrier": None}
+    assert evs["nic_down"].detail == {"interface": "eth0", "operstate": "down", "carrier": None,
+                                      "occurrences": ["eth0/link@0.000#1"], "standing": True}
     assert evs["nic_flap"].detail["carrier_changes"] == 1
     make_nic(tmp_path, "eth0", changes=4, errors={"rx_errors": 5, "tx_errors": 0})
     evs = {e.kind: e for e in p.check(60.0)}
@@ -292,6 +293,55 @@ def test_nic_probe_down_flap_errors(tmp_path):
     assert p.check(90.0) == []  # no growth since: quiet again
     make_nic(tmp_path, "eth0", operstate="up", carrier="0", changes=4, errors={"rx_errors": 5, "tx_errors": 0})
     assert [e.kind for e in p.check(120.0)] == ["nic_down"]  # up but no carrier
+
+
+def occurrences(events, kind=None):
+    return [tuple(e.detail["occurrences"]) for e in events if kind is None or e.kind == kind]
+
+
+def test_nic_probe_names_one_occurrence_per_underlying_event(tmp_path):
+    """A flap reported as a down state and then as a carrier change, a link that stays down for
+    several checks, errors growing on consecutive checks: each is one occurrence (one id)."""
+    make_nic(tmp_path, "eth0", changes=2)
+    p = NicProbe(["eth0"], root=str(tmp_path), interval_s=1.0)
+    assert p.check(0.0) == []
+    # one flap seen mid-way: down now (one change), then up (one more change)
+    make_nic(tmp_path, "eth0", operstate="down", carrier="0", changes=3)
+    mid = p.check(1.0)
+    assert {e.kind for e in mid} == {"nic_down", "nic_flap"} and len(set(occurrences(mid))) == 1
+    [flap] = set(occurrences(mid))
+    make_nic(tmp_path, "eth0", changes=4)
+    after = p.check(2.0)
+    assert [e.kind for e in after] == ["nic_flap"] and occurrences(after) == [flap]
+    assert after[0].detail["standing"] is False
+    # a flap entirely between two checks: two changes, one new occurrence
+    make_nic(tmp_path, "eth0", changes=6)
+    [between] = occurrences(p.check(3.0))
+    assert len(between) == 1 and between[0] != flap[0]
+    # two flaps between two checks: two occurrences
+    make_nic(tmp_path, "eth0", changes=10)
+    [two] = occurrences(p.check(4.0))
+    assert len(two) == 2 and between[0] not in two
+    # a link that goes down and stays down: the same id on every check, standing
+    make_nic(tmp_path, "eth0", operstate="down", carrier="0", changes=11)
+    downs = [p.check(5.0 + k) for k in range(4)]
+    [(down,)] = {ids for evs in downs for ids in occurrences(evs, "nic_down")}
+    assert all(e.detail["standing"] for evs in downs for e in evs if e.kind == "nic_down")
+    # it comes back, goes down again and stays: the old occurrence ends, a new one stands
+    make_nic(tmp_path, "eth0", operstate="down", carrier="0", changes=13)
+    [(ended, standing)] = occurrences(p.check(9.0), "nic_down")
+    assert ended == down and standing != down
+    make_nic(tmp_path, "eth0", changes=14)
+    assert occurrences(p.check(10.0)) == [(standing,)]
+    # errors that grow on consecutive checks are one occurrence; a quiet check ends it
+    errors = set()
+    for k in range(3):
+        make_nic(tmp_path, "eth0", changes=14, errors={"rx_errors": k + 1, "tx_errors": 0})
+        errors |= set(occurrences(p.check(11.0 + k), "nic_errors"))
+    assert len(errors) == 1
+    assert p.check(14.0) == []
+    make_nic(tmp_path, "eth0", changes=14, errors={"rx_errors": 9, "tx_errors": 0})
+    assert occurrences(p.check(15.0), "nic_errors") != list(errors)
 
 
 def test_nic_probe_missing_interface_and_threshold(tmp_path):

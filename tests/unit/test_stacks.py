@@ -226,14 +226,24 @@ def test_several_outlier_groups_in_one_dp_group():
     assert (d.kind, d.machines) == ("dp", [0, 1, 2, 3])
 
 
-def test_outliers_without_shared_group_evict_their_machines_unless_too_wide():
+def test_outliers_on_several_machines_without_a_narrow_group_narrow_nothing():
     topo = fig7_topology()
     odd = set(topo.ranks_of_machine(0) + topo.ranks_of_machine(5))  # (pp0, dp0) and (pp1, dp1)
     d = decide_eviction(aggregate(job_stacks(topo, lambda r: RECV_BWD if r in odd else GRAD_SYNC)), topo)
-    assert (d.kind, d.machines) == ("machines", [0, 5])
+    assert d.kind is None and d.machines == [] and "narrow nothing" in d.reason
+    assert d.outlier_ranks == sorted(odd)
     wide = {topo.ranks_of_machine(m)[0] for m in (0, 5, 10, 15, 1, 6, 11, 12, 2)}  # 9 of 16
     d = decide_eviction(aggregate(job_stacks(topo, lambda r: RECV_BWD if r in wide else GRAD_SYNC)), topo)
     assert d.kind is None and d.machines == [] and "not evicting" in d.reason
+
+
+def test_outliers_on_two_machines_of_a_data_parallel_job_are_not_a_localization():
+    """The issue's case: a slow link on m1 of a 4-machine DP job left ranks on m2 and m3 caught
+    mid-step; their only shared group is the whole job: evict nothing (stop-time checks decide)."""
+    topo = Topology(machines=4, gpus_per_machine=1, pp=1, dp=4)
+    agg = aggregate(job_stacks(topo, lambda r: {2: RECV_BWD, 3: SEND_BWD}.get(r, GRAD_SYNC)))
+    d = decide_eviction(agg, topo)
+    assert agg.outliers == [2, 3] and (d.kind, d.machines) == (None, []) and "dp group of 4 of 4 machines" in d.reason
 
 
 def test_shared_group_larger_than_half_the_job_falls_back_to_outlier_machines():

@@ -33,11 +33,12 @@ from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
 
 log = logging.getLogger("stalwart.agent")
-PLAIN_REFILL_AFTER_S = 55.0     # a run without step reports gets its spares this long after 5 s
+PLAIN_REFILL_AFTER_S = 60.0     # a run without step reports gets its spares this long after its start
 
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
+EVENT_LINGER_S = 0.2   # steps and metrics wait this long for company: one request per batch, not per step
 SKIP_BEATS_FROM = 3    # missed beats the controller allows before an agent's batches stand in for beats
 RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 
@@ -142,12 +143,11 @@ class Agent:
             return pid in self._conns
 
     def _refill_due(self) -> bool:
-        """Spares are started once the run is through its start-up: 5 s after it began and a rank
-        here reported a step (a script without the SDK reports none: after a minute)."""
+        """Spares are started once the run is through its start-up: as soon as a rank here
+        reported a step (a script without the SDK reports none: a minute after the run began)."""
         if self._refill_at is None:
             return False
-        late = time.time() - self._refill_at[0]
-        return late >= 0 and (bool(self._last_step) or late >= PLAIN_REFILL_AFTER_S)
+        return bool(self._last_step) or time.time() - self._refill_at[0] >= PLAIN_REFILL_AFTER_S
 
     def _send_to_rank(self, rank: int, msg: dict) -> None:
         w = self.workers.by_rank(rank)
@@ -277,8 +277,8 @@ class Agent:
             if not self.registered.wait(0.5):
                 continue
             wait = 5.0
-            if self._refill_at is not None:   # (until the run's first step, look again each second)
-                wait = max(0.0 if self._last_step else 1.0, min(wait, self._refill_at[0] - time.time()))
+            if self._refill_at is not None:   # spares due: until a rank here reports a step, look each second
+                wait = 0.0 if self._last_step else 1.0
             try:
                 reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait={wait:.2f}",
                                         timeout=15)
@@ -308,7 +308,7 @@ class Agent:
         while not self._stop.is_set():
             if not self.registered.wait(0.5):       # away: keep the events, the heartbeat loop
                 continue                            # knocks (with backoff) for everyone
-            batch = self._events.take(timeout=0.5)
+            batch = self._events.take(timeout=0.5, linger=EVENT_LINGER_S)
             if not batch:
                 continue
             if self._merge_steps:
@@ -480,8 +480,7 @@ class Agent:
         if self.keep_warm and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
-            # after the run is through its start-up: 5 s on, once a rank here reported a step
-            self._refill_at = (time.time() + 5.0, cmd)
+            self._refill_at = (time.time(), cmd)     # (started once a rank here reported a step)
 
     def _hand_over(self, cmd: p.Start, extra: list[dict[str, str]], pids: list[int]) -> None:
         by_pid = {w.proc.pid: w for w in self.warm.workers}

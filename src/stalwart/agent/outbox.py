@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Deque
 
 DEFAULT_LIMIT = 20_000
 # What may be dropped, first to last; every other kind is evidence (`protocol.EVIDENCE`).
 DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed",
               "standby_ready")
+# What may wait a moment for company (`take(linger=)`): everything else goes out at once.
+ROUTINE = frozenset(("metrics", "activity", "step", "steps", "ckpt"))
 
 
 class Outbox:
@@ -25,10 +28,13 @@ class Outbox:
         self._q: Deque[dict] = collections.deque()
         self._cond = threading.Condition()
         self.dropped: dict[str, int] = {}
+        self._prompt = 0            # queued events that may not linger
 
     def put(self, event: dict) -> None:
         with self._cond:
             self._q.append(event)
+            if event.get("type") not in ROUTINE:
+                self._prompt += 1
             if len(self._q) > self.limit:
                 self._make_room()
             self._cond.notify()
@@ -44,18 +50,31 @@ class Outbox:
                     return True
         return False
 
-    def take(self, timeout: float | None = None, max_batch: int = 500) -> list[dict]:
-        """Up to `max_batch` events, oldest first; waits up to `timeout` for the first one."""
+    def take(self, timeout: float | None = None, max_batch: int = 500, linger: float = 0.0) -> list[dict]:
+        """Up to `max_batch` events, oldest first; waits up to `timeout` for the first one. With
+        `linger`, a batch of routine events only (steps, metrics) waits that much longer for more,
+        so a job's every step is not a request of its own; anything else (evidence of a failure, a
+        restored rank) goes at once."""
         with self._cond:
             if not self._q:
                 self._cond.wait(timeout)
+            if self._q and linger > 0:
+                end = time.monotonic() + linger
+                while not self._prompt and len(self._q) < max_batch:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             n = min(max_batch, len(self._q))
-            return [self._q.popleft() for _ in range(n)]
+            batch = [self._q.popleft() for _ in range(n)]
+            self._prompt -= sum(1 for ev in batch if ev.get("type") not in ROUTINE)
+            return batch
 
     def give_back(self, batch: list[dict]) -> None:
         """A batch that could not be delivered goes back to the front, in order."""
         with self._cond:
             self._q.extendleft(reversed(batch))
+            self._prompt += sum(1 for ev in batch if ev.get("type") not in ROUTINE)
             while len(self._q) > self.limit and self._make_room():
                 pass
 

@@ -84,9 +84,11 @@ def receive_shard(dir: str, hdr: dict, chunks: Iterable, keep: int | None = None
 
 
 def prune(dir: str, rank: int, keep: int) -> None:
-    """Delete all but the newest `keep` per-step shards of `rank` in `dir` (header first)."""
-    shards = memckpt.list_shards(dir, rank)
-    for _, _, path in shards[:-keep]:
+    """Delete all but the newest `keep` per-step shards of `rank` in `dir` (header first). The
+    steps come from the names (a header is there only once its shard is complete): parsing every
+    header of the directory on each received shard was most of a backup's cost."""
+    shards = memckpt.step_shards(dir, rank)
+    for _, path in shards[:-keep]:
         b = memckpt.base_of(path)
         for ext in (".hdr", ".data"):          # header first: never a header without data
             try:

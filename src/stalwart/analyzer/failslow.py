@@ -98,12 +98,16 @@ class FailSlowRounds:
         """True once ``rounds`` rounds have been recorded."""
         return len(self.history) >= self.rounds
 
-    def verdict(self) -> tuple[str, list[int]] | None:
-        """``(kind, machines)`` of the most-flagged domain, or None (not ready / nothing flagged)."""
+    def verdict(self, min_flags: int = 1) -> tuple[str, list[int]] | None:
+        """``(kind, machines)`` of the most-flagged domain, or None (not ready / nothing flagged,
+        or the most-flagged domain flagged in fewer than ``min_flags`` of the counted rounds: on a
+        busy host each round's stacks catch some rank mid-step, a different one each time)."""
         flags = self.flags()
         if not self.ready or not flags:
             return None
         kind, machines = min(flags, key=lambda d: (-flags[d],) + _order(d))
+        if flags[(kind, machines)] < min_flags:
+            return None
         return kind, list(machines)
 
 
@@ -152,6 +156,20 @@ def healthy_pace(reference_s: float | None, step_times: Sequence[float], baselin
         return reference_s
     window = median(step_times[-baseline_n:])
     return window if reference_s is None else min(reference_s, window)
+
+
+def slowdown(step_times: Sequence[float], recent_n: int = 5, baseline_s: float | None = None) -> float:
+    """How many times slower the last ``recent_n`` steps run (their median) than the fastest
+    ``recent_n``-step stretch before them, or ``baseline_s`` when that is faster (1.0 when
+    there is nothing to compare)."""
+    if len(step_times) < 2 * recent_n:
+        return 1.0
+    recent = median(step_times[-recent_n:])
+    before = step_times[:-recent_n]
+    best = min(median(before[i:i + recent_n]) for i in range(len(before) - recent_n + 1))
+    if baseline_s is not None:
+        best = min(best, baseline_s)
+    return recent / best if best > 0 else 1.0
 
 
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:

@@ -203,12 +203,13 @@ class EvictionDecision:
 def decide_eviction(agg: Aggregation, topo: Any, max_fraction: float = 0.5) -> EvictionDecision:
     """Over-eviction from an aggregation: the smallest parallel group covering the outliers.
 
-    No eviction when all ranks agree or the aggregation is ambiguous.  When no
-    group covers the outliers, or the smallest that does holds more than
-    ``max_fraction`` of the job's machines (evicting it would stop the job, not
-    heal it), the outliers' own machines are evicted instead, unless they too are
-    more than ``max_fraction`` of the machines: then nothing is evicted and the
-    reason says so (a fault that wide needs stop-time checks instead).
+    No eviction when all ranks agree or the aggregation is ambiguous.  Outliers all on one
+    machine name that machine when no group of at most ``max_fraction`` of the job's machines
+    covers them (a machine is the narrowest fault domain).  Outliers on several machines that
+    no such group covers narrow nothing: the only group they share is (nearly) the whole job,
+    or none, and their stacks are as likely a moment of a slow job as a fault (a slow link
+    leaves healthy ranks caught mid-step), so nothing is evicted and the reason says so: the
+    stop-time checks decide.
     """
     out = list(agg.outliers)
     if agg.ambiguous:
@@ -228,10 +229,11 @@ def decide_eviction(agg: Aggregation, topo: Any, max_fraction: float = 0.5) -> E
     why = ("share no parallel group" if shared is None else
            f"share only a {shared[0]} group of {len(shared[1])} of {topo.machines} machines")
     machines = topo.machines_of(out)
-    if len(machines) > limit:
-        return EvictionDecision(None, [], out, f"outliers span {len(machines)} of {topo.machines} "
-                                               f"machines and {why}: not evicting")
-    return EvictionDecision("machines", machines, out, f"outliers {why}; evicting their machines {machines}")
+    if len(machines) == 1:
+        return EvictionDecision("machines", machines, out, f"outliers {why}; all on machine {machines[0]}: "
+                                                           f"evicting it")
+    return EvictionDecision(None, [], out, f"outliers on {len(machines)} machines {machines} {why}: the "
+                                           f"stacks narrow nothing, not evicting (stop-time checks decide)")
 
 
 def group_records(stacks: dict[str, list[dict]]) -> list[tuple[str, list[str]]]:

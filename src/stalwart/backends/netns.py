@@ -14,6 +14,7 @@ Every creation step is recorded in a JSON state file *before* it runs, so that
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -71,6 +72,15 @@ def names_for(prefix: str, index: int) -> dict[str, str]:
     for key in ("ifname", "host_ifname"):
         assert len(names[key]) <= IFNAMSIZ, names[key]
     return names
+
+
+def bridge_mac(prefix: str) -> str:
+    """A fixed, locally administered MAC address for the bridge of this prefix (pure). A bridge
+    without an address of its own takes its lowest port's, so a machine added or removed later
+    (a standby handed back, a fresh one) changed the gateway's MAC under every namespace's ARP
+    cache, and their connections to the controller's store stalled for a minute."""
+    digest = hashlib.sha256(prefix.encode()).digest()
+    return ":".join(f"{b:02x}" for b in (0x02,) + tuple(digest[:5]))
 
 
 def bridge_name(prefix: str) -> str:
@@ -309,7 +319,7 @@ class Network:
             elif self.subnet_index in used:
                 raise ValueError(f"subnet {SUBNET_BASE}.{self.subnet_index}.0/24 is already in use here")
             self._record()
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "link", "add", self.bridge, "address", bridge_mac(self.prefix), "type", "bridge"])
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
         self._created = True

@@ -22,7 +22,9 @@ NUMERIC = ("nan", "loss_spike")
 # Thresholds are loose on purpose: a busy host measures healthy machines several times apart, while
 # the faults they must catch (a throttled link at kbit/s, a GPU at a quarter speed) are far off.
 LINK_MIN_MBPS = 5.0           # an inter-machine pair slower than this is bad
-LINK_MIN_RATIO = 0.1          # ... or slower than this fraction of the median pair
+LINK_MIN_RATIO = 0.1          # ... or slower than this fraction of a healthy pair (pairs.judge_pairs)
+LINK_MAX_LATENCY_S = 0.5      # ... or slower to answer than this and than LINK_LATENCY_RATIO x a healthy pair
+LINK_LATENCY_RATIO = 20.0     # (a shaped link queues small messages too: 0.1 s at 64 kbit/s)
 SPEED_MIN_RATIO = 0.25        # a self-test slower than this fraction of the median machine is bad
 
 
@@ -108,15 +110,16 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
         for key, (i, j) in pair_index.items():
             rows = by_pair.get(key, [])
             ok = bool(rows) and all(r.get("ok") for r in rows)
-            mbps = [(r.get("measure") or {}).get("mbps") for r in rows if r.get("ok")]
-            known = [v for v in mbps if v is not None]
-            pair_res[(i, j)] = {"ok": ok, "mbps": min(known) if ok and known and len(known) == len(mbps) else None,
+            pair_res[(i, j)] = {"ok": ok, "mbps": _worst(rows, "mbps", min) if ok else None,
+                                "latency_s": _worst(rows, "latency_s", max) if ok else None,
                                 "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
                                 or ("no result" if not rows else "")}
-        judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS)
+        judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS,
+                             max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
         pairs_summary = judged["pairs"]
         for i in judged["bad_machines"]:
-            bad.setdefault(slots[i], "inter-machine test failed with every partner")
+            how = "; ".join(f"with {slots[peer]}: {why}" for peer, why in _partners(pairs_summary, i))
+            bad.setdefault(slots[i], f"inter-machine test failed with every partner ({how})")
         for i, j in judged["bad_links"]:
             links.append([slots[i], slots[j]])
     digests = {f"{r['machine']}/{r.get('local_rank', 0)}": (r.get("measure") or {}).get("digest", "")
@@ -128,15 +131,40 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
             "checks": sorted(by_check)}
 
 
+def _partners(pairs: Mapping[str, Mapping], i: int) -> list[tuple[int, str]]:
+    """Machine `i`'s partners in the judged pairs ("i-j" keys) and what was wrong with each pair."""
+    out = []
+    for key, v in pairs.items():
+        a, b = (int(x) for x in key.split("-"))
+        if i in (a, b):
+            out.append((b if a == i else a, str(v.get("why") or v.get("detail") or "failed")))
+    return sorted(out)
+
+
+def _worst(rows: Sequence[Mapping], key: str, worst) -> float | None:
+    """The worse of both ends' measures of a pair (None unless both measured it)."""
+    values = [(r.get("measure") or {}).get(key) for r in rows]
+    return worst(values) if values and all(v is not None for v in values) else None
+
+
 def evictions(v: Mapping, standby_ready: int) -> tuple[list[str], str]:
     """Machines to evict for a verdict, and why. A bad link whose ends both passed with other
-    partners is cut by evicting both ends when standbys allow, else its first end."""
+    partners is cut by evicting both ends when standbys allow, else its first end (either end
+    cuts it). The single pair of a two-machine job cannot tell a bad machine from a bad link:
+    both ends go when standbys allow, else none (the reason says why)."""
     evict = sorted(v["bad"])
     reasons = [f"{m}: {v['bad'][m]}" for m in evict]
+    alone = len(v.get("pairs") or {}) == 1
     for a, b in v["links"]:
         if a in evict or b in evict:
             continue
-        ends = [a, b] if standby_ready - len(evict) >= 2 else [a]
+        room = standby_ready - len(evict)
+        if alone and room < 2:
+            reasons.append(f"link {a}<->{b} failed the inter-machine test, but with two machines the "
+                           f"checks cannot tell which end is at fault and {room} standby(s) cannot "
+                           f"replace both: evicting neither")
+            continue
+        ends = [a, b] if room >= 2 else [a]
         evict.extend(ends)
         reasons.append(f"link {a}<->{b} failed the inter-machine test; evicting {', '.join(ends)}")
     return evict, "; ".join(reasons)

@@ -51,13 +51,12 @@ class ControllerSource:
         self._cache: dict[int, tuple[float, dict, list[dict]]] = {}
 
     def _snapshot(self, job_id: int) -> tuple[dict, list[dict]]:
-        from stalwart.controller.report import build_report
         with self._lock:
             hit = self._cache.get(job_id)
             if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
                 return hit[1], hit[2]
-            events = self.ctl.store.events(job_id)
-            rep = build_report(self.ctl.store, job_id, now=time.time(), events=events)
+            events = self.ctl.reports.events(job_id)          # read incrementally (reportcache.py)
+            rep = self.ctl.reports.report(job_id, now=time.time())
             runner = self.ctl.jobs.get(job_id)
             if runner is not None:
                 rep["live"] = runner.live()

@@ -7,7 +7,9 @@ reuse the rules unchanged.
 The ladder implemented so far (DESIGN.md "Fault handling"):
 - a machine that stopped heart-beating is lost: evict it, hand its ranks to a standby;
 - a machine-certain health fault (GPU lost / fatal Xid / DBE ECC, disk fault): evict at once;
-- a network alert: evict after `network_alert_count` alerts within `network_alert_window_s`;
+- a network alert: evict after `network_alert_count` occurrences within `network_alert_window_s`
+  (an occurrence is one underlying event, however many alerts report it: `network_occurrences`),
+  or when the condition still stands (a NIC still down) while the job fails for it;
 - a Python exception in the job's own code: the incident is `user_code`; fail the run clearly;
 - a crash with no certain culprit: reattempt on the same machines;
 - no progress across `max_restarts_without_progress` restarts: stop and ask for a human.
@@ -45,6 +47,12 @@ class Alert:
     network: bool = False
     detail: str = ""
     t: float = 0.0
+    occurrences: tuple[str, ...] = ()    # ids of the underlying occurrences it reports (probes name them)
+    standing: bool = False               # the condition still held when the probe looked
+
+    def occurrence_ids(self) -> tuple[str, ...]:
+        """What this alert counts as: the probe's occurrence ids, else the alert itself."""
+        return self.occurrences or (f"{self.kind}@{self.t!r}",)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,9 @@ class Evidence:
     implicit_symptom: str | None = None      # hang, nan, ... (found by the analyzer, not a probe)
     implicit_evict: tuple[str, ...] = ()     # machines the analyzer singled out (over-eviction)
     implicit_reason: str = ""
+    # machines whose network condition (a NIC down, an interface gone) was still reported while
+    # the incident was open: the job failed with it, and waiting for a recurrence is pointless
+    standing: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,40 @@ class Resolution:
     evict: list[str] = field(default_factory=list)
     mechanism: str = "reattempt"     # reattempt | evict_restart | fail
     fail_reason: str | None = None
+    # every eviction rests on certain evidence (a lost machine, a dead GPU): False when one is a
+    # guess (a network alert, the stacks' over-eviction), which a check confirms before the job is
+    # failed for want of standbys
+    certain: bool = True
+
+
+def network_occurrences(alerts: Iterable[Alert], machine: str, now: float, window_s: float) -> list[str]:
+    """The distinct occurrences behind `machine`'s network alerts within the window, oldest first.
+
+    One flap is one occurrence although the probe reports its down and its carrier change, and a
+    NIC that stays down is one although every check reports it again (the probe names each
+    occurrence; an alert without names counts as its own)."""
+    seen: dict[str, float] = {}
+    for a in alerts:
+        if a.network and a.machine == machine and now - a.t <= window_s:
+            for key in a.occurrence_ids():
+                seen[key] = min(seen.get(key, a.t), a.t)
+    return sorted(seen, key=lambda k: (seen[k], k))
+
+
+def standing_since(alerts: Iterable[Alert]) -> dict[str, tuple[float, Alert]]:
+    """Per machine, a network occurrence whose latest report says it still stands: when it was
+    first reported, and that latest report (the earliest such occurrence per machine)."""
+    first: dict[str, float] = {}
+    latest: dict[str, Alert] = {}
+    for a in sorted((a for a in alerts if a.network), key=lambda a: a.t):
+        for key in a.occurrence_ids():
+            first.setdefault(key, a.t)
+            latest[key] = a
+    out: dict[str, tuple[float, Alert]] = {}
+    for key, a in latest.items():
+        if a.standing and (a.machine not in out or first[key] < out[a.machine][0]):
+            out[a.machine] = (first[key], a)
+    return out
 
 
 def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
@@ -92,10 +137,9 @@ def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
     if alert.machine_certain and alert.severity == "fatal":
         return True
     if alert.network:
-        window = [a for a in snap.recent_alerts + (alert,)
-                  if a.network and a.machine == alert.machine
-                  and now - a.t <= snap.network_alert_window_s]
-        return len(window) >= snap.network_alert_count
+        found = network_occurrences(snap.recent_alerts + (alert,), alert.machine, now,
+                                    snap.network_alert_window_s)
+        return len(found) >= snap.network_alert_count
     return False
 
 
@@ -158,14 +202,13 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
             reasons.append(f"{a.kind} on {a.machine}" + (f": {a.detail}" if a.detail else ""))
     if certain and not ev.lost:
         symptom = certain[0].kind
-    net = [a for a in ev.alerts if a.network]
-    for a in net:
-        if should_open_incident(a, snap, now) and a.machine not in evict:
-            evict.append(a.machine)
-            reasons.append(f"{a.kind} on {a.machine} seen {snap.network_alert_count}x "
-                           f"within {snap.network_alert_window_s:.0f}s")
+    certain_evict = len(evict)
+    for m, kind, why in _network_verdicts(snap, ev, now, explained=bool(evict)):
+        if m not in evict:
+            evict.append(m)
+            reasons.append(why)
             if not ev.lost and not certain:
-                symptom = a.kind
+                symptom = kind
     if ev.implicit_symptom and not evict:
         symptom, category = ev.implicit_symptom, "implicit"
         for m in ev.implicit_evict:
@@ -182,6 +225,8 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
                 evict.append(e.machine)
         if certain_exits:
             reasons.append(f"{first.symptom} on {certain_exits[0].machine}")
+        certain_evict = len(evict)
+    sure = len(evict) <= certain_evict
     suspects = list(evict) or sorted({e.machine for e in primary})
     cause = "; ".join(reasons) or _describe_exits(primary) or "unknown"
 
@@ -199,11 +244,32 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
         short = standby_shortfall(evict, len(snap.standby_ready))
         if short is not None:
             return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                              evict=evict, mechanism="fail", fail_reason=short)
+                              evict=evict, mechanism="fail", fail_reason=short, certain=sure)
         return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                          evict=evict, mechanism="evict_restart")
+                          evict=evict, mechanism="evict_restart", certain=sure)
     return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
                       mechanism="reattempt")
+
+
+def _network_verdicts(snap: Snapshot, ev: Evidence, now: float,
+                      explained: bool) -> list[tuple[str, str, str]]:
+    """(machine, alert kind, why) for each active machine its network alerts condemn: its alerts
+    recurred (`network_alert_count` occurrences within the window), or, when nothing certain
+    explains the failure, its condition still stood while the incident was open."""
+    out = []
+    for m in snap.active:
+        mine = [a for a in ev.alerts if a.network and a.machine == m]
+        if not mine:
+            continue
+        found = network_occurrences(mine, m, now, snap.network_alert_window_s)
+        kinds = sorted({a.kind for a in mine})
+        if len(found) >= snap.network_alert_count:
+            out.append((m, mine[-1].kind, f"{'/'.join(kinds)} on {m}: {len(found)} occurrences within "
+                                          f"{snap.network_alert_window_s:.0f}s"))
+        elif m in ev.standing and not explained:
+            kind = next(a.kind for a in reversed(mine) if a.standing)
+            out.append((m, kind, f"{kind} on {m} still standing when the job failed"))
+    return out
 
 
 def describe_exit(rank: int | None, machine: str, code: int | None, signal: int | None,

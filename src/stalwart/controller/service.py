@@ -26,7 +26,7 @@ from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Injec
 from stalwart.controller.job.runner import JobRunner
 from stalwart.controller.pool import standby_count
 from stalwart.controller.rendezvous import Rendezvous
-from stalwart.controller.report import build_report
+from stalwart.controller.reportcache import ReportCache
 from stalwart.controller.restore import Availability
 from stalwart.controller.store import Store
 from stalwart.errors import Conflict, InvalidRequest, NotFound
@@ -74,6 +74,7 @@ class Controller:
         self.state_dir = os.path.abspath(state_dir)
         snapshot.mark_state_dir(self.state_dir)
         self.store = Store(db_url)
+        self.reports = ReportCache(self.store)
         self.versions = versions.Versions(self.store)
         self.store_host = store_host
         self.heartbeat_s = heartbeat_s
@@ -464,7 +465,7 @@ class Controller:
         return job_id
 
     def status(self, job_id: int) -> dict:
-        rep = build_report(self.store, job_id, now=time.time())
+        rep = self.reports.report(job_id, now=time.time())
         runner = self.jobs.get(job_id)
         if runner is not None:
             rep["live"] = runner.live()

@@ -294,6 +294,11 @@ class Store:
         self._insert(events, job_id=job_id, t=time.time() if t is None else t, kind=kind,
                      data=json.dumps(data))
 
+    def events_since(self, job_id: int, after_id: int) -> list[dict]:
+        """The job's events with an id above `after_id`, in id order."""
+        return self._select(sa.select(events).where(events.c.job_id == job_id, events.c.id > after_id)
+                            .order_by(events.c.id))
+
     def events(self, job_id: int, kinds: Iterable[str] | None = None) -> list[dict]:
         q = sa.select(events).where(events.c.job_id == job_id)
         if kinds is not None:

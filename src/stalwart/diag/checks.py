@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import re
 import shutil
+import statistics
 import subprocess
 import time
 from datetime import timedelta
@@ -207,33 +208,69 @@ def _pattern(rank: int, count: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.float32) % 65536 + rank * 65536
 
 
-def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0) -> dict:
-    """All-gather of ``nbytes`` between the two machines of a pair, content checked.
+LAT_REPS = 9                 # tiny all-gathers timed for a pair's latency (the median counts)
+SIZES_FROM = 16 << 10        # bandwidth: all-gathers of doubling sizes from 16 KiB ...
+MEASURED_S = 0.25            # ... until one takes this long (enough to measure) or the size reaches nbytes
 
-    ``mbps`` is megabits per second of the bytes received from the peer, in the fastest of
-    ``BENCH_TRIES`` transfers (the content of the last one is checked).
+
+def pair_allgather(pg, rank: int, nbytes: int = 1 << 21, timeout_s: float = 10.0) -> dict:
+    """All-gathers between the two machines of a pair: latency, bandwidth, content checked.
+
+    ``latency_s`` is the median time of ``LAT_REPS`` all-gathers of 16 bytes. Bandwidth: all-gathers
+    of doubling sizes from ``SIZES_FROM`` up to ``nbytes``, stopping at the first that takes
+    ``MEASURED_S`` or longer, so a throttled link is measured in about a second instead of timing
+    out on the full size (the first sizes fit in a shaper's burst; a size that takes a while does
+    not); both ends agree on when to stop (each size's slower time is exchanged). ``mbps`` is
+    megabits per second of the bytes received from the peer at the last size, the fastest of
+    ``BENCH_TRIES`` transfers. The content of every transfer is checked.
     """
     opts = AllgatherOptions()
     opts.timeout = timedelta(seconds=timeout_s)
+    peer = 1 - rank
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t), torch.empty_like(t)]
+        pg.allgather([out], [t], opts).wait()
+        return out
+
     try:
-        warm = [torch.zeros(4), torch.zeros(4)]
-        pg.allgather([warm], [torch.full((4,), float(rank))], opts).wait()
-        count = max(1, nbytes // 4)
-        out = [torch.empty(count), torch.empty(count)]
-        seconds = float("inf")
-        for _ in range(BENCH_TRIES):     # the fastest of a few: less scheduler noise
-            out[1 - rank].zero_()
+        gather(torch.full((4,), float(rank)))                     # both ends are there
+        lat = []
+        for _ in range(LAT_REPS):
             start = time.perf_counter()
-            pg.allgather([out], [_pattern(rank, count)], opts).wait()
-            seconds = min(seconds, time.perf_counter() - start)
-        peer = 1 - rank
+            gather(torch.full((4,), float(rank)))
+            lat.append(time.perf_counter() - start)
+        latency = statistics.median(lat)
+        size, wrong = min(SIZES_FROM, max(4, nbytes)), 0
+
+        def timed(t: torch.Tensor, expect: torch.Tensor) -> tuple[float, int]:
+            start = time.perf_counter()
+            out = gather(t)
+            return time.perf_counter() - start, int((out[peer] != expect).sum())
+
+        def agree(seconds: float, wrong: int) -> bool:
+            """Whether either end saw this size take MEASURED_S or a mismatch: both ends stop
+            together, so both run the same collectives."""
+            other = gather(torch.tensor([seconds, float(wrong)], dtype=torch.float64))[peer]
+            return bool(wrong or other[1] or max(seconds, float(other[0])) >= MEASURED_S)
+
+        while True:
+            count = max(1, size // 4)
+            mine, theirs = _pattern(rank, count), _pattern(peer, count)
+            seconds = float("inf")
+            for _ in range(BENCH_TRIES):     # the fastest of a few: a stalled transfer (a busy
+                took, bad = timed(mine, theirs)      # host) is not a slow link
+                seconds, wrong = min(seconds, took), max(wrong, bad)
+            if agree(seconds, wrong) or size >= nbytes:
+                break
+            size = min(size * 2, nbytes)
         mbps = count * 4 * 8 / 1e6 / max(seconds, 1e-9)
-        measure = {"seconds": round(seconds, 6), "mbps": round(mbps, 3), "bytes": count * 4}
-        wrong = (out[peer] != _pattern(peer, count)).nonzero()
-        if wrong.numel():
-            return result("inter", False, f"all-gather data mismatch: {wrong.numel()} of {count} "
-                          f"values from the peer wrong (first at byte {int(wrong[0]) * 4})",
-                          **measure)
-        return result("inter", True, f"all-gather of {count * 4} bytes ok", **measure)
+        measure = {"seconds": round(seconds, 6), "mbps": round(mbps, 3), "bytes": count * 4,
+                   "latency_s": round(latency, 6)}
+        if wrong:
+            return result("inter", False, f"all-gather data mismatch: {wrong} of {count} values from "
+                          f"the peer wrong", **measure)
+        return result("inter", True, f"all-gather ok: {mbps:.1f} Mbit/s at {count * 4} bytes, "
+                      f"latency {latency * 1e3:.2f} ms", **measure)
     except Exception as e:  # noqa: BLE001
         return result("inter", False, f"{type(e).__name__}: {e}")

@@ -2,8 +2,10 @@
 
 The inter-machine test pairs machines along a ring, so every machine (of n >= 3) is tested
 twice, with two different partners: a bad machine fails both of its pairs, a good one passes
-at least one unless both of its neighbours are bad. Machines are numbered 0..n-1 here; the
-caller maps them to machine ids. No torch import: the controller uses this module.
+at least one unless both of its neighbours are bad. Each pair measures its bandwidth and
+latency, and is judged against the other pairs (a slow link fails only the pairs through it).
+Machines are numbered 0..n-1 here; the caller maps them to machine ids. No torch import: the
+controller uses this module.
 """
 from __future__ import annotations
 
@@ -52,32 +54,55 @@ def _key(pair: tuple[int, int]) -> Pair:
     return (min(i, j), max(i, j))
 
 
+def _reference(values: dict[Pair, float], best) -> float | None:
+    """The pace a healthy pair shows: the median over machines of each machine's best pair (its
+    fastest, or lowest latency). A slow machine drags both of its pairs, so in a ring of three
+    two pairs of three are slow and their median would call the slow pace normal; every other
+    machine still has one good pair."""
+    per_machine: dict[int, float] = {}
+    for (i, j), v in values.items():
+        for m in (i, j):
+            per_machine[m] = best(per_machine[m], v) if m in per_machine else v
+    return statistics.median(per_machine.values()) if per_machine else None
+
+
 def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float = 0.25,
-                min_mbps: float = 50.0) -> dict:
+                min_mbps: float = 50.0, max_latency_s: float = 0.1, latency_ratio: float = 10.0) -> dict:
     """Which machines and links the pair results accuse.
 
-    ``results[(i, j)] = {"ok": bool, "mbps": float | None, "detail": str}``; a ring pair with no
-    result counts as failed ("missing"). A pair is bad when it failed, or its bandwidth is
-    below ``min_mbps`` or below ``min_ratio`` x the median of the pairs that passed. A machine is
-    bad when it is in >= 2 pairs and all of them are bad; a link is bad when it is bad while both
-    of its machines passed some other pair (or, n == 2, when the single pair is bad).
+    ``results[(i, j)] = {"ok": bool, "mbps": float | None, "latency_s": float | None, "detail": str}``;
+    a ring pair with no result counts as failed ("missing"). Each pair is judged against the
+    others: it is bad when it failed, or its bandwidth is below ``min_mbps`` or below
+    ``min_ratio`` x the reference bandwidth, or its latency is above both ``max_latency_s`` and
+    ``latency_ratio`` x the reference latency (references: `_reference`, over the pairs that
+    passed). A machine is bad when it is in >= 2 pairs and all of them are bad; a link is bad when
+    it is bad while both of its machines passed some other pair (or, n == 2, when the single pair
+    is bad: two machines cannot tell which end is at fault).
     """
     merged: dict[Pair, dict] = {e: {"ok": False, "mbps": None, "detail": "missing"}
                                 for e in ring_edges(n)}
     for pair, res in results.items():
         merged[_key(pair)] = dict(res)
-    speeds = [r["mbps"] for r in merged.values() if r.get("ok") and r.get("mbps") is not None]
-    median = statistics.median(speeds) if speeds else None
+    passed_pairs = {p: r for p, r in merged.items() if r.get("ok")}
+    speed = _reference({p: r["mbps"] for p, r in passed_pairs.items() if r.get("mbps") is not None}, max)
+    latency = _reference({p: r["latency_s"] for p, r in passed_pairs.items()
+                          if r.get("latency_s") is not None}, min)
 
-    def is_bad(r: dict) -> bool:
+    def why_bad(r: dict) -> str | None:
         if not r.get("ok"):
-            return True
-        mbps = r.get("mbps")
-        if mbps is None:
-            return False
-        return mbps < min_mbps or (median is not None and mbps < min_ratio * median)
+            return "failed"
+        mbps, lat = r.get("mbps"), r.get("latency_s")
+        if mbps is not None and mbps < min_mbps:
+            return f"{mbps:.2f} Mbit/s is below {min_mbps:g}"
+        if mbps is not None and speed is not None and mbps < min_ratio * speed:
+            return f"{mbps:.2f} Mbit/s is below {min_ratio:g} x the others' {speed:.1f}"
+        if lat is not None and lat > max_latency_s and (latency is None or lat > latency_ratio * latency):
+            return f"latency {lat * 1e3:.1f} ms is above {latency_ratio:g} x the others' " \
+                   f"{(latency or 0) * 1e3:.2f} ms"
+        return None
 
-    bad = {p: is_bad(r) for p, r in merged.items()}
+    verdicts = {p: why_bad(r) for p, r in merged.items()}
+    bad = {p: v is not None for p, v in verdicts.items()}
     member: dict[int, list[Pair]] = {}
     for p in merged:
         for m in p:
@@ -88,11 +113,17 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
         bad_links = sorted(p for p in merged if bad[p])
     else:
         bad_links = sorted(p for p in merged if bad[p] and p[0] in passed and p[1] in passed)
+    pairs = {}
+    for i, j in sorted(merged):
+        pairs[f"{i}-{j}"] = {**merged[(i, j)], "bad": bad[(i, j)]}
+        if verdicts[(i, j)] not in (None, "failed"):
+            pairs[f"{i}-{j}"]["why"] = verdicts[(i, j)]
     return {
         "bad_machines": bad_machines,
         "bad_links": bad_links,
-        "pairs": {f"{i}-{j}": {**merged[(i, j)], "bad": bad[(i, j)]} for i, j in sorted(merged)},
-        "median_mbps": median,
+        "pairs": pairs,
+        "reference_mbps": speed,
+        "reference_latency_s": latency,
     }
 
 

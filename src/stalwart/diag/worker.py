@@ -28,10 +28,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
 CHECKS = ("selftest", "intra", "inter", "align")
+PAIR_BOUND = 1.5     # a pair's test, once both ends joined, takes at most this many timeouts
 
 
 class PlanError(ValueError):
@@ -177,16 +179,48 @@ class Runner:
             extra = {"round": r["round"], "peer": r["peer"], "pair_rank": r["rank"]}
             deadline = t0 + r["round"] * 2 * timeout + timeout
             wait = max(timeout, deadline - started)
+            self.emit(self._pair(checks, r, wait, timeout), started, **extra)
+
+    def _pair(self, checks, r: dict, wait: float, timeout: float) -> dict:
+        """One pair's test under a hard bound. A peer cut off by a partition can leave gloo's
+        connection set-up blocked past its own timeout, so the test runs in a thread: both ends
+        first mark their presence in the store (up to `wait`: a peer may be late from an earlier
+        round), then the test has PAIR_BOUND x `timeout`; a pair that has not answered by then
+        fails (the thread is abandoned; the process exits with os._exit at the end)."""
+        import torch.distributed as dist
+
+        p, box = self.plan, {}
+
+        def test() -> None:
             try:
-                pg = connect(p["store_host"], r["port"], r["prefix"], r["rank"], 2, wait)
+                store = dist.TCPStore(p["store_host"], r["port"], is_master=False, timeout=timedelta(seconds=wait))
+                here = dist.PrefixStore(r["prefix"] + "here/", store)
+                here.set(str(r["rank"]), "1")
+                here.wait([str(1 - r["rank"])], timedelta(seconds=wait))
+                box["present"] = time.monotonic()
+                pg = connect(p["store_host"], r["port"], r["prefix"], r["rank"], 2, timeout)
             except Exception as e:  # noqa: BLE001
                 res = _failed("inter", e)
                 res["detail"] = f"peer {r['peer']} did not join within {wait:.1f}s: {res['detail']}"
-                self.emit(res, started, **extra)
-                continue
+                box["res"] = res
+                return
             self.groups.append(pg)
-            res = checks.pair_allgather(pg, r["rank"], p["inter_bytes"], timeout_s=timeout)
-            self.emit(res, started, **extra)
+            box["res"] = checks.pair_allgather(pg, r["rank"], p["inter_bytes"], timeout_s=timeout)
+
+        worker = threading.Thread(target=test, name=f"pair-{r['peer']}", daemon=True)
+        started = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            present = box.get("present")
+            limit = present + PAIR_BOUND * timeout if present else started + wait + timeout
+            if time.monotonic() >= limit:
+                break
+            worker.join(0.05)
+        if "res" in box:
+            return box["res"]
+        return {"check": "inter", "ok": False, "measure": {},
+                "detail": f"no answer from peer {r['peer']} within {PAIR_BOUND * timeout:.0f}s of both "
+                          "joining (connection set-up or transfer blocked: a partition?)"}
 
 
 def serve(stdin) -> int:

@@ -69,7 +69,8 @@ def parse_args(argv: Sequence[str] | None = None,
                    help="global rank 0 prints metrics every N steps (0: only the summary)")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--min-compute-s", type=float, default=0.0,
-                   help="forward and backward of a step last at least this long (sleeps the rest): "
+                   help="forward and backward of a step compute at least this long (sleeps the rest; "
+                        "the pipeline's sends and receives do not count): "
                         "emulates a bigger model's step time")
     p.add_argument("--slow-while", metavar="FILE",
                    help="while FILE exists, a step's compute lasts at least 1 s (a test paces the job)")
@@ -162,7 +163,7 @@ class PlainContext:
     def begin_step(self, step: int) -> None:
         """Nothing to do without an agent."""
 
-    def on_gradients(self, step: int, params: list[torch.Tensor]) -> None:
+    def on_gradients(self, step: int, params: list[torch.Tensor], comm_s: float = 0.0) -> None:
         """Nothing to do without an agent."""
 
     def report(self, step: int, **metrics: float) -> None:
@@ -283,12 +284,13 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         # the `stage-hang` chaos fault: the SDK blocks before a pipeline send (with pp == 1,
         # which has none, before the data-parallel all-reduce)
         hang = getattr(ctx, "maybe_hang", None)
+        comm = [0.0]                     # seconds in the pipeline's sends and receives
         local_loss = gpipe_step(stage, x, y, args.micro_batches, links,
-                                functools.partial(hang, step, "pp") if hang else None)
+                                functools.partial(hang, step, "pp") if hang else None, comm)
         min_s = max(args.min_compute_s, 1.0 if args.slow_while and os.path.exists(args.slow_while) else 0.0)
         if min_s > 0:
-            time.sleep(max(0.0, min_s - (time.perf_counter() - t0)))
-        ctx.on_gradients(step, params)
+            time.sleep(max(0.0, min_s - (time.perf_counter() - t0 - comm[0])))
+        ctx.on_gradients(step, params, comm_s=comm[0])
         if hang:
             hang(step, "dp")
         allreduce_mean(params, ctx.groups.get("dp"), dp)

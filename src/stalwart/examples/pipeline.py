@@ -11,6 +11,7 @@ inside the pipeline's communication while its neighbour waits in ``dist.recv``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,22 +52,36 @@ def split_micro(t: torch.Tensor, micro_batches: int) -> list[torch.Tensor]:
 
 
 def stage_send(t: torch.Tensor, dst: int, links: StageLinks,
-               before_send: Callable[[], None] | None = None) -> None:
-    """Send ``t`` to the neighbour stage ``dst`` (blocking), after the ``before_send`` hook."""
+               before_send: Callable[[], None] | None = None, comm: list[float] | None = None) -> None:
+    """Send ``t`` to the neighbour stage ``dst`` (blocking), after the ``before_send`` hook;
+    the seconds it took are added to ``comm[0]``."""
     if before_send is not None:
         before_send()
+    start = time.perf_counter()
     dist.send(t, dst=dst, group=links.group)
+    if comm is not None:
+        comm[0] += time.perf_counter() - start
+
+
+def stage_recv(t: torch.Tensor, src: int, links: StageLinks, comm: list[float] | None = None) -> None:
+    """Receive ``t`` from the neighbour stage ``src`` (blocking); the wait is added to ``comm[0]``."""
+    start = time.perf_counter()
+    dist.recv(t, src=src, group=links.group)
+    if comm is not None:
+        comm[0] += time.perf_counter() - start
 
 
 def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
                micro_batches: int, links: StageLinks,
-               before_send: Callable[[], None] | None = None) -> torch.Tensor | None:
+               before_send: Callable[[], None] | None = None,
+               comm: list[float] | None = None) -> torch.Tensor | None:
     """Run forward and backward of one local batch through the pipeline; grads accumulate.
 
     Returns the mean cross-entropy over the local batch (a detached scalar) on the last
     stage and None elsewhere. Each micro-batch loss is scaled by ``1/micro_batches`` before
     backward, so the accumulated gradient is that of the local-batch mean.
-    ``before_send`` is called before every send to a neighbour stage (see :func:`stage_send`).
+    ``before_send`` is called before every send to a neighbour stage (see :func:`stage_send`);
+    the seconds spent in sends and receives are added to ``comm[0]`` when given.
     """
     xs = split_micro(inputs, micro_batches)
     ys = split_micro(targets, micro_batches)
@@ -82,7 +97,7 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
             x = xs[m]
         else:
             x = torch.empty(act_shape, device=device)
-            dist.recv(x, src=links.prev_rank, group=links.group)
+            stage_recv(x, links.prev_rank, links, comm)
             x.requires_grad_(True)
         out = stage(x)
         if last:
@@ -91,7 +106,7 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
             total += loss.detach()
             outputs.append(loss)
         else:
-            stage_send(out.detach().contiguous(), links.next_rank, links, before_send)
+            stage_send(out.detach().contiguous(), links.next_rank, links, before_send, comm)
             outputs.append(out)
         stage_inputs.append(None if first else x)
     for m in range(micro_batches):
@@ -99,9 +114,9 @@ def gpipe_step(stage: GPTStage, inputs: torch.Tensor, targets: torch.Tensor,
             outputs[m].backward()
         else:
             grad = torch.empty(act_shape, device=device)
-            dist.recv(grad, src=links.next_rank, group=links.group)
+            stage_recv(grad, links.next_rank, links, comm)
             outputs[m].backward(grad)
         if not first:
             x = stage_inputs[m]
-            stage_send(x.grad.contiguous(), links.prev_rank, links, before_send)
+            stage_send(x.grad.contiguous(), links.prev_rank, links, before_send, comm)
     return total if last else None

@@ -97,6 +97,8 @@ class Context:
         self._init_process_groups()
         self._step_t0 = time.time()
         self._compute_s = 0.0
+        self._base_compute_s = 0.0      # compute time without the simulated GPU's throttling
+        self._throttled_s = 0.0
         # seconds the training thread spent inside the SDK's per-step calls (begin_step,
         # on_gradients, report, the in-memory checkpoint): what stalwart costs a step
         self.blocking_s = 0.0
@@ -217,22 +219,33 @@ class Context:
         err = self.gpu.fatal()
         if err is not None:
             raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
-        slow = self.gpu.slowdown()
         self.blocking_s += time.perf_counter() - t0
-        if slow > 1.0 and self._compute_s > 0:
-            time.sleep((slow - 1.0) * self._compute_s)   # a throttled GPU: every step takes longer
         self._begin_t = time.time()
+        slow = self.gpu.slowdown()
+        self._throttled_s = 0.0
+        if slow > 1.0 and self._base_compute_s > 0:
+            # a throttled GPU computes slower: the time is the step's compute, as on a real one
+            self._throttled_s = (slow - 1.0) * self._base_compute_s
+            time.sleep(self._throttled_s)
 
-    def on_gradients(self, step: int, params: Iterable[torch.Tensor]) -> None:
-        """Call after backward and before the data-parallel reduction of the gradients."""
+    def on_gradients(self, step: int, params: Iterable[torch.Tensor], comm_s: float = 0.0) -> None:
+        """Call after backward and before the data-parallel reduction of the gradients.
+
+        `comm_s`: seconds of this step so far spent communicating (a pipeline's sends and
+        receives), left out of the compute time reported: a stage waiting for a slow neighbour
+        does not compute slowly, and the fail-slow rounds compare compute times."""
         t0 = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
-        self._compute_s = time.time() - self._begin_t
+        self._compute_s = max(0.0, time.time() - self._begin_t - max(0.0, comm_s))
+        self._base_compute_s = max(0.0, self._compute_s - self._throttled_s)   # what a cool GPU takes
         if self.chaos_active("nan", step):
             for g in grads:
                 g.fill_(float("nan"))
-        sq = sum(float(g.detach().float().pow(2).sum()) for g in grads)
-        self._local_grad_norm = sq ** 0.5
+        if grads:   # one reduction and one sync for every gradient, not one per tensor
+            norms = torch._foreach_norm([g.detach().float() for g in grads])
+            self._local_grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        else:
+            self._local_grad_norm = 0.0
         if self.gpu.corrupts() and grads:
             # Silent data corruption (a mercurial core): the buffers handed to the reduction are
             # wrong although the norm this rank computed looked fine, so the per-rank norms do not

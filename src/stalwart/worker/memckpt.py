@@ -122,6 +122,22 @@ def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]
     return out
 
 
+def step_shards(dir: str, rank: int) -> list[tuple[int, str]]:
+    """Per-step shards of `rank` in `dir` whose header is there, as sorted (step, header path),
+    from their names alone (headers not read: see `list_shards` for that)."""
+    try:
+        names = os.listdir(dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _NAME.match(name)
+        if m and int(m.group(1)) == rank and m.group(2).startswith("step"):
+            out.append((int(m.group(2)[4:]), os.path.join(dir, name)))
+    out.sort()
+    return out
+
+
 def verify_shard(path: str) -> dict:
     """Re-read a shard's data and check it against its header; returns the header or raises CorruptShard."""
     hdr = read_header(path)
@@ -181,6 +197,17 @@ def _eligible(obj) -> bool:
             and obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
 
 
+class _TensorTypes:
+    """`type(x) in _TENSOR_TYPES` without importing torch at module load."""
+
+    def __contains__(self, t: type) -> bool:
+        import torch
+        return t is torch.Tensor or t is torch.nn.Parameter
+
+
+_TENSOR_TYPES = _TensorTypes()
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, buf):
         super().__init__(buf, protocol=5)
@@ -188,6 +215,8 @@ class _Pickler(pickle.Pickler):
         self._ids: dict[int, int] = {}
 
     def persistent_id(self, obj):
+        if type(obj) not in _TENSOR_TYPES:      # the cheap test first: most of a state is not tensors
+            return None
         if _eligible(obj):
             idx = self._ids.get(id(obj))
             if idx is None:
@@ -232,6 +261,9 @@ class _Slot:
         self.buf = None           # torch uint8 tensor mapping base.data
         self.layout_key = None    # tuple of (offset, nbytes) last written
         self.pending: Future | None = None
+        self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
+        self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
+        self.views: list | None = None     # ...and the views of `buf` they were copied into
 
 
 class MemCheckpointer:
@@ -292,22 +324,24 @@ class MemCheckpointer:
         except Exception as e:
             raise ValueError(f"checkpoint state is not picklable: {e}") from e
         meta = buf.getvalue()
-        table, nbytes = _plan(p.tensors)
+        shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
+        if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
+            slot.plan, slot.views, slot.shapes = _plan(p.tensors), None, None
+        table, nbytes = slot.plan
         self._ensure(slot, nbytes)
         try:                      # invalidate first: a crash from here on never looks complete
             os.unlink(slot.base + ".hdr")
         except FileNotFoundError:
             pass
         key = tuple((e["offset"], e["nbytes"]) for e in table)
-        if key != slot.layout_key:
+        if key != slot.layout_key or slot.views is None:
             slot.buf[:nbytes].zero_()  # keep padding bytes zero so the checksum is deterministic
-        with torch.no_grad():
-            for t, e in zip(p.tensors, table):
-                n = e["nbytes"]
-                if n == 0:
-                    continue
-                dst = slot.buf[e["offset"]:e["offset"] + n].view(t.dtype).view(t.shape)
-                dst.copy_(t.detach())
+            slot.views = [slot.buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape)
+                          for t, e in zip(p.tensors, table)]
+            slot.shapes = shapes
+        pairs = [(d, t) for d, t, e in zip(slot.views, p.tensors, table) if e["nbytes"]]
+        with torch.no_grad():     # one call for every tensor: the step blocks for the copy alone
+            torch._foreach_copy_([d for d, _ in pairs], [t.detach() for _, t in pairs])
         slot.layout_key = key
         hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
                "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}

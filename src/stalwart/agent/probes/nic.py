@@ -10,7 +10,11 @@ Events: nic_missing (interface gone), nic_down (operstate not up, or no carrier)
 nic_flap (carrier_changes grew since the last check), nic_errors (an error counter grew
 by at least `error_threshold`), nic_drops (`rx_dropped` + `tx_dropped` grew by at least
 `drop_threshold` in one check: a host drops packets under load now and then, so only a burst
-counts).
+counts). Each carries `occurrences`, the ids of the underlying occurrences it saw
+(`occurrences.Occurrences`: a link that stays down is one occurrence however many checks see it,
+and the down and the carrier change of one flap are the same one; errors or drops growing on
+consecutive checks are one), and `standing`, whether the condition still holds at this check (a
+link down, an interface missing), so the controller counts each occurrence once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 
 from stalwart.agent.probes.base import HealthEvent, Probe
+from stalwart.agent.probes.occurrences import Occurrences, down_transitions
 
 # operstate values that mean the link is usable ("unknown" is what loopback and many
 # virtual devices report; their carrier decides).
@@ -68,6 +73,7 @@ class NicProbe(Probe):
         self._fixed = list(interfaces) if interfaces is not None else None
         self._carrier_changes: dict[str, int] = {}
         self._errors: dict[str, dict[str, int]] = {}
+        self._seen = Occurrences()
 
     def interfaces(self) -> list[str]:
         """The interfaces to inspect: the configured ones, or every non-loopback one present."""
@@ -97,24 +103,33 @@ class NicProbe(Probe):
         for iface in self.interfaces():
             base = os.path.join(self.root, iface)
             if not os.path.isdir(base):
-                events.append(self.event("nic_missing", "warn", False, now, interface=iface))
+                ids, _ = self._seen.observe((iface, "missing"), 0, True, now)
+                events.append(self.event("nic_missing", "warn", False, now, interface=iface,
+                                         occurrences=ids, standing=True))
                 self._carrier_changes.pop(iface, None)
                 self._errors.pop(iface, None)
                 self._drops.pop(iface, None)
                 continue
+            self._seen.observe((iface, "missing"), 0, False, now)
             state = _read(os.path.join(base, "operstate")) or "unknown"
             carrier = _read_int(os.path.join(base, "carrier"))
-            if state not in _UP_STATES or carrier == 0:
-                events.append(
-                    self.event("nic_down", "warn", False, now, interface=iface, operstate=state, carrier=carrier)
-                )
+            down = state not in _UP_STATES or carrier == 0
             changes = _read_int(os.path.join(base, "carrier_changes"))
+            before = self._carrier_changes.get(iface)
+            grew = changes - before if changes is not None and before is not None and changes > before else 0
+            link = (iface, "link")
+            ids, _ = self._seen.observe(link, down_transitions(grew, self._seen.is_open(link)), down, now)
+            if down:
+                events.append(
+                    self.event("nic_down", "warn", False, now, interface=iface, operstate=state, carrier=carrier,
+                               occurrences=ids, standing=True)
+                )
+            if grew:
+                events.append(
+                    self.event("nic_flap", "warn", False, now, interface=iface, carrier_changes=grew,
+                               occurrences=ids, standing=False)
+                )
             if changes is not None:
-                before = self._carrier_changes.get(iface)
-                if before is not None and changes > before:
-                    events.append(
-                        self.event("nic_flap", "warn", False, now, interface=iface, carrier_changes=changes - before)
-                    )
                 self._carrier_changes[iface] = changes
             counters = self._counters(iface)
             previous = self._errors.get(iface)
@@ -124,13 +139,19 @@ class NicProbe(Probe):
                     for k, v in counters.items()
                     if k in previous and v - previous[k] >= self.error_threshold
                 }
+                # errors growing on consecutive checks are one occurrence
+                ids, _ = self._seen.observe((iface, "errors"), 0, bool(grown), now)
                 if grown:
-                    events.append(self.event("nic_errors", "warn", False, now, interface=iface, delta=grown))
+                    events.append(self.event("nic_errors", "warn", False, now, interface=iface, delta=grown,
+                                             occurrences=ids, standing=False))
             self._errors[iface] = counters
             drops, before_drops = self._counters(iface, "_dropped"), self._drops.get(iface)
             self._drops[iface] = drops
             if before_drops is not None:
                 delta = {k: v - before_drops[k] for k, v in drops.items() if k in before_drops and v > before_drops[k]}
-                if sum(delta.values()) >= self.drop_threshold:
-                    events.append(self.event("nic_drops", "warn", False, now, interface=iface, delta=delta))
+                burst = sum(delta.values()) >= self.drop_threshold
+                ids, _ = self._seen.observe((iface, "drops"), 0, burst, now)
+                if burst:
+                    events.append(self.event("nic_drops", "warn", False, now, interface=iface, delta=delta,
+                                             occurrences=ids, standing=False))
         return events

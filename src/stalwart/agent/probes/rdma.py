@@ -11,6 +11,9 @@ with `interface` = "<device>/<port>" and `rdma: true`:
   retrained), nic_errors (an error counter grew by at least `error_threshold`), nic_drops
   (`port_xmit_discards` or `VL15_dropped` grew by at least `drop_threshold`: congestion more often
   than a fault, hence its own threshold).
+Like the NIC probe's, each carries `occurrences` and `standing`: a port that stays down is one
+occurrence however many checks see it, its down state and the `link_downed` step of the same
+event are one, and counters growing on consecutive checks are one (`occurrences.Occurrences`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import os
 
 from stalwart.agent.probes.base import HealthEvent, Probe
 from stalwart.agent.probes.nic import _read, _read_int
+from stalwart.agent.probes.occurrences import Occurrences
 
 ACTIVE = "ACTIVE"
 FLAP_COUNTER = "link_downed"
@@ -75,6 +79,7 @@ class RdmaProbe(Probe):
         self.error_threshold = error_threshold
         self.drop_threshold = drop_threshold
         self._counters: dict[str, dict[str, int]] = {}
+        self._seen = Occurrences()
 
     def _read_counters(self, base: str) -> dict[str, int]:
         out = {}
@@ -90,26 +95,37 @@ class RdmaProbe(Probe):
             dev, _, n = port.partition("/")
             base = os.path.join(self.root, dev, "ports", n)
             if not os.path.isdir(base):
-                events.append(self.event("nic_missing", "warn", False, now, interface=port, rdma=True))
+                ids, _ = self._seen.observe((port, "missing"), 0, True, now)
+                events.append(self.event("nic_missing", "warn", False, now, interface=port, rdma=True,
+                                         occurrences=ids, standing=True))
                 self._counters.pop(port, None)
                 continue
+            self._seen.observe((port, "missing"), 0, False, now)
             state, phys = _state(_read(os.path.join(base, "state"))), _state(_read(os.path.join(base, "phys_state")))
-            if state != ACTIVE:
-                events.append(self.event("nic_down", "warn", False, now, interface=port, rdma=True,
-                                         operstate=state, phys_state=phys))
             counters = self._read_counters(base)
             before = self._counters.get(port)
             self._counters[port] = counters
-            if before is None:
-                continue
-            grown = {k: v - before[k] for k, v in counters.items() if k in before and v > before[k]}
+            grown = {k: v - before[k] for k, v in counters.items() if k in before and v > before[k]} \
+                if before is not None else {}
+            # each `link_downed` step is one time the port lost its link
+            ids, _ = self._seen.observe((port, "link"), grown.get(FLAP_COUNTER, 0), state != ACTIVE, now)
+            if state != ACTIVE:
+                events.append(self.event("nic_down", "warn", False, now, interface=port, rdma=True,
+                                         operstate=state, phys_state=phys, occurrences=ids, standing=True))
             if grown.get(FLAP_COUNTER):
                 events.append(self.event("nic_flap", "warn", False, now, interface=port, rdma=True,
-                                         carrier_changes=grown[FLAP_COUNTER]))
+                                         carrier_changes=grown[FLAP_COUNTER], occurrences=ids, standing=False))
+            if before is None:
+                continue
             errors = {k: d for k, d in grown.items() if k in ERROR_COUNTERS and d >= self.error_threshold}
+            ids, _ = self._seen.observe((port, "errors"), 0, bool(errors), now)
             if errors:
-                events.append(self.event("nic_errors", "warn", False, now, interface=port, rdma=True, delta=errors))
+                events.append(self.event("nic_errors", "warn", False, now, interface=port, rdma=True, delta=errors,
+                                         occurrences=ids, standing=False))
             drops = {k: d for k, d in grown.items() if k in DROP_COUNTERS}
-            if sum(drops.values()) >= self.drop_threshold:
-                events.append(self.event("nic_drops", "warn", False, now, interface=port, rdma=True, delta=drops))
+            burst = sum(drops.values()) >= self.drop_threshold
+            ids, _ = self._seen.observe((port, "drops"), 0, burst, now)
+            if burst:
+                events.append(self.event("nic_drops", "warn", False, now, interface=port, rdma=True, delta=drops,
+                                         occurrences=ids, standing=False))
         return events

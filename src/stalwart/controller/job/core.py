@@ -102,11 +102,13 @@ class JobCore:
             return self.run.on_restore_failed(st, ev, now)
         if isinstance(ev, p.ChaosApplied):
             return self.run.on_chaos_applied(st, machine, ev, now)
+        if isinstance(ev, p.StandbyReady):
+            return self.pool.on_standby_ready(st, machine, ev.pid)
         if isinstance(ev, p.SparesReady):
             return self.hotupdate.on_spares_ready(st, machine, ev.key, now)
         if isinstance(ev, p.CommandFailed):
             return self.failure.on_command_failed(st, machine, ev, now)
-        return []          # restored, prewarmed, standby_ready: the agent's own business
+        return []          # restored, prewarmed: the agent's own business
 
     # -- timers ---------------------------------------------------------------------------------
     def tick(self, st: JobState, now: float) -> Actions:
@@ -134,6 +136,7 @@ class JobCore:
             acts += self.implicit.similarity_tick(st, now)
         if st.phase == JobPhase.RUNNING:
             acts += self.pool.refill(st, now)
+            acts += self.failure.network_stall(st, now)
             acts += self.implicit.check_hang(st, now)
         return acts
 
@@ -142,4 +145,5 @@ class JobCore:
         return {"state": st.phase.value, "run": st.run_seq, "step": st.steps_done,
                 "steps_target": self.ctx.spec.steps, "loss": st.last_loss,
                 "steps_per_s": RunFlow.steps_per_s(st), "slots": list(st.slots),
-                "standby": list(st.pool.standby), "reason": st.reason}
+                "standby": list(st.pool.standby), "standby_warm": self.pool.warm_ready(st),
+                "reason": st.reason}

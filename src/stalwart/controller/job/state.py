@@ -230,6 +230,8 @@ class FailSlow:
     wait: set[str] = field(default_factory=set)
     sent: float = 0.0
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    compute_s: float | None = None       # the slowest rank's compute per step before the drop (SDK)
+    comm_rounds: int = 0                 # rounds in a row that found the time gone to communication
 
 
 @dataclass
@@ -279,6 +281,7 @@ class Pool:
     """The job's warm standby machines."""
     standby: list[str] = field(default_factory=list)
     warm: set[str] = field(default_factory=set)       # standbys whose workers are pre-spawned
+    ready: dict[str, list[int]] = field(default_factory=dict)   # their workers waiting at the barrier
     next_refill: float = 0.0
     next_request: float = 0.0     # when the pool may next ask the cluster for machines
 
@@ -329,6 +332,7 @@ class JobState:
     chaos_applied: list[float] = field(default_factory=list)  # injection times
     avail: Availability = field(default_factory=Availability)
     bad_steps: list[BadSteps] = field(default_factory=list)   # copies never to be restored
+    jumps: list[tuple[int, float]] = field(default_factory=list)   # (step, value) of recent jumps
     diag_seq: int = 0
     diag: Diagnosis | None = None
     replay: Replay | None = None

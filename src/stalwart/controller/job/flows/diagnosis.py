@@ -45,11 +45,14 @@ class DiagnosisFlow:
         return self.start(st, inc, checks, now)
 
     def _confirm(self, st: JobState, inc: Incident, res: policy.Resolution) -> bool:
-        """An implicit guess (a hang's over-eviction, a stack verdict) that would evict more
+        """A guess (a hang's over-eviction, a stack verdict, network alerts) that would evict more
         machines than there are ready standbys is confirmed by a check first instead of failing
         the job on it (machine-certain evidence is never second-guessed)."""
         short = policy.standby_shortfall(res.evict, len(self.ctx.ready_standbys(st)))
-        if short is None or not inc.implicit or inc.lost or not self.ctx.policy.stop_time_checks:
+        guess = inc.implicit or not res.certain
+        if short is None or not guess or inc.lost or not self.ctx.policy.stop_time_checks:
+            return False
+        if res.fail_reason not in (None, short):      # failing for another reason (no progress)
             return False
         inc.confirm = True
         inc.resolution = dataclasses.replace(res, mechanism="reattempt", fail_reason=None,
@@ -112,7 +115,9 @@ class DiagnosisFlow:
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=[],
                                 aborted=f"{machine} lost")]
-        return acts + self.core.failure.recover(st, inc, self.core.failure.resolution(st, inc, now), now)
+        # a guess being confirmed (`_confirm`) stays unconfirmed: the lost machine alone is evicted
+        res = self.core.failure.resolution(st, inc, now, guesses=not inc.confirm)
+        return acts + self.core.failure.recover(st, inc, res, now)
 
     def tick(self, st: JobState, now: float) -> Actions:
         d = st.diag

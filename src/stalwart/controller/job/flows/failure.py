@@ -29,6 +29,25 @@ CONTROL_PLANE = "control_plane"     # a run the controller's restart cut short
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
 STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
+# A network condition that still stands (a NIC down) while the job makes no step for this many of
+# its step times (and at least NET_STALL_MIN_S) is failing the job: its incident opens then, not
+# at the hang timeout. One occurrence that heals while the job trains on costs nothing (a flap's
+# down state is reported standing until the probe's next check sees it up: a few seconds' margin).
+NET_STALL_STEPS = 3
+NET_STALL_MIN_S = 3.0
+
+
+def to_alert(machine: str, ev: protocol.Health) -> policy.Alert:
+    """A probe's health event as the rules read it (network probes name the occurrences they saw
+    and whether the condition still stands)."""
+    d = ev.detail if isinstance(ev.detail, dict) else {}
+    ids = d.get("occurrences")
+    return policy.Alert(machine=machine, kind=ev.kind, severity=ev.severity,
+                        machine_certain=bool(ev.machine_certain), network=bool(ev.network),
+                        detail=detail_text({k: v for k, v in d.items() if k not in ("occurrences", "standing")}
+                                           if d else ev.detail), t=ev.t,
+                        occurrences=tuple(str(i) for i in ids) if isinstance(ids, list) else (),
+                        standing=bool(d.get("standing")))
 
 
 def detail_text(detail) -> str:
@@ -102,8 +121,10 @@ class FailureFlow:
             log.warning("job %s: %s silent after the stop (%s behind the freshest machine): lost",
                         st.job_id, m, "never heard" if silent_s is None else f"{silent_s:.1f}s")
             noted.append(record("machine_silent", now, machine=m, incident=inc.seq, behind_s=silent_s))
-        explained = policy.cause_in_hand(inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits),
-                                         tuple(inc.alerts), tuple(inc.lost))
+        # an implicit symptom that already names its machines (the non-finite local gradients, the
+        # outlier stacks) is its own evidence: nothing a probe says next changes whom it evicts
+        explained = bool(inc.implicit and inc.implicit_evict) or policy.cause_in_hand(
+            inc.planned or inc.symptom == CONTROL_PLANE, tuple(inc.exits), tuple(inc.alerts), tuple(inc.lost))
         if (inc.awaiting and now < limit) or (not explained and now < inc.detected_at + EVIDENCE_SETTLE_S):
             return noted
         if inc.awaiting:                  # alive but did not stop: cannot be trusted with ranks
@@ -134,12 +155,23 @@ class FailureFlow:
             return started
         return self.recover(st, inc, res, now)
 
-    def resolution(self, st: JobState, inc: Incident, now: float) -> policy.Resolution:
-        """What the incident's evidence so far says (`policy.resolve`)."""
-        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=tuple(inc.alerts),
+    def resolution(self, st: JobState, inc: Incident, now: float, guesses: bool = True) -> policy.Resolution:
+        """What the incident's evidence so far says (`policy.resolve`). `guesses=False` leaves out
+        the network alerts and the stacks' over-eviction: a guess the checks were confirming when
+        they ended without a verdict (a machine lost meanwhile) evicts nobody."""
+        alerts, standing = self.evidence_alerts(st, inc, now)
+        implicit_evict = tuple(inc.implicit_evict)
+        if not guesses:
+            alerts, standing, implicit_evict = tuple(a for a in alerts if not a.network), (), ()
+        ev = policy.Evidence(exits=tuple(inc.exits), lost=tuple(sorted(inc.lost)), alerts=alerts,
                              implicit_symptom=inc.symptom if inc.implicit else None,
-                             implicit_evict=tuple(inc.implicit_evict), implicit_reason=inc.reason)
-        return policy.resolve(self.ctx.snapshot(st), ev, now)
+                             implicit_evict=implicit_evict, implicit_reason=inc.reason,
+                             standing=standing)
+        res = policy.resolve(self.ctx.snapshot(st), ev, now)
+        if not guesses:
+            res = dataclasses.replace(res, cause=f"{res.cause}; the guess the checks were confirming was "
+                                                 f"not confirmed and evicts nobody")
+        return res
 
     def _injected_at(self, st: JobState, inc: Incident) -> float | None:
         near = [t for t in st.chaos_applied if t <= inc.detected_at + 0.5 and inc.detected_at - t < 120]
@@ -239,9 +271,7 @@ class FailureFlow:
         return acts
 
     def on_health(self, st: JobState, machine: str, ev: protocol.Health, now: float) -> Actions:
-        alert = policy.Alert(machine=machine, kind=ev.kind, severity=ev.severity,
-                             machine_certain=bool(ev.machine_certain), network=bool(ev.network),
-                             detail=detail_text(ev.detail), t=ev.t)
+        alert = to_alert(machine, ev)
         acts: Actions = [record("health", alert.t, machine=machine, kind=alert.kind, severity=alert.severity)]
         snap = self.ctx.snapshot(st)
         st.alerts = st.open_alerts(alert.t, self.ctx.policy.network_alert_window_s)
@@ -250,9 +280,43 @@ class FailureFlow:
         elif st.phase == JobPhase.RUNNING and policy.should_open_incident(alert, snap, alert.t):
             acts += self.open(st, alert.kind, now)
             assert st.incident is not None
-            st.incident.alerts.extend(st.alerts + [alert])
-        st.alerts.append(alert)
+            st.incident.alerts.append(alert)      # the earlier ones join at localization
+        if alert.network:                         # kept for counting recurrences
+            st.alerts.append(alert)
         return acts
+
+    def network_stall(self, st: JobState, now: float) -> Actions:
+        """Open an incident when a network condition stands on an active machine and the job has
+        made no step since it appeared (the job fails with it; the standing rule localizes it)."""
+        if st.phase != JobPhase.RUNNING or st.incident is not None:
+            return []
+        standing = policy.standing_since(st.alerts)
+        if not standing:
+            return []
+        last_step = st.signals.step_times[-1][0] if st.signals.step_times else None
+        recent = sorted(st.signals.step_durs[-5:])
+        limit = max(NET_STALL_MIN_S, NET_STALL_STEPS * (recent[len(recent) // 2] if recent else 0.0))
+        for machine, (since, alert) in sorted(standing.items()):
+            if machine not in st.slots or (last_step is not None and last_step >= since) or now - since < limit:
+                continue
+            acts = self.open(st, alert.kind, now)
+            if st.incident is not None:
+                st.incident.alerts.append(alert)
+                st.incident.reason = f"{alert.kind} on {machine} for {now - since:.1f}s without a step"
+            return acts
+        return []
+
+    def evidence_alerts(self, st: JobState, inc: Incident, now: float) -> tuple[tuple[policy.Alert, ...],
+                                                                                tuple[str, ...]]:
+        """The incident's alerts with the network alerts of the window before it (a recurrence
+        counts occurrences from before the incident), and the machines whose network condition was
+        still reported as standing while the incident was open."""
+        window = self.ctx.policy.network_alert_window_s
+        earlier = [a for a in st.open_alerts(now, window) if a.network and a not in inc.alerts]
+        alerts = earlier + inc.alerts
+        # standing: its latest report says so and came while the incident was open
+        standing = sorted(m for m, (_, latest) in policy.standing_since(alerts).items() if latest in inc.alerts)
+        return tuple(alerts), tuple(standing)
 
     def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
         for tier, held in (ev.inventory or {}).items():

@@ -3,12 +3,13 @@ peers that stay unlike each other. The pure parts are `hangwatch`, `implicit` (s
 eviction), `analyzer.failslow` and `peerwatch`; this flow feeds them and acts on their verdicts."""
 from __future__ import annotations
 
+import math
 from statistics import median
 from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, healthy_pace,
-                                        slow_ranks, steady_outliers, throughput_drop, trimmed_mean)
+                                        slow_ranks, slowdown, steady_outliers, throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -28,7 +29,14 @@ SLOW_STAGE_RATIO = 3.0          # without data-parallel peers: this many times t
 BASELINE_N, RECENT_N = 20, 5    # fail-slow: steps of the throughput baseline, and the recent ones
 RANK_TIMES_N = 20               # fail-slow: recent steps whose per-rank times a round compares
 HISTORY_N = 50                  # loss and grad-norm history kept for the jump rule
+JUMPS_KEPT = 20                 # jumps remembered, to tell one a restart reproduces
 FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
+# A job this many times slower than its healthy pace whose time went to communication (no rank's
+# compute grew alike) is stopped for the stop-time checks: a slow link slows every rank alike and
+# only the pair test sees it; a milder drop with nobody to blame becomes the job's pace.
+FAILSLOW_CHECK_FACTOR = 5.0
+STEADY_SHARE = 0.8              # a fail-slow verdict: flagged in this share of the rounds
+COMM_ROUNDS = 2                 # ... in this many rounds in a row (a busy host's stall passes)
 
 
 # Comparing every machine with its peers is quadratic in the group (pairwise distances): beyond
@@ -37,6 +45,13 @@ FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 # suspect must stay unlike its peers for minutes (similarity_continuity_s), so seconds do not matter.
 PEER_CHECK_MACHINES = 256
 PEER_CHECK_MAX_S = 5.0
+
+
+def step_compute(rank_times: list[dict[int, tuple[float | None, float | None]]]) -> float | None:
+    """The median over steps of the slowest rank's compute time (SDK timings; None without)."""
+    per_step = [max(c for _, c in t.values() if c is not None) for t in rank_times
+                if any(c is not None for _, c in t.values())]
+    return median(per_step) if per_step else None
 
 
 def peer_check_period(heartbeat_s: float, machines: int) -> float:
@@ -151,6 +166,14 @@ class ImplicitFlow:
                 sig.grad_hist = (sig.grad_hist + [gn])[-HISTORY_N:]
             return None
         local = {r: v for r, v in acc.local.items() if v is not None}
+        jumped = gn if gn is not None and "grad norm" in reason else loss
+        if jumped is not None and math.isfinite(jumped) and self._reproduced(st, s, jumped):
+            # the same jump at the same step after a restart from before it (other machines, or
+            # the same ones again): the training's own (its data), not a machine's fault
+            sig.loss_hist = (sig.loss_hist + [loss])[-HISTORY_N:]
+            if gn is not None:
+                sig.grad_hist = (sig.grad_hist + [gn])[-HISTORY_N:]
+            return [record("jump_reproduced", now, run=st.run_seq, step=s, reason=reason)]
         culprits = [st.slots[i] for i in culprit_machines(local, self.ctx.topo)] if local else []
         st.bad_steps.append(BadSteps(lo=s, hi=OPEN_END))      # never restore the corrupted state
         kind = "nan" if "nan" in reason.lower() or "inf" in reason.lower() else "loss_spike"
@@ -160,6 +183,14 @@ class ImplicitFlow:
             st.incident.reason = reason + (f"; non-finite local gradients on {', '.join(culprits)}"
                                            if culprits else "")
         return acts
+
+    @staticmethod
+    def _reproduced(st: JobState, step: int, value: float) -> bool:
+        """Whether a jump of `value` at `step` was seen before (within 1%); remembers it if not."""
+        if any(s == step and abs(v - value) <= 0.01 * abs(v) for s, v in st.jumps):
+            return True
+        st.jumps = (st.jumps + [(step, value)])[-JUMPS_KEPT:]
+        return False
 
     # -- a committed step's timings ---------------------------------------------------------------
     def on_committed(self, st: JobState, acc: PendingStep, now: float) -> Actions:
@@ -180,12 +211,18 @@ class ImplicitFlow:
         if acc.t < sig.failslow_quiet_until:
             return []
         p = self.ctx.policy
-        if not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N, drop=p.failslow_drop,
-                               reference_s=sig.failslow_ref_s):
+        # never below the drop the policy asks for (failslow_drop 0.99: only a 100x slowdown)
+        severe = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s) >= max(FAILSLOW_CHECK_FACTOR,
+                                                                               1 / (1 - p.failslow_drop))
+        if not severe and not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N,
+                                              drop=p.failslow_drop, reference_s=sig.failslow_ref_s):
             return []
-        base = baseline_pace(sig.step_durs, BASELINE_N, RECENT_N, sig.failslow_ref_s)
+        # a drop this large needs no full baseline: RECENT_N slow steps after RECENT_N fast ones
+        base = (baseline_pace(sig.step_durs, BASELINE_N, RECENT_N, sig.failslow_ref_s)
+                if len(sig.step_durs) >= BASELINE_N + RECENT_N else
+                median(sig.step_durs[-RECENT_N:]) / slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s))
         sig.failslow = FailSlow(rounds=FailSlowRounds(rounds=p.failslow_rounds), started=acc.t,
-                                baseline_s=base, next=acc.t)
+                                baseline_s=base, next=acc.t, compute_s=step_compute(sig.rank_times[:-RECENT_N]))
         return [record("failslow_suspected", acc.t, run=st.run_seq, recent_step_s=dur,
                        baseline_s=round(base, 4))]
 
@@ -284,11 +321,22 @@ class ImplicitFlow:
         acts: Actions = [record("failslow_round", now, run=st.run_seq, round=fs.done + 1,
                                 stack_outliers=sorted(by_stack), slow_ranks=by_compute,
                                 compute_s={str(r): c for r, c in st.signals.failslow_compute.items()})]
-        fs.rounds.add_round(outliers, topo, now)
-        fs.flagged.append({st.slots[i] for i in topo.machines_of(outliers)} if outliers else set())
+        # a round whose outliers lie on most of the job points at nobody (a busy host's stacks catch
+        # ranks of most machines mid-step): it counts as a round that flags nothing; the machines a
+        # round flags count for themselves only when they are a minority of the job
+        flagged = {st.slots[i] for i in topo.machines_of(outliers)} if outliers else set()
+        job = len(st.slots)
+        fs.rounds.add_round(outliers if len(flagged) <= max(1, job // 2) else [], topo, now)
+        fs.flagged.append(flagged if len(flagged) <= max(1, (job - 1) // 2) else set())
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
+        fs.comm_rounds = fs.comm_rounds + 1 if self._unexplained(st, fs) is not None else 0
+        if fs.comm_rounds >= COMM_ROUNDS:
+            # far slower, round after round, and the time went to communication: no rank's
+            # compute explains it, and stacks of a job waiting on a slow link are noise (ranks
+            # caught mid-step); more rounds will not help, the pair test will
+            return acts + self._to_checks(st, fs, now)
         if fs.done < p.failslow_rounds:
             return acts
         machines, why = self._failslow_verdict(st, fs)
@@ -314,19 +362,55 @@ class ImplicitFlow:
         inc.data.update(stacks=fs.stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
+    def _unexplained(self, st: JobState, fs: FailSlow) -> float | None:
+        """How many times slower than its healthy pace the job runs, when that is at least
+        FAILSLOW_CHECK_FACTOR, the time went to communication, not computation, and the stop-time
+        checks may run (None otherwise). A busy host slows every rank's computation with its
+        collectives (the SDK's compute times grow alike): that is no fault to stop for."""
+        factor = slowdown(st.signals.step_durs, RECENT_N, fs.baseline_s)
+        if factor < FAILSLOW_CHECK_FACTOR or not self.ctx.policy.stop_time_checks:
+            return None
+        now = step_compute(st.signals.rank_times[-RECENT_N:])
+        if fs.compute_s and now is not None and now / fs.compute_s > factor / 2:
+            return None
+        return factor
+
+    def _to_checks(self, st: JobState, fs: FailSlow, now: float) -> Actions:
+        """Stop the run for the stop-time checks: a slowdown this large with nobody to blame is
+        a fault the stacks cannot see (a slow link: every rank waits in the same collective)."""
+        factor = self._unexplained(st, fs) or FAILSLOW_CHECK_FACTOR
+        recent = median(st.signals.step_durs[-RECENT_N:])
+        st.signals.failslow = None
+        st.signals.failslow_quiet_until = now + FAILSLOW_QUIET_S
+        acts = self.core.failure.open(st, "fail_slow", now)
+        inc = st.incident
+        if inc is None:
+            return acts
+        inc.implicit_evict = []
+        inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and the time went to "
+                      f"communication, not to any rank's compute ({fs.comm_rounds} rounds in a row): "
+                      f"stop-time checks")
+        inc.data.update(stacks=fs.stacks, analysis=inc.reason)
+        return acts + [save_data(inc)]
+
     def _failslow_verdict(self, st: JobState, fs: FailSlow) -> tuple[list[str], str]:
         """The machines to evict after the last `failslow_rounds` rounds, and why ([] if none):
         the machines computing slower than their peers in at least 80% of those rounds (a direct
         measurement); else, from the stacks, the most-flagged parallel group when it is at most half
-        the job, else the machines flagged in at least 80% of the rounds."""
+        the job and flagged in at least 80% of the rounds too (a busy host's stacks catch a random
+        rank mid-step each round: the most flagged of those is noise), else the machines flagged in
+        at least 80% of the rounds (rounds flagging most of the job flag nobody: `failslow_round`)."""
         n, half = self.ctx.policy.failslow_rounds, max(1, self.ctx.spec.machines // 2)
-        machines, seen = steady_outliers(fs.by_compute, n)
+        machines, seen = steady_outliers(fs.by_compute, n, STEADY_SHARE)
         if machines and len(machines) <= half:
             return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
-        verdict = fs.rounds.verdict() if self.ctx.policy.over_evict else None
+        verdict = (fs.rounds.verdict(min_flags=math.ceil(STEADY_SHARE * n - 1e-9))
+                   if self.ctx.policy.over_evict else None)
         if verdict and len(verdict[1]) <= half:
-            return [st.slots[i] for i in verdict[1]], f"{verdict[0]} group flagged most often over {n} rounds"
-        machines, seen = steady_outliers(fs.flagged, n)
+            flagged = fs.rounds.flags()[(verdict[0], tuple(verdict[1]))]
+            return ([st.slots[i] for i in verdict[1]],
+                    f"{verdict[0]} group flagged most often: in {flagged} of the last {n} rounds")
+        machines, seen = steady_outliers(fs.flagged, n, STEADY_SHARE)
         return machines, f"flagged in {seen} of the last {n} rounds"
 
     def _still_slow(self, st: JobState, fs: FailSlow) -> bool:

@@ -23,7 +23,21 @@ class PoolFlow:
 
     def prewarm(self, st: JobState, machine: str) -> Actions:
         st.pool.warm.add(machine)
+        st.pool.ready = {m: pids for m, pids in st.pool.ready.items() if m in st.pool.standby and m != machine}
+        st.pool.ready[machine] = []
         return [Prewarm(machine=machine, code_path=st.code_path, version=st.version_id)]
+
+    def on_standby_ready(self, st: JobState, machine: str, pid: int | None) -> Actions:
+        """A pre-spawned worker of a standby imported everything and waits for its ranks."""
+        pids = st.pool.ready.get(machine)
+        if pid is not None and pids is not None and machine in st.pool.warm and pid not in pids:
+            pids.append(pid)
+        return []
+
+    def warm_ready(self, st: JobState) -> list[str]:
+        """The standbys whose every worker waits at the barrier: a failover to them is warm."""
+        return [m for m in st.pool.standby
+                if m in st.pool.warm and len(st.pool.ready.get(m, ())) >= self.ctx.G]
 
     def warm_standbys(self, st: JobState) -> Actions:
         """Pre-spawn the workers of the standbys that have none yet."""

@@ -1,0 +1,61 @@
+"""Reports for the API from an incrementally read event log (controller/reportcache.py)."""
+import pytest
+
+from stalwart.controller.report import build_report
+from stalwart.controller.reportcache import EventLog, ReportCache
+from stalwart.controller.store import Store
+
+
+def test_the_log_is_read_once_then_only_new_rows_in_time_order(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/s.db")
+    try:
+        job = store.create_job("j", {"machines": 1, "steps": 10}, 1.0, submitted=True)
+        other = store.create_job("k", {"machines": 1, "steps": 10}, 1.0, submitted=True)
+        cache = ReportCache(store)
+        store.add_event(job, "a", {}, t=3.0)
+        store.add_event(other, "x", {}, t=3.5)
+        assert [e["kind"] for e in cache.events(job)] == ["job_submitted", "a"]
+        store.add_event(job, "late", {}, t=2.0)            # an agent's event arriving late
+        store.add_event(job, "c", {}, t=4.5)
+        store.add_event(job, "b", {}, t=4.0)               # rows out of time order among the new
+        assert [e["kind"] for e in cache.events(job)] == ["job_submitted", "late", "a", "b", "c"]
+        store.add_event(job, "e", {}, t=6.0)
+        store.add_event(job, "d", {}, t=5.0)               # ...also when all are newer than the log
+        assert [e["kind"] for e in cache.events(job)][-2:] == ["d", "e"]
+        assert cache.events(job) == store.events(job)
+        reads = []
+        real = store.events_since
+        store.events_since = lambda j, after: reads.append(after) or real(j, after)   # type: ignore
+        cache.events(job)
+        assert reads and reads[0] >= 0                       # not from the start...
+        log = EventLog()
+        log.extend(store.events(job))
+        log.extend(store.events(job))                          # ...and rows seen twice count once
+        assert len(log.events) == 7
+    finally:
+        store.close()
+
+
+def test_a_costly_report_is_reused_a_short_one_rebuilt_a_finished_job_always_fresh(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/s.db")
+    try:
+        job = store.create_job("j", {"machines": 1, "steps": 10}, 1.0, submitted=True)
+        never = ReportCache(store, reuse_factor=0.0)
+        first = never.report(job, now=5.0)
+        assert first == build_report(store, job, now=5.0)
+        assert never.report(job, now=6.0)["wall_s"] != first["wall_s"]      # rebuilt
+        always = ReportCache(store, reuse_factor=1e9, max_reuse_s=60.0)
+        a = always.report(job, now=5.0)
+        assert always.report(job, now=6.0)["wall_s"] == a["wall_s"]        # reused
+        store.update_job(job, state="succeeded", finished_at=7.0)
+        assert always.report(job, now=8.0)["state"] == "succeeded"        # the state changed: rebuilt
+        built = always._jobs[job].built_at
+        always.report(job, now=9.0)
+        assert always._jobs[job].built_at == built                          # ended, same log: kept
+        store.add_event(job, "late", {}, t=6.5)
+        always.report(job, now=9.0)
+        assert always._jobs[job].built_at > built                           # ended, the log grew: rebuilt
+        with pytest.raises(LookupError):
+            always.report(job + 100)
+    finally:
+        store.close()
