@@ -528,6 +528,8 @@ def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_cleanup)
     from stalwart.backends.commands import add_commands
     add_commands(sub)        # stalwart slurm …, stalwart k8s …
+    from stalwart.sim.command import add_commands as add_sim
+    add_sim(sub)             # stalwart sim, stalwart whatif
     return p
 
 

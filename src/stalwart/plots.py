@@ -166,13 +166,27 @@ def _marks(f: _Frame, marks: Sequence[Mark]) -> list[str]:
     return out
 
 
-def _legend(f: _Frame, series: Sequence[Series]) -> list[str]:
-    out, x = [], f.left
+def _legend_places(f: _Frame, series: Sequence[Series]) -> list[tuple[float, int]]:
+    """(x, row) of each series' legend entry: rows wrap at the frame's width."""
+    out, x, row = [], float(f.left), 0
     for s in series:
-        out.append(f'<line x1="{x}" y1="{f.top - 12}" x2="{x + 14}" y2="{f.top - 12}" stroke="{s.color}" '
+        w = 26 + 7 * len(s.name)
+        if x > f.left and x + w - 8 > f.width - f.right:
+            x, row = float(f.left), row + 1
+        out.append((x, row))
+        x += w
+    return out
+
+
+def _legend(f: _Frame, series: Sequence[Series]) -> list[str]:
+    out = []
+    places = _legend_places(f, series)
+    rows = max((r for _, r in places), default=0)
+    for s, (x, row) in zip(series, places):
+        y = f.top - 12 - 13 * (rows - row)
+        out.append(f'<line x1="{x}" y1="{y}" x2="{x + 14}" y2="{y}" stroke="{s.color}" '
                    f'stroke-width="2"/>')
-        out.append(f'<text x="{x + 18}" y="{f.top - 8}">{html.escape(s.name)}</text>')
-        x += 26 + 7 * len(s.name)
+        out.append(f'<text x="{x + 18}" y="{y + 4}">{html.escape(s.name)}</text>')
     return out
 
 
@@ -196,6 +210,7 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
     if b is None:
         return _svg(f, title, [_centered(f, f"{title}: no data yet")])
     f.x0, f.x1, f.y0, f.y1 = b
+    f.top += 13 * max((r for _, r in _legend_places(f, series)), default=0)   # a legend that wraps
     body = _axes(f, x_label, y_label) + _marks(f, marks)
     for s in series:
         body += _polylines(f, s)

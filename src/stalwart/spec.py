@@ -106,6 +106,7 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "replay_timeout_s": ("float", 0.0, True, math.inf, False),
     "ladder_window_s": ("float", 0.0, True, math.inf, False),
     "mem_slots": ("int", 2, False, math.inf, False),
+    "over_evict": ("bool", 0, False, 0, False),
 }
 
 
@@ -158,6 +159,10 @@ class Policy:
         peer's copy may trail by a step or two; holding the last few steps in memory lets a
         restore find one step that every rank has in memory. Costs one copy of a rank's state
         in host memory per slot.
+    over_evict: a hang's or a slowdown's outlier stacks evict the parallel group they share
+        (ByteRobust's over-eviction: fast, at the price of healthy machines in that group);
+        false: stacks only inform, a hang's culprit is searched by stop-time checks and replay,
+        and a slowdown evicts only machines measured slower than their peers (true/false).
 
     ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
@@ -191,6 +196,7 @@ class Policy:
     replay_timeout_s: float = 90.0
     ladder_window_s: float = 3600.0
     mem_slots: int = 4
+    over_evict: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -26,6 +26,7 @@ class FakeCluster:
         self.dead: set[str] = set()
         self.busy: set[str] = set()
         self.heard: dict[str, float] = {}      # when a machine was last heard, if not just now
+        self.tags: dict[str, dict[str, str]] = {}    # topology labels, if any
         self.clock = clock
 
     def alive(self, machine: str) -> bool:
@@ -39,16 +40,20 @@ class FakeCluster:
     def free(self) -> list[str]:
         return [m for m in self.machines if m not in self.busy and m not in self.dead]
 
+    def labels(self, machine: str) -> dict[str, str]:
+        return dict(self.tags.get(machine, {}))
+
 
 class Harness:
-    def __init__(self, machines: int = 2, gpus: int = 2, standby: int = 1, steps: int = 50, spare: int = 0,
+    def __init__(self, machines: int = 2, gpus: int = 2, standby: int | str = 1, steps: int = 50, spare: int = 0,
                  versions: list[dict] | None = None, **spec):
         policy = spec.pop("policy", {})
         self.spec = JobSpec.from_dict({"name": "t", "machines": machines, "gpus_per_machine": gpus,
                                        "steps": steps, "standby": standby, "command": ["python", "train.py"],
                                        "code_dir": "/code", "policy": policy, **spec})
         self.now = T0
-        self.cluster = FakeCluster([f"m{i}" for i in range(machines + standby + spare)], self)
+        pool = standby if isinstance(standby, int) else 0        # "auto": the spares make the pool
+        self.cluster = FakeCluster([f"m{i}" for i in range(machines + pool + spare)], self)
         self.core = JobCore(self.spec, self.cluster)
         self.st = S.JobState(job_id=1, created_at=T0, avail=Availability(memory={"own": 3, "backup": 2}),
                              versions=list(versions or []))

@@ -1,5 +1,5 @@
 """The pure decision rules of the controller (policy.py), with an explicit clock."""
-from stalwart.controller import policy
+from stalwart.controller import placement, policy
 from stalwart.controller.policy import Alert, Evidence, Exit, Snapshot
 
 
@@ -24,7 +24,7 @@ def test_lost_machine_is_evicted_and_replaced():
     ev = Evidence(exits=(crash("m0", 0, secondary=True),), lost=("m2",))
     r = policy.resolve(snap(), ev, now=5.0)
     assert (r.mechanism, r.evict, r.symptom) == ("evict_restart", ["m2"], "machine_lost")
-    assert policy.replacement_plan(("m0", "m1", "m2", "m3"), r.evict, ("m4",)) == {"m2": "m4"}
+    assert placement.replacement_plan(("m0", "m1", "m2", "m3"), r.evict, ("m4",)) == {"m2": "m4"}
 
 
 def test_eviction_without_enough_standbys_fails_clearly():

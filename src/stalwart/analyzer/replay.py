@@ -83,8 +83,8 @@ def plan(machines: Sequence[Hashable], pp: int, dp: int, k: int) -> ReplayPlan:
     if len(set(machines)) != len(machines):
         raise ValueError("dual-phase replay needs distinct machines (duplicates given)")
     m, n = _check(len(machines), pp, dp, k)
-    horizontal = tuple(tuple(x for i, x in enumerate(machines) if i // m == g) for g in range(n))
-    vertical = tuple(tuple(x for i, x in enumerate(machines) if i % n == g) for g in range(n))
+    horizontal = tuple(machines[g * m:(g + 1) * m] for g in range(n))     # i // m == g
+    vertical = tuple(machines[g::n] for g in range(n))                      # i % n == g
     return ReplayPlan(machines=machines, pp=pp, dp=dp, k=k, m=m, n=n,
                       phases=(horizontal, vertical))
 

@@ -75,10 +75,10 @@ def align(series: Mapping[Hashable, np.ndarray], n_metrics: int) -> tuple[list, 
     t = min(a.shape[0] for a in arrays)
     if t == 0:
         raise ValueError("peer similarity needs at least one sample per machine")
-    out = np.empty((len(machines), t, n_metrics))
-    for i, a in enumerate(arrays):
-        for j in range(n_metrics):
-            out[i, :, j] = _fill_nearest(a[:t, j].copy())
+    out = np.stack([a[:t] for a in arrays])
+    gaps = np.isnan(out).any(axis=1)          # (machine, metric) columns with a gap to fill
+    for i, j in zip(*np.nonzero(gaps)):
+        out[i, :, j] = _fill_nearest(out[i, :, j].copy())
     return machines, out
 
 

@@ -1,6 +1,7 @@
 """The embedded default backend: a controller and one agent per machine, all on this host.
 
-Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys). The cluster
+Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys), with synthetic
+topology labels (`synthetic_labels`: a switch per 4 machines, a pod per 16). The cluster
 watches the controller it started and restarts it on the same database when it dies (on the same
 port when it can; agents re-read `controller.json` when the address changes), so a killed
 controller costs seconds, never the job. As root, each
@@ -28,6 +29,18 @@ from stalwart.backends.base import Backend
 from stalwart.client import Client, ControllerUnreachable
 
 log = logging.getLogger("stalwart.local")
+
+
+# Synthetic topology labels (`placement`): a leaf switch per 4 machines (8-GPU machines with one NIC
+# per GPU fill a 32-port leaf with 4 machines) and a pod per 4 switches (16 machines).
+MACHINES_PER_SWITCH = 4
+SWITCHES_PER_POD = 4
+
+
+def synthetic_labels(index: int) -> dict[str, str]:
+    """The labels of local machine m{index}: switch=s{index // 4}, pod=p{index // 16}."""
+    switch = index // MACHINES_PER_SWITCH
+    return {"switch": f"s{switch}", "pod": f"p{switch // SWITCHES_PER_POD}"}
 
 
 def _python() -> list[str]:
@@ -241,6 +254,9 @@ class LocalCluster(Backend):
 
     def start_agent(self, machine: str) -> None:
         extra = ["--network-file", self.network_file] if self.network_file else []
+        if machine[1:].isdigit():
+            for key, value in synthetic_labels(int(machine[1:])).items():
+                extra += ["--label", f"{key}={value}"]
         self.agents[machine] = self._spawn(
             _python() + ["agent", "--controller", self.url, "--machine-id", machine,
                          "--token-file", self.token_file,

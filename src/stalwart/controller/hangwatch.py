@@ -137,6 +137,12 @@ class HangWatch:
     _calibrated: bool = field(default=False, init=False, repr=False)
     _latched: HangVerdict | None = field(default=None, init=False, repr=False)
     _resumed_at: float | None = field(default=None, init=False, repr=False)
+    # a lower bound of every rank's last progress (None: unknown), so that a check within the
+    # floor timeout of it needs no look at every rank (a controller ticks 5 times a second)
+    _lower: float | None = field(default=None, init=False, repr=False)
+    # no rank can be stalled before this time (the earliest last progress + its timeout, from the
+    # last full look); any report, activity or resume forgets it (timeouts and progress move)
+    _quiet_until: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_floor_s", "hang_safety_factor", "hang_warmup_steps"):
@@ -157,12 +163,15 @@ class HangWatch:
 
     # ------------------------------------------------------------------ events
     def _touch(self, rank: int, t: float) -> _RankState:
+        self._quiet_until = None
         if self.started_at is None:
             self.started_at = t
+            self._lower = None
         st = self._state.get(rank)
         if st is None:
             st = self._state[rank] = _RankState()
             self.ranks = tuple(sorted(self._state))
+            self._lower = None
         return st
 
     def on_step(self, rank: int, step: int, t: float) -> None:
@@ -187,6 +196,7 @@ class HangWatch:
             # the first report's distance from the start is a warm-up interval too
             if self.started_at is not None:
                 self._warmup_max = max(self._warmup_max, t - self.started_at)
+            self._lower = None
         st.step, st.step_t = step, t
         self._latched = None
 
@@ -197,6 +207,8 @@ class HangWatch:
             recent = self._recent.setdefault(rank, [])
             recent.append(interval)
             del recent[:-self.window]
+            if not self._calibrated:      # activity no longer counts: progress times may drop
+                self._lower = None
             self._calibrated = True
         else:
             self._warmup_max = max(self._warmup_max, interval)
@@ -236,6 +248,7 @@ class HangWatch:
         rank's last progress, without touching the step history reports keep arriving for."""
         self._resumed_at = _time("t", t)
         self._latched = None
+        self._quiet_until = None
 
     # --------------------------------------------------------------- timeouts
     @property
@@ -282,6 +295,10 @@ class HangWatch:
         now = _time("now", now)
         if self._latched is not None:
             return self._latched
+        if self._lower is not None and now - self._lower <= self.policy.hang_timeout_floor_s:
+            return None             # every timeout is at least the floor: nobody can be stalled yet
+        if self._quiet_until is not None and now <= self._quiet_until:
+            return None             # nothing changed since a look that saw nobody due before then
         stalled: dict[int, float] = {}
         timeouts = []
         warmup, current = self.warmup_timeout(), self.timeout()
@@ -289,13 +306,19 @@ class HangWatch:
         # step-less ranks are judged together (see the module docstring): the newest progress of any
         shared = max((last for r, (last, _) in progress.items()
                       if last is not None and self._state[r].step is None), default=None)
+        lower = due = math.inf
         for rank, st in self._state.items():
             last, limit = progress[rank]
             if st.step is None and shared is not None:
                 last = shared
-            if last is not None and now - last > limit:
-                stalled[rank] = last
-                timeouts.append(limit)
+            if last is not None:
+                lower = min(lower, last)
+                due = min(due, last + limit)
+                if now - last > limit:
+                    stalled[rank] = last
+                    timeouts.append(limit)
+        self._lower = lower if math.isfinite(lower) else None
+        self._quiet_until = due if math.isfinite(due) else None
         if not stalled:
             return None
         last_step = {r: st.step for r, st in self._state.items() if st.step is not None}

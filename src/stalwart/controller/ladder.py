@@ -104,8 +104,11 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
     pairs_summary: dict = {}
     if pair_index:
         pair_res: dict[tuple[int, int], dict] = {}
+        by_pair: dict[tuple, list[Mapping]] = defaultdict(list)
+        for r in by_check.get("inter", []):
+            by_pair[tuple(r.get("pair", ()))].append(r)
         for key, (i, j) in pair_index.items():
-            rows = [r for r in by_check.get("inter", []) if tuple(r.get("pair", ())) == key]
+            rows = by_pair.get(key, [])
             ok = bool(rows) and all(r.get("ok") for r in rows)
             pair_res[(i, j)] = {"ok": ok, "mbps": _worst(rows, "mbps", min) if ok else None,
                                 "latency_s": _worst(rows, "latency_s", max) if ok else None,

@@ -444,3 +444,14 @@ def series(events: list[dict], now: float, points: int = 50, window_s: float = 3
             "unproductive": {b: upto[b] / _NS for b in BUCKETS},
         })
     return out
+
+
+def productive_upto(events: list[dict], now: float, times: list[float]) -> list[float]:
+    """Productive seconds from the job's start up to each of ``times`` (seconds since the start,
+    clipped to the wall interval), with the end's hindsight labelling as in :func:`series`."""
+    built = _build(events, now)
+    out = []
+    for x in times:
+        ns = min(max(0, round(float(x) * _NS)), built.wall)
+        out.append(built.timeline.upto(ns)[PRODUCTIVE] / _NS)
+    return out

@@ -89,16 +89,20 @@ class PeerWatch:
         return None, seen
 
     def _candidate(self, machines: list[str], first: int, last: int) -> tuple[Hashable | None, dict]:
-        buckets = range(first, last + 1)
-        have = [b for b in buckets if all(b in self.rows[m] for m in machines)]
+        common = set(range(first, last + 1))
+        for m in machines:               # the buckets every machine has a row in
+            common.intersection_update(self.rows[m])
+        have = sorted(common)
         if len(have) < WINDOW:
             return None, {"samples": len(have)}
         metrics = [k for k in METRICS if all(any(k in self.rows[m][b] for b in have) for m in machines)]
         if not metrics:
             return None, {"samples": len(have)}
-        series: dict[Hashable, np.ndarray] = {
-            m: np.array([[self.rows[m][b].get(k, np.nan) for k in metrics] for b in have])
-            for m in machines}
+        nan = np.nan
+        series: dict[Hashable, np.ndarray] = {}
+        for m in machines:
+            rows = self.rows[m]
+            series[m] = np.array([[rows[b].get(k, nan) for k in metrics] for b in have])
         found = detect(series, metrics, now_index=len(have) - 1, window=WINDOW,
                        start_index=len(have) - 1, rel_floor=REL_FLOOR)
         if not found:

@@ -293,14 +293,3 @@ def standby_shortfall(evict: list[str], standby_ready: int) -> str | None:
         return None
     return (f"{len(evict)} machine(s) evicted ({', '.join(evict)}) but only {standby_ready} "
             f"standby machine(s) ready; add standbys with --standby N")
-
-
-def replacement_plan(active: tuple[str, ...], evict: list[str],
-                     standby_ready: tuple[str, ...]) -> dict[str, str]:
-    """Which standby takes the ranks of which evicted machine (in slot order)."""
-    plan = {}
-    pool = list(standby_ready)
-    for m in active:
-        if m in evict:
-            plan[m] = pool.pop(0)
-    return plan

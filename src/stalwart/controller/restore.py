@@ -9,7 +9,8 @@ order own -> backup -> durable, so the agent falls back tier by tier when a copy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet
+from functools import cached_property
+from typing import AbstractSet, Iterable
 
 TIERS = ("own", "backup", "durable")
 
@@ -23,30 +24,53 @@ class Availability:
     # one being written (policy.mem_slots - 1); backup, what the agent keeps beyond reports in flight
     memory: dict[str, int] = field(default_factory=lambda: {"own": 2, "backup": 2})
 
+    @cached_property
+    def _holders(self) -> dict[str, set[tuple[int, str]]]:
+        """holder -> the (rank, tier) whose copies it may hold: every copy's (rank, tier) is under
+        its holder (entries may be stale, never missing), so a machine's copies are found without
+        looking at every rank. Not saved: rebuilt from `copies` after a load."""
+        out: dict[str, set[tuple[int, str]]] = {}
+        for rank, tiers in self.copies.items():
+            for tier, steps in tiers.items():
+                for holder in steps.values():
+                    out.setdefault(holder, set()).add((rank, tier))
+        return out
+
     def add(self, rank: int, tier: str, step: int, holder: str) -> None:
+        self._put(rank, tier, (step,), holder)
+
+    def _put(self, rank: int, tier: str, new: Iterable[int], holder: str) -> None:
+        """`holder` has `new` steps of the rank's tier; the tier keeps its newest ones (trimming once
+        after several steps leaves what trimming after each would)."""
         steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
-        steps[step] = holder
-        for old in sorted(steps)[:-min(self.keep, self.memory.get(tier, self.keep))]:
-            del steps[old]
+        for step in new:
+            steps[step] = holder
+        self._holders.setdefault(holder, set()).add((rank, tier))
+        keep = min(self.keep, self.memory.get(tier, self.keep))
+        if len(steps) > keep:
+            for old in sorted(steps)[:-keep]:
+                del steps[old]
+
+    def _forget(self, machine: str, tiers: tuple[str, ...]) -> None:
+        """Delete every copy of `tiers` that `machine` holds."""
+        held = self._holders.get(machine, set())
+        for rank, tier in sorted(x for x in held if x[1] in tiers):
+            steps = self.copies.get(rank, {}).get(tier, {})
+            for s in [s for s, h in steps.items() if h == machine]:
+                del steps[s]
+            held.discard((rank, tier))
 
     def replace_held(self, machine: str, tier: str, steps_by_rank: dict[int, list[int]]) -> None:
         """What `machine` really holds in a memory tier (its inventory when its workers stopped):
         reports still in flight can make the running record stale."""
-        for rank, tiers in self.copies.items():
-            held = tiers.get(tier, {})
-            for s in [s for s, h in held.items() if h == machine]:
-                del held[s]
+        self._forget(machine, (tier,))
         for rank, steps in steps_by_rank.items():
-            for s in steps:
-                self.add(int(rank), tier, int(s), machine)
+            if steps:
+                self._put(int(rank), tier, [int(s) for s in steps], machine)
 
     def drop_machine(self, machine: str) -> None:
         """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""
-        for tiers in self.copies.values():
-            for tier in ("own", "backup"):
-                steps = tiers.get(tier, {})
-                for s in [s for s, h in steps.items() if h == machine]:
-                    del steps[s]
+        self._forget(machine, ("own", "backup"))
 
 
 def candidates(av: Availability, rank: int, step: int, next_machine: str, alive: set[str]) -> list[dict]:

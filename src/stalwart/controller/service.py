@@ -63,6 +63,9 @@ class MachineView:
     def free(self) -> list[str]:
         return self.ctl.free_for(self.job_id)
 
+    def labels(self, machine: str) -> dict[str, str]:
+        return self.ctl.machine_labels(machine)
+
 
 class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
@@ -246,6 +249,12 @@ class Controller:
         with self._lock:
             m = self._machines.get(machine)
             return m["last_beat"] if m else None
+
+    def machine_labels(self, machine: str) -> dict[str, str]:
+        """The topology labels its agent registered with (`stalwart agent --label`)."""
+        with self._lock:
+            m = self._machines.get(machine)
+            return dict((m.get("info") or {}).get("labels") or {}) if m else {}
 
     def machine_alive(self, machine: str) -> bool:
         with self._lock:

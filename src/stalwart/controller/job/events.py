@@ -71,3 +71,6 @@ class ClusterView(Protocol):
 
     def free(self) -> list[str]:
         """Idle machines no job holds, in a stable order."""
+
+    def labels(self, machine: str) -> dict[str, str]:
+        """The machine's topology labels (switch, pod, ...); {} when it has none."""

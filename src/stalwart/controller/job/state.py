@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -53,6 +54,7 @@ class JobPhase(str, enum.Enum):
 
 
 _END = {JobPhase.FAILED, JobPhase.CANCELLED}
+_ENDED = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED})
 JOB_TRANSITIONS: dict[JobPhase, set[JobPhase]] = {
     JobPhase.WAITING: {JobPhase.RUNNING} | _END,
     JobPhase.RUNNING: {JobPhase.TRACING, JobPhase.RECOVERING, JobPhase.SUCCEEDED} | _END,
@@ -187,6 +189,11 @@ class Diagnosis:
     started: float
     deadline: float
     results: list[dict[str, Any]] = field(default_factory=list)
+
+    @cached_property
+    def pair_keys(self) -> set[tuple[int, str, str]]:
+        """(round, a, b) of every pair (not saved; `pairs` never changes once the checks start)."""
+        return {(k.round, k.a, k.b) for k in self.pairs}
 
 
 @dataclass
@@ -346,7 +353,7 @@ class JobState:
 
     @property
     def terminal(self) -> bool:
-        return self.phase.terminal
+        return self.phase in _ENDED
 
     # -- small derived views ----------------------------------------------------------------
     def version(self) -> dict[str, Any] | None:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from stalwart.controller.policy import Snapshot
+from stalwart.controller.pool import standby_count
 from stalwart.controller.job.actions import Action, Record, UpdateIncident
 from stalwart.controller.job.events import ClusterView
 from stalwart.controller.job.state import Incident, JobState
@@ -22,6 +24,11 @@ class Ctx:
     def of(cls, spec: JobSpec, cluster: ClusterView) -> "Ctx":
         return cls(spec=spec, topo=spec.topology(), cluster=cluster)
 
+    @cached_property
+    def standbys(self) -> int:
+        """The standby pool's size (the P99 sizing needs scipy: computed once, not every refill)."""
+        return standby_count(self.spec)
+
     @property
     def G(self) -> int:
         return self.spec.gpus_per_machine
@@ -33,6 +40,15 @@ class Ctx:
     @property
     def policy(self) -> Policy:
         return self.spec.policy
+
+    def placement_group(self, slot: int) -> list[int]:
+        """The slots of the parallel group a replacement for `slot` should stay near (`placement`):
+        its pipeline when the job has one (send/recv suffers most from crossing switches), else its
+        data-parallel group; `slot` itself first."""
+        t = self.topo
+        kind = "pp" if t.pp > 1 else "dp"
+        slots = sorted({r // self.G for r in t.group(kind, slot * self.G)} - {slot})
+        return [slot] + slots
 
     def ready_standbys(self, st: JobState) -> tuple[str, ...]:
         """Standbys that can take ranks now (their agent is heard from)."""

@@ -89,7 +89,7 @@ class DiagnosisFlow:
         d = st.diag
         if d is None or ev.id != d.name or machine not in d.wait or self.core.reconcile.pending(st):
             return []       # (while a restart is reconciled: the checks are run again after it)
-        keys = {(k.round, k.a, k.b) for k in d.pairs}
+        keys = d.pair_keys
         for raw in ev.results:
             r = dict(raw, machine=machine)
             if r.get("check") == "inter":

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer.classify import classify
-from stalwart.controller import policy, versions
+from stalwart.controller import placement, policy, versions
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
@@ -213,7 +213,11 @@ class FailureFlow:
     def replace_machines(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions:
         """Evicted machines leave; standbys take their slots (their memory is gone, too)."""
         acts: Actions = []
-        plan = policy.replacement_plan(tuple(st.slots), res.evict, self.ctx.ready_standbys(st))
+        ready = self.ctx.ready_standbys(st)
+        labels = {m: self.ctx.cluster.labels(m) for m in ready}
+        groups = {m: [self.ctx.cluster.labels(st.slots[i]) for i in self.ctx.placement_group(st.slots.index(m))]
+                  for m in res.evict if m in st.slots} if any(labels.values()) else {}
+        plan = placement.replacement_plan(st.slots, res.evict, ready, groups, labels)
         for m in set(inc.lost) | set(res.evict):
             st.avail.drop_machine(m)      # its memory (own shards, peers' backups) is gone
         for old, new in plan.items():
@@ -222,6 +226,10 @@ class FailureFlow:
             st.slots[st.slots.index(old)] = new
             st.pool.standby.remove(new)
             acts.append(AssignMachine(machine=new, state="active"))
+            if groups:        # where the standby sits relative to the group: switch, pod or far
+                near = placement.distance(labels[new], groups.get(old, ()))
+                acts.append(record("standby_placed", now, machine=new, replaces=old, incident=inc.seq,
+                                   near=placement.LEVELS[near] if near < len(placement.LEVELS) else "far"))
         return acts
 
     # -- the end --------------------------------------------------------------------------------

@@ -136,6 +136,9 @@ class ImplicitFlow:
             machines, reason = list(d.machines), d.reason
             if evidence is not None and d.source != "flightrec":
                 reason += f"; flight recorder: {evidence['summary']}"
+            if machines and not self.ctx.policy.over_evict:
+                reason = f"{reason}; not evicting on stacks (policy.over_evict is off): stop-time checks decide"
+                machines = []
         else:
             machines, reason = [], "no machine answered the stack capture"
         inc.implicit_evict = machines
@@ -401,7 +404,8 @@ class ImplicitFlow:
         machines, seen = steady_outliers(fs.by_compute, n, STEADY_SHARE)
         if machines and len(machines) <= half:
             return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
-        verdict = fs.rounds.verdict(min_flags=math.ceil(STEADY_SHARE * n - 1e-9))
+        verdict = (fs.rounds.verdict(min_flags=math.ceil(STEADY_SHARE * n - 1e-9))
+                   if self.ctx.policy.over_evict else None)
         if verdict and len(verdict[1]) <= half:
             flagged = fs.rounds.flags()[(verdict[0], tuple(verdict[1]))]
             return ([st.slots[i] for i in verdict[1]],

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from stalwart.controller.job.actions import AssignMachine, Prewarm, RequestMachines
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import JobState
-from stalwart.controller.pool import standby_count
 
 if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
@@ -51,7 +50,7 @@ class PoolFlow:
         if now < st.pool.next_refill:
             return []
         st.pool.next_refill = now + REFILL_EVERY_S
-        want = standby_count(self.ctx.spec)
+        want = self.ctx.standbys
         for m in [m for m in st.pool.standby if not self.ctx.cluster.alive(m)]:
             st.pool.standby.remove(m)
             st.pool.warm.discard(m)

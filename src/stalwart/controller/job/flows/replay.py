@@ -98,6 +98,8 @@ class ReplayFlow:
             grp.done.add(ev.rank)  # type: ignore[arg-type]
         elif isinstance(ev, protocol.WorkerExit) and not ev.expected:
             grp.failed = policy.describe_exit(ev.rank, machine, ev.code, ev.signal) + " (replay)"
+        if grp.failed is None and len(grp.done) < grp.world and now <= rp.deadline:
+            return []       # this group still runs: `check` would wait too (without looking at every group)
         return self.check(st, now)
 
     def on_lost(self, st: JobState, machine: str, now: float) -> Actions:
@@ -152,7 +154,10 @@ class ReplayFlow:
         st.replay = None
         plan, res = rp.plan, inc.resolution
         h, v = set(rp.failed[0]), set(rp.failed[1])
-        found = replay.locate(plan, h, v) if h and v else []
+        everywhere = len(h) == len(plan.horizontal) and len(v) == len(plan.vertical)
+        # every group failing points at no machine (the code, the data, the whole cluster): evicting
+        # the intersection would evict every machine
+        found = replay.locate(plan, h, v) if h and v and not everywhere else []
         took = round(now - rp.started, 3)
         inc.data["replay"] = {"k": plan.k, "failed_horizontal": sorted(h), "failed_vertical": sorted(v),
                               "machines": found, "seconds": took}
@@ -168,6 +173,7 @@ class ReplayFlow:
                                           fail_reason=f"dual-phase replay isolated {', '.join(found)} "
                                                       f"but {short}")
         else:
+            what = "failed in every group: no machine to blame" if everywhere else "reproduced nothing"
             res = dataclasses.replace(res, mechanism="replay",
-                                      cause=f"{res.cause}; dual-phase replay reproduced nothing in {took:.1f}s")
+                                      cause=f"{res.cause}; dual-phase replay {what} in {took:.1f}s")
         return acts + self.core.failure.recover(st, inc, res, now)

@@ -13,13 +13,15 @@ from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, Creat
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
-from stalwart.controller.pool import standby_count
 
 if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
 STEP_TIMES_KEPT = 50
+# Every this many committed steps of a run, the step's per-rank step and compute times go into the
+# event log (`rank_times`): what `stalwart whatif` replays a finished job's critical path from.
+RANK_TIMES_EVERY = 20
 
 
 class RunFlow:
@@ -32,7 +34,7 @@ class RunFlow:
         `max_standby_wait_s`, start with the active ones alone."""
         spec = self.ctx.spec
         free = self.ctx.cluster.free()
-        want = standby_count(spec)
+        want = self.ctx.standbys
         waited = now - st.created_at > spec.policy.max_standby_wait_s
         if len(free) < spec.machines + want and not (len(free) >= spec.machines and waited):
             return []
@@ -100,7 +102,9 @@ class RunFlow:
         run = st.run
         if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
             return []
-        acc = run.pending.setdefault(ev.step, PendingStep())
+        acc = run.pending.get(ev.step)
+        if acc is None:
+            acc = run.pending[ev.step] = PendingStep()
         acc.ranks.add(ev.rank)
         acc.local[ev.rank] = ev.local_grad_norm
         acc.times[ev.rank] = (ev.dur, ev.compute_s)
@@ -131,6 +135,10 @@ class RunFlow:
         if st.bad_steps:
             self._lapse_bad_steps(st)
         st.run.committed += 1
+        if st.run.committed % RANK_TIMES_EVERY == 0 and acc.times:
+            times = [acc.times.get(r, (None, None)) for r in range(self.ctx.world)]
+            acts.append(record("rank_times", acc.t, run=st.run_seq, step=s, step_s=[x[0] for x in times],
+                               compute_s=[x[1] for x in times]))
         if acc.loss is not None:
             st.last_loss = acc.loss
         anomaly = self.core.implicit.training_anomaly(st, s, acc, now)

@@ -1,0 +1,259 @@
+"""The simulated agents: they answer the job core's commands with the protocol's events after the
+profile's durations, and make each fault show the way it shows on a real machine (a worker's exit
+with its log tail, a probe's alert, a machine that stops answering, stuck or slow workers, a NaN).
+
+They decide nothing about the job: which machine to evict, whether to check, replay or roll back
+is the job core's. What they know is the truth of the simulation (which machine is faulty), and
+they tell it only through what a real agent would report: check results (caught with the
+profile's recall), stacks, exits, alerts.
+"""
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+from stalwart import protocol as p
+from stalwart.controller.job import actions as a
+from stalwart.sim.failures import Fault
+
+if TYPE_CHECKING:
+    from stalwart.sim.engine import Sim
+
+# what a worker prints when it dies of each kind of fault (the controller's classifier reads it)
+TAILS = {
+    "gpu": "RuntimeError: CUDA error: unspecified launch failure",
+    "gpu_ambiguous": "RuntimeError: CUDA error: an illegal memory access was encountered",
+    "ecc": "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+    "disk": "OSError: [Errno 28] No space left on device",
+    "oom": "Out of memory: Killed process 4242 (python)",
+    "network": "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+    "io": ('Traceback (most recent call last):\n  File "/usr/lib/python3/dist-packages/fsspec/core.py", '
+           'line 135, in open\nOSError: [Errno 5] Input/output error'),
+}
+PROBE = {  # kind -> (probe, alert kind, profile field of its latency)
+    "gpu": ("gpu", "gpu_xid", "detect_gpu_s"), "ecc": ("gpu", "gpu_ecc", "detect_gpu_s"),
+    "gpu_lost": ("gpu", "gpu_lost", "detect_gpu_s"), "disk": ("disk", "disk_fault", "detect_disk_s"),
+    "kernel": ("kmsg", "kernel_panic", "detect_kernel_s"),
+}
+
+
+def stack(rank: int, fn: str, status: str = "sleeping") -> dict:
+    """One worker's tracer record, in py-spy's shape, stuck in `fn`."""
+    return {"rank": rank, "role": "worker", "status": status, "pid": 1000 + rank,
+            "threads": [{"thread_name": "MainThread", "frames": [
+                {"name": fn, "module": "torch.distributed" if fn != "optimizer_step" else "train"},
+                {"name": "train_step", "module": "train"}]}]}
+
+
+class Agents:
+    def __init__(self, sim: "Sim"):
+        self.sim = sim
+        self.rng = random.Random(sim.seed ^ 0xA6E)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def send(self, delay: float, machine: str, ev: p.Event) -> None:
+        seg = self.sim.seg.index if self.sim.seg is not None else 0
+        self.sim.later(delay, self.sim.agent_event, machine, ev, seg)
+
+    def tail(self, key: str) -> str:
+        return TAILS.get(key, "") if self.sim.platform.log_tails else ""
+
+    def slot_of(self, machine: str) -> int | None:
+        tr = self.sim.training
+        return None if tr is None else tr.index.get(machine)
+
+    # -- answers to the core's commands ------------------------------------------------------------
+    def stop(self, act: a.StopWorkers) -> None:
+        sim, tr = self.sim, self.sim.training
+        if act.run is None:
+            return
+        if tr is not None and act.run == tr.run:
+            tr.freeze(sim.now)
+            sim.later(0.0, sim.report_durable, tr)
+        inv_at = tr.last_done(sim.now) if tr is not None and act.run == tr.run else None
+        for m in act.machines:
+            if sim.cluster.alive(m):
+                self.send(sim.profile.stop_s, m, p.Stopped(run=act.run, inventory=self.inventory(m, inv_at),
+                                                           t=sim.now + sim.profile.stop_s))
+
+    def inventory(self, machine: str, last: int | None) -> dict[str, dict[int, list[int]]]:
+        """What `machine` holds in memory after the run's last step `last`: its own ranks' last
+        steps and the backups of the ranks whose backup peer it is."""
+        sim, tr = self.sim, self.sim.training
+        if not sim.platform.memory_ckpt or tr is None or last is None or last < tr.start_step:
+            return {}
+        i = self.slot_of(machine)
+        if i is None:
+            return {}
+        assert sim.st is not None
+        own_keep, backup_keep = sim.st.avail.memory.get("own", 3), sim.st.avail.memory.get("backup", 2)
+        own = [s for s in range(last - own_keep + 1, last + 1) if s >= tr.start_step]
+        back = [s for s in range(last - backup_keep + 1, last + 1) if s >= tr.start_step]
+        return {"own": {i: own}, "backup": {r: back for r in sim.backed_up_by[i]}}
+
+    def trace(self, act: a.TraceStacks) -> None:
+        sim = self.sim
+        for m in act.machines:
+            if sim.cluster.alive(m):
+                self.send(sim.profile.trace_s, m, p.Stacks(run=act.run, records=self.stacks(m),
+                                                           t=sim.now + sim.profile.trace_s))
+
+    def stacks(self, machine: str) -> list[dict]:
+        """The machine's worker stack: a stuck machine sits in its collective, its pipeline peers in
+        recv, a slow one still computes; the others wait in the data-parallel all-reduce."""
+        sim = self.sim
+        i = self.slot_of(machine)
+        if not sim.platform.tracer or i is None:
+            return []
+        fn = "all_reduce"
+        for f, where in sim.active_faults():
+            if f.kind == "hang" and f.persistent:
+                if machine in where:
+                    fn = "all_gather"
+                elif sim.training is not None and any(
+                        i in sim.pipeline_slots(sim.training.slots.index(w)) for w in where if w in sim.training.slots):
+                    fn = "recv"
+            elif f.kind == "slow" and machine in where:
+                fn = "forward"
+            elif f.kind == "gpu_lost" and machine in where:
+                fn = "cudaStreamSynchronize"
+        return [stack(i, fn)]
+
+    def checks(self, act: a.RunChecks) -> None:
+        sim = self.sim
+        for m in act.machines:
+            if not sim.cluster.alive(m):
+                continue
+            bad = self.caught(m, act.checks)
+            results: list[dict[str, Any]] = []
+            for c in act.checks:
+                if c == "inter":
+                    results += [{"check": "inter", "ok": bad != "inter", "detail": "ok" if bad != "inter" else
+                                 "all-gather timed out", "round": x.round, "peer": x.peer,
+                                 "measure": {"mbps": 100.0}} for x in act.inter.get(m, [])]
+                elif c == "align":
+                    results.append({"check": "align", "ok": True, "local_rank": 0, "detail": "ok",
+                                    "measure": {"digest": "differs" if bad == "align" else "reference"}})
+                else:
+                    fail = bad == c
+                    results.append({"check": c, "ok": not fail, "detail": "failed" if fail else "ok",
+                                    "measure": {"gflops": 100.0} if c == "selftest" else {}})
+            self.send(sim.profile.checks_s, m, p.DiagResult(id=act.name, results=results,
+                                                             t=sim.now + sim.profile.checks_s))
+
+    def caught(self, machine: str, checks: list[str]) -> str | None:
+        """Which check a faulty machine fails, if it is caught (each fault draws its own luck)."""
+        sim = self.sim
+        f = sim.bad.get(machine)
+        if f is None or sim.platform.checks == "none":
+            return None
+        if sim.platform.checks == "health" and not (f.hard or f.kind == "network"):
+            return None
+        if f.kind == "nan":
+            return "align" if "align" in checks and sim.draw(f) < sim.profile.align_recall else None
+        if f.hard or sim.draw(f) < sim.profile.checks_recall:
+            return "inter" if f.kind == "network" and "inter" in checks else "selftest"
+        return None
+
+    def replay(self, act: a.StartReplayGroup) -> None:
+        """A replay group reproduces the failure when it holds the faulty machine (a NaN, a crash,
+        or a hang that never finishes); else every rank finishes its steps."""
+        sim = self.sim
+        dt = sim.profile.replay_phase_s
+        bug = sim.bugs.get(sim.training.version) if sim.training is not None and sim.training.version is not None \
+            else None
+        if bug:                 # the code itself fails: in every group
+            if bug == "nan":
+                self.send(dt, act.machines[0], p.Step(run=act.run, rank=0, step=0, t=sim.now + dt, loss=float("nan")))
+            elif bug == "exception":
+                self.send(dt, act.machines[0], p.WorkerExit(run=act.run, rank=0, code=1, t=sim.now + dt))
+            return
+        faulty = [m for m in act.machines if m in sim.bad]
+        if not faulty:
+            for r, m in enumerate(act.machines):
+                self.send(dt, m, p.Done(run=act.run, rank=r, t=sim.now + dt))
+            return
+        f = sim.bad[faulty[0]]
+        r = act.machines.index(faulty[0])
+        if f.kind == "nan":
+            self.send(dt, faulty[0], p.Step(run=act.run, rank=r, step=0, t=sim.now + dt, loss=float("nan")))
+        elif f.kind not in ("hang", "gpu_lost", "network"):
+            self.send(dt, faulty[0], p.WorkerExit(run=act.run, rank=r, code=1, log_tail=self.tail("gpu_ambiguous"),
+                                                  t=sim.now + dt))
+
+    def spares(self, act: a.PrepareSpares) -> None:
+        for m in act.machines:
+            self.send(self.sim.profile.spares_s, m, p.SparesReady(key=act.code_path))
+
+    # -- faults showing ---------------------------------------------------------------------------
+    def manifest(self, f: Fault, machines: list[str]) -> None:
+        """Fault `f` hits `machines` (slots of the running job) now."""
+        sim, pr, plat = self.sim, self.sim.profile, self.sim.platform
+        tr = sim.training
+        now = sim.now
+        m = machines[0]
+        rank = tr.slots.index(m) if tr is not None and m in tr.slots else 0
+        run = tr.run if tr is not None else None
+        kind = f.kind
+        if kind in ("gpu", "ecc", "disk", "crash", "oom", "io") or (kind == "network" and not f.persistent):
+            sim.freeze(now)
+            key = {"gpu": "gpu_ambiguous" if f.ambiguous else "gpu"}.get(kind, kind)
+            code, sig = (-9, 9) if kind == "crash" else (1, None)
+            self.send(pr.detect_exit_s, m, p.WorkerExit(run=run, rank=rank, code=code, signal=sig,
+                                                        log_tail=self.tail(key), t=now + pr.detect_exit_s))
+        elif kind in ("hang", "gpu_lost", "network"):
+            sim.freeze(now)
+            sim.stuck = True
+        elif kind in ("lost", "kernel"):
+            sim.freeze(now)
+            lost_at = now + (pr.detect_kernel_s if kind == "kernel" and plat.inspection else 0.0)
+            sim.later(lost_at - now, sim.machine_dies, m)
+        elif kind == "slow":
+            sim.slow_machines.add(m)
+            sim.repace()
+        elif kind == "nan":
+            if tr is not None:
+                tr.nan_from = now
+        if plat.inspection and kind in PROBE and not f.ambiguous:
+            probe, alert, field = PROBE[kind]
+            dt = getattr(pr, field)
+            self.send(dt, m, p.Health(probe=probe, kind=alert, severity="fatal", machine_certain=True,
+                                      t=now + dt))
+        if plat.inspection and kind == "network":
+            for x in machines:
+                self.alerts(f, x, run, 1)
+
+    def alerts(self, f: Fault, machine: str, run: int | None, n: int) -> None:
+        """A broken link's NIC alert every probe interval while the machine is in the job (a flap
+        alerts once)."""
+        sim = self.sim
+        dt = sim.profile.detect_network_s
+        self.send(dt, machine, p.Health(probe="nic", kind="nic_down", severity="warn", network=True,
+                                        t=sim.now + dt))
+        if f.persistent and n < 10:
+            sim.later(dt, self._again, f, machine, run, n + 1)
+
+    def _again(self, f: Fault, machine: str, run: int | None, n: int) -> None:
+        tr = self.sim.training
+        if self.sim.bad.get(machine) is f and tr is not None and tr.run == run and machine in tr.slots \
+                and tr.stepping is False:
+            self.alerts(f, machine, run, n)
+
+    def bug(self, kind: str, version: int) -> None:
+        """The running code version's bug shows."""
+        sim, tr = self.sim, self.sim.training
+        if tr is None or not tr.stepping:
+            return
+        if kind == "exception":
+            sim.freeze(sim.now)
+            tail = ""
+            if sim.platform.log_tails and sim.st is not None:     # a traceback in the job's own code
+                tail = (f'Traceback (most recent call last):\n  File "{sim.st.code_path}/train.py", line 88, '
+                        f'in <module>\nValueError: shapes do not match (version {version})')
+            self.send(sim.profile.detect_exit_s, tr.slots[0], p.WorkerExit(
+                run=tr.run, rank=0, code=1, log_tail=tail, t=sim.now + sim.profile.detect_exit_s))
+        elif kind == "hang":
+            sim.freeze(sim.now)
+            sim.stuck = True
+        else:
+            tr.nan_from = sim.now

@@ -1,0 +1,579 @@
+"""The simulation loop: stalwart's real job core on a simulated clock, against simulated machines.
+
+A heap of timed happenings (faults, agents' answers, machines arriving, the core's ticks) is
+played in time order. The job core (`controller.job.core.JobCore`, with the controller's flows,
+policy, ladder, restore planner, standby pool and ledger) receives the protocol's events exactly as
+the controller's runner hands them over, and its actions are carried out by the simulated agents
+(`agents.py`) after the profile's durations. Nothing of the decision path is re-implemented here.
+
+What is compressed, so that 1,200 machines x 90 days run in seconds:
+
+- **ranks**: the core sees one rank per machine (a machine's 8 GPUs, one tensor-parallel group,
+  fail, stop, restore and report together here), so the job is `machines` ranks with the real
+  pipeline x data-parallel layout;
+- **steps**: agents tell the core of training progress when it has something to decide (before
+  every event it receives and every tick), one report of the last completed step per machine,
+  with that step's true time and duration. The steps completed in between are written to the job's
+  event log as one `step` record per stretch (split at durable checkpoints and at the last steps
+  kept in memory), so the ETTR ledger accounts every second of training exactly;
+- **quiet stretches**: while the job trains and nothing is pending, the core is not ticked (it
+  would only see progress); it is ticked again before anything happens: a fault, an agent's
+  answer, a machine arriving, a code version falling due. Before a hang or a slowdown the agents
+  report every step for `PRE_STEPS` steps, so the core's hang timeout and throughput baseline are
+  calibrated on real step times, as they would be on a real job;
+- **ticks** while something is pending come every `tick_min_s`, spaced out by 5% of the time since
+  the last change up to `tick_max_s` (the controller ticks every 0.2 s): a timer fires at most
+  that late;
+- per-step checkpoint reports (`ckpt` events) are not sent: the agents' inventories at each stop
+  say what memory holds, as they do for the real controller; durable checkpoints are reported
+  (the newest, when a run stops: only a restore reads them).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from typing import Any, Callable
+
+from stalwart import protocol as p
+from stalwart.controller import placement
+from stalwart.controller.job import actions as a
+from stalwart.controller.job import state as S
+from stalwart.controller.job.core import JobCore
+from stalwart.controller.job.events import AgentEvent, Cancel, JobEvent, MachineLost, Tick, VersionRegistered
+from stalwart.controller.pool import standby_count
+from stalwart.controller.restore import Availability
+from stalwart.sim.agents import Agents
+from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
+from stalwart.sim.config import Config, Segment
+from stalwart.sim.failures import Fault, Model
+from stalwart.sim.peers import Platform
+from stalwart.sim.profile import Profile
+from stalwart.sim.training import Training
+from stalwart.spec import JobSpec
+
+T0 = 1_000_000.0          # the core's clock at the simulation's start
+DAY = 86400.0
+PRE_STEPS = 22            # steps reported one by one before a hang or a slowdown (the hang watch keeps 20)
+MEM_KEEP = 3              # steps kept one by one at the end of a stretch (restores from memory land there)
+HANG_FLOOR_S = 30.0       # the uncalibrated hang timeout (10x this) outlasts a restart at this scale
+IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
+
+
+class Sim:
+    def __init__(self, cfg: Config, platform: Platform, profile: Profile, model: Model, faults: list[Fault],
+                 seed: int):
+        cfg.check()
+        self.cfg, self.platform, self.profile, self.model, self.seed = cfg, platform, profile, model, seed
+        self.faults = faults
+        self.now = T0
+        self.end = T0 + cfg.days * DAY
+        self.heap: list[tuple[float, int, Callable, tuple]] = []
+        self._seq = 0
+        self.spec = self._spec()
+        topo = self.spec.topology()
+        self.dp = topo.dp
+        self.ckpt_every = self.spec.ckpt_every
+        self.backed_up_by: list[list[int]] = [[] for _ in range(cfg.machines)]
+        for r in range(cfg.machines):
+            self.backed_up_by[topo.backup_machine(r)].append(r)
+        self.standbys = standby_count(self.spec)
+        self.cluster = SimCluster(cfg.machines, cfg.pp, self.dp, free=self.standbys, seed=seed,
+                                  show_labels=platform.topology)
+        self.agents = Agents(self)
+        self.core: JobCore | None = None
+        self.st: S.JobState | None = None
+        self.seg: Segment | None = None
+        self.segments: list[Segment] = []
+        self.gaps: list[tuple[float, float, str]] = []
+        self.training: Training | None = None
+        self.last_slots: list[str] | None = None
+        self.penalty: dict[int, float] = {}
+        self.bad: dict[str, Fault] = {}
+        self.shown: dict[int, list[str]] = {}       # id(fault) -> machines it shows on in this run
+        self.slow_machines: set[str] = set()
+        self.stuck = False
+        self.warm_at: dict[str, float] = {}
+        self.version = 1
+        self.bugs: dict[int, str | None] = {}
+        self.pending_updates: list[Fault] = []
+        self.last_change = T0
+        self.busy_until = T0
+        self.next_tick = math.inf
+        self.dirty = False           # the core acted: its timers may want a tick sooner
+        self.blame: Fault | None = None
+        self.open_symptom: str | None = None
+        self.incidents: list[dict] = []
+        self._inc: dict[tuple[int, int], dict] = {}
+        self.injected: dict[str, int] = {}
+        self.max_step = -1
+        self.rngs: dict[int, random.Random] = {}
+        self._pipes: dict[int, list[int]] = {}
+        self.coming = 0               # machines the scheduler is providing
+        self.stats = {"core_events": 0, "ticks": 0, "reports": 0}
+
+    # -- the job ----------------------------------------------------------------------------------
+    def _spec(self) -> JobSpec:
+        cfg, plat, pr = self.cfg, self.platform, self.profile
+        policy: dict[str, Any] = {"hang_timeout_floor_s": pr.nccl_timeout_s if plat.nccl_hang else HANG_FLOOR_S,
+                                  "replay_timeout_s": max(90.0, 2 * pr.replay_phase_s),
+                                  "diag_timeout_s": max(10.0, pr.checks_s)}
+        policy.update(plat.policy)
+        standby: Any = cfg.standby if plat.standby else 0
+        if isinstance(standby, str) and standby != "auto":
+            standby = int(standby)
+        return JobSpec.from_dict({
+            "name": "sim", "machines": cfg.machines, "gpus_per_machine": 1, "tp": 1, "pp": cfg.pp,
+            "steps": 10 ** 12, "ckpt_every": max(1, round(cfg.durable_every_s / cfg.step_s)),
+            "command": ["train.py"], "standby": standby, "code_dir": "/sim/code/v1", "policy": policy})
+
+    def version_row(self, n: int, status: str, mode: str) -> dict:
+        return {"id": n, "job_id": 1, "hash": f"{n:064x}", "path": f"/sim/code/v{n}", "source": "/sim/code",
+                "status": status, "mode": mode, "window_s": self.spec.policy.hot_update_window_s,
+                "created_at": self.now, "applied_at": self.now if status == "stable" else None,
+                "applied_step": 0 if status == "stable" else None, "reason": None}
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def later(self, delay: float, fn: Callable, *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (self.now + max(0.0, delay), self._seq, fn, args))
+
+    def run(self) -> "Sim":
+        for f in self.faults:
+            self.later(f.t, self.inject, f)
+            if f.freezes:
+                self.prewindow(T0 + f.t, f.kind != "slow")
+        self.later(0.0, self.submit, 0)
+        if self.cfg.compute_times:   # what-if mode: every step reported for a while each hour (rank_times)
+            for h in range(1, int(self.cfg.days * 24) + 1):
+                self.later(h * 3600.0, self.busy, T0 + h * 3600.0 + (PRE_STEPS - 1) * self.cfg.step_s * 1.1)
+        while self.heap:
+            t, _, fn, args = heapq.heappop(self.heap)
+            if t > self.end:
+                break
+            self.now = self.cluster.now = t
+            fn(*args)
+            if self.dirty or self.next_tick == math.inf:
+                self.dirty = False
+                self.schedule_tick()
+        self.now = self.cluster.now = self.end
+        self.flush()
+        if self.seg is not None and self.seg.end is None:
+            self.seg.end = self.end
+        return self
+
+    def prewindow(self, t: float, hang_only: bool = False) -> None:
+        """Report every step for PRE_STEPS steps before `t`, when a fault that only the hang watch or
+        the throughput watch may see shows: their timeouts are calibrated on step times.
+        `hang_only`: only the hang watch needs them (see `busy`)."""
+        self.later(max(0.0, t - self.now - PRE_STEPS * self.cfg.step_s * 1.1), self.busy, t + 1.0, hang_only)
+
+    def busy(self, until: float, hang_only: bool = False) -> None:
+        tr = self.training
+        warmup = self.spec.policy.hang_warmup_steps
+        if hang_only and tr is not None and tr.stepping and tr.reports <= warmup:
+            # a run whose ranks reported no more than their warm-up steps: the hang watch calibrates
+            # on the very next intervals, so warm-up + 2 reports of single steps do
+            short = (warmup + 2) * tr.pace * 1.1
+            if until - 1.0 - self.now > short + 1e-6:
+                self.later(until - 1.0 - short - self.now, self.busy, until, False)
+                return
+        self.busy_until = max(self.busy_until, until)
+        self.schedule_tick()
+
+    def submit(self, resume_step: int) -> None:
+        """(Re)submit the job: a fresh job state on the machines that are free."""
+        seg = Segment(index=len(self.segments) + 1, start=self.now, resume_step=resume_step)
+        seg.log.append({"t": self.now, "kind": "job_submitted", "data": {"segment": seg.index}})
+        self.segments.append(seg)
+        self.seg = seg
+        st = S.JobState(job_id=seg.index, created_at=self.now,
+                        avail=Availability(memory={"own": max(2, self.spec.policy.mem_slots - 1), "backup": 2}))
+        if self.platform.hot_update:
+            st.versions = [self.version_row(self.version, "stable", "lazy")]
+            st.version_id, st.code_path = self.version, f"/sim/code/v{self.version}"
+        else:
+            st.versioning_off, st.code_path = "hot update is off in this policy", self.spec.code_dir
+        self.st, self.core = st, JobCore(self.spec, self.cluster)
+        self.training, self.last_slots = None, None
+        self.last_change = self.now
+        self.deliver(Tick())
+        for f in self.pending_updates:
+            self.register(f)
+        self.pending_updates = []
+        self.schedule_tick()
+
+    # -- delivering to the core ------------------------------------------------------------------
+    def deliver(self, ev: JobEvent) -> None:
+        if self.st is None or self.st.terminal:
+            return
+        self.flush()
+        self._handle(ev)
+
+    def _handle(self, ev: JobEvent) -> None:
+        assert self.core is not None and self.st is not None
+        if self.st.terminal:
+            return
+        self.stats["core_events"] += 1
+        acts = self.core.handle(self.st, ev, self.now)
+        if acts:
+            if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
+                self.last_change = self.now
+                self.dirty = True
+            self.perform(acts)
+
+    def agent_event(self, machine: str, ev: p.Event, seg: int) -> None:
+        if machine in self.cluster.dead_at or self.seg is None or self.seg.index != seg:
+            return                  # a dead machine says nothing; a finished submission hears nothing
+        self.deliver(AgentEvent(machine=machine, event=ev))
+
+    def machine_lost(self, machine: str, seg: int) -> None:
+        if self.seg is not None and self.seg.index == seg:
+            self.deliver(MachineLost(machine=machine))
+
+    def machine_dies(self, machine: str) -> None:
+        self.cluster.kill(machine)
+        pol = self.spec.policy
+        self.later(pol.heartbeat_s * pol.missed_beats, self.machine_lost, machine, self.seg.index if self.seg else 0)
+
+    # -- ticks ------------------------------------------------------------------------------------
+    def quiet(self) -> bool:
+        st, tr = self.st, self.training
+        return (st is not None and st.phase == S.JobPhase.RUNNING and st.incident is None and tr is not None
+                and tr.stepping and not self.slow_machines and st.signals.failslow is None
+                and self.now >= self.busy_until
+                and (tr.begins > self.now or self.now - self.last_change >= self.cfg.settle_s))
+
+    def schedule_tick(self) -> None:
+        if self.st is None or self.st.terminal or self.quiet():
+            return
+        since = self.now - self.last_change
+        dt = min(self.cfg.tick_max_s, max(self.cfg.tick_min_s, self.cfg.tick_backoff * since))
+        tr = self.training
+        if tr is not None and tr.stepping and tr.begins <= self.now:
+            dt = min(dt, max(self.cfg.tick_min_s, tr.done_at(tr.last_done(self.now) + 1) - self.now + 1e-3))
+        self.wake(self.now + dt)
+
+    def wake(self, t: float) -> None:
+        if t < self.next_tick - 1e-9:
+            self.next_tick = t
+            self.later(t - self.now, self.tick_at, t)
+
+    def tick_at(self, t: float) -> None:
+        if t != self.next_tick:
+            return
+        self.next_tick = math.inf
+        self.stats["ticks"] += 1
+        self.deliver(Tick())
+        self.schedule_tick()
+
+    # -- progress reports -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Tell the core of the steps completed since its last report (see the module's notes)."""
+        tr, st, seg = self.training, self.st, self.seg
+        if tr is None or st is None or seg is None or st.run_seq != tr.run or st.phase != S.JobPhase.RUNNING:
+            return
+        k = tr.last_done(self.now)
+        if k <= tr.reported:
+            return
+        self.max_step = max(self.max_step, k)
+        self._stretch(tr, tr.reported + 1, k - 1)
+        t_k = tr.done_at(k)
+        dur = t_k - tr.done_at(k - 1)
+        nan = tr.nan_from is not None and t_k >= tr.nan_from
+        loss = math.nan if nan else 2.0
+        comp = self.compute_times(tr, dur)
+        tr.reported = k
+        tr.reports += 1
+        self.stats["reports"] += 1
+        for i, m in enumerate(tr.slots):
+            self._handle(AgentEvent(machine=m, event=p.Step(
+                run=tr.run, rank=i, step=k, t=t_k, dur=dur, loss=loss, grad_norm=loss, local_grad_norm=1.0,
+                compute_s=comp[i] if comp else None)))
+            if self.st is not st or st.run_seq != tr.run:
+                return
+
+    def report_durable(self, tr: Training) -> None:
+        """The newest durable checkpoints of a stopped run (one, two without memory copies), as its
+        agents reported them when written: a restore is the only decision that reads them."""
+        if self.st is None or self.st.terminal or self.st.run_seq != tr.run:
+            return
+        k = tr.last_done(self.now)
+        d0 = k - (k + 1) % self.ckpt_every          # the newest durable checkpoint (after step d0)
+        newest = [d for d in (d0, d0 - self.ckpt_every)[:1 if self.platform.memory_ckpt else 2]
+                  if d > tr.durable_reported and d >= tr.start_step - 1]
+        for d in reversed(newest):
+            for i, m in enumerate(tr.slots):
+                self._handle(AgentEvent(machine=m, event=p.Ckpt(run=tr.run, rank=i, step=d, tier="durable",
+                                                                location=f"durable/{d}", t=tr.done_at(d))))
+        if newest:
+            tr.durable_reported = newest[0]
+
+    def _stretch(self, tr: Training, lo: int, hi: int) -> None:
+        """Log records for steps lo..hi, which the core was not told of one by one."""
+        if hi < lo or self.seg is None:
+            return
+        ends = {hi} | set(range(max(lo, hi - MEM_KEEP + 1), hi + 1))
+        first = lo + (self.ckpt_every - 1 - lo % self.ckpt_every) % self.ckpt_every
+        ends |= set(range(first, hi + 1, self.ckpt_every))
+        prev = lo - 1
+        for e in sorted(ends):
+            t0, t1 = tr.done_at(prev), tr.done_at(e)
+            self.seg.log.append({"t": t1, "kind": "step", "data": {
+                "run": tr.run, "step": e, "dur": t1 - t0, "steps": e - prev, "sim": "stretch"}})
+            prev = e
+
+    def compute_times(self, tr: Training, dur: float) -> list[float] | None:
+        """Per-rank compute seconds: reported while a machine is slow (evidence) and in what-if mode."""
+        if not (self.slow_machines or self.cfg.compute_times):
+            return None
+        rng = random.Random(hash((self.seed, tr.run, tr.reported)))
+        base = dur / (self.model.slowdown if self.slow_machines else 1.0) * 0.6
+        out = []
+        for i, m in enumerate(tr.slots):
+            c = base * (1.15 if i // self.dp == self.cfg.pp - 1 else 1.0) * rng.lognormvariate(0.0, 0.02)
+            out.append(c * (self.model.slowdown if m in self.slow_machines else 1.0))
+        return out
+
+    # -- actions ----------------------------------------------------------------------------------
+    def perform(self, acts: list[a.Action]) -> None:
+        seg = self.seg
+        assert seg is not None
+        for act in acts:
+            if isinstance(act, a.Record):
+                seg.log.append({"t": act.t, "kind": act.kind, "data": act.data})
+            elif isinstance(act, a.OpenIncident):
+                inc: dict[str, Any] = {
+                       "segment": seg.index, "seq": act.seq, "symptom": act.symptom, "category": act.category,
+                       "detected_at": act.detected_at - T0, "mechanism": None, "evicted": 0,
+                       "fault": "update" if act.symptom == "hot_update" else
+                       (self.blame.category if self.blame is not None else "none")}
+                self._inc[(seg.index, act.seq)] = inc
+                self.incidents.append(inc)
+                self.open_symptom = act.symptom
+            elif isinstance(act, a.UpdateIncident):
+                known = self._inc.get((seg.index, act.seq))
+                if known is not None:
+                    for k in ("mechanism", "symptom", "category"):
+                        if k in act.fields:
+                            known[k] = act.fields[k]
+                    if "evicted" in act.fields:
+                        known["evicted"] = len(act.fields["evicted"] or [])
+                        known["evicted_machines"] = list(act.fields["evicted"] or [])
+            elif isinstance(act, a.AssignMachine):
+                self.assign(act)
+            elif isinstance(act, a.StartRun):
+                self.start_run(act)
+            elif isinstance(act, a.StopWorkers):
+                self.agents.stop(act)
+            elif isinstance(act, a.Prewarm):
+                self.warm_at[act.machine] = self.now + self.profile.prewarm_s
+            elif isinstance(act, a.PrepareSpares):
+                self.agents.spares(act)
+            elif isinstance(act, a.TraceStacks):
+                self.agents.trace(act)
+            elif isinstance(act, a.RunChecks):
+                self.agents.checks(act)
+            elif isinstance(act, a.StartReplayGroup):
+                self.agents.replay(act)
+            elif isinstance(act, a.FinishJob):
+                self.finish(act)
+            elif isinstance(act, a.RequestMachines):
+                self.request(act.count)
+            elif isinstance(act, (a.CreateRun, a.UpdateRun, a.SaveVersion, a.AddCheckpoint, a.CloseScratch)):
+                pass            # the store's and the rendezvous' business: nothing simulated
+            else:               # SendChaos (the simulator injects no chaos) or a new action kind
+                raise TypeError(f"the simulator cannot perform {act!r}")
+
+    def assign(self, act: a.AssignMachine) -> None:
+        self.cluster.assign(act.machine, act.state)
+        if act.state == "evicted":
+            self.bad.pop(act.machine, None)
+            self.slow_machines.discard(act.machine)
+            self.coming += 1            # the scheduler replaces a drained machine
+            self.later(self.profile.provision_s, self.provision)
+
+    def request(self, count: int) -> None:
+        """The pool is short and nothing is free: the scheduler provides what is not already coming."""
+        for _ in range(max(0, count - self.coming)):
+            self.coming += 1
+            self.later(self.profile.provision_s, self.provision)
+
+    def provision(self) -> None:
+        self.coming = max(0, self.coming - 1)
+        self.cluster.new_machine()
+        self.last_change = self.now
+        self.wake(self.now + 1e-3)
+
+    def pipeline_slots(self, slot: int) -> list[int]:
+        if slot not in self._pipes:
+            assert self.core is not None
+            self._pipes[slot] = self.core.ctx.placement_group(slot)
+        return self._pipes[slot]
+
+    def start_run(self, act: a.StartRun) -> None:
+        pr, plat = self.profile, self.platform
+        first = self.last_slots is None
+        planned, self.open_symptom = self.open_symptom == "hot_update", None
+        if plat.restart == "requeue" and not first:
+            fo = pr.requeue_s
+            for m in act.slots:                  # the scheduler gives the job healthy machines again
+                if m in self.bad and self.bad[m].hard:
+                    del self.bad[m]
+        else:
+            fo = pr.hot_update_s if planned else pr.restart_s if plat.restart == "warm" else pr.peer_restart_s
+            durable = any(c and c[0].tier == "durable" for c in act.restore.values()) or \
+                (act.restore_step < 0 and self.seg is not None and self.seg.resume_step > 0)
+            if durable:
+                fo += pr.durable_load_s
+        for i, m in enumerate(act.slots):
+            if first or self.last_slots[i] != m:        # type: ignore[index]
+                home = [job_labels(j, self.cfg.pp, self.dp) for j in self.pipeline_slots(i)]
+                self.penalty[i] = PENALTY[placement.distance(self.cluster.true_labels(m), home)]
+                if not first:
+                    fo = max(fo, self.warm_at.get(m, self.now) - self.now + pr.restart_s)
+        self.last_slots = list(act.slots)
+        start = act.restore_step + 1 if act.restore_step >= 0 else (self.seg.resume_step if self.seg else 0)
+        version = act.version if act.version is not None else self.version
+        self.slow_machines = set()
+        self.stuck = False
+        self.shown = {}
+        tr = Training(run=act.run, slots=list(act.slots), start_step=start, begins=self.now + fo,
+                      pace=self.pace(act.slots), version=version, seg=self.seg.index if self.seg else 0)
+        self.training = tr
+        for m in act.slots:
+            f = self.bad.get(m)
+            if f is not None:
+                delay = 1.0 if f.hard or f.kind in IMMEDIATE else self.draw_exp(f, self.model.recur_mean_s)
+                self.later(fo + delay, self.recur, f, m, tr)
+                if f.freezes:
+                    self.prewindow(self.now + fo + delay, f.kind != "slow")
+        bug = self.bugs.get(version)
+        if bug:                  # a faulty version fails in its first step
+            self.later(fo + 0.5 * tr.pace, self._bug, bug, version, tr)
+
+    def pace(self, slots: list[str]) -> float:
+        p_ = self.cfg.step_s * (1 + (self.profile.memckpt_overhead if self.platform.memory_ckpt else 0.0))
+        p_ *= 1 + max((self.penalty.get(i, 0.0) for i in range(len(slots))), default=0.0)
+        if any(m in self.slow_machines for m in slots):
+            p_ *= self.model.slowdown
+        return p_
+
+    def repace(self) -> None:
+        tr = self.training
+        if tr is not None:
+            tr.set_pace(self.now, self.pace(tr.slots))
+
+    def freeze(self, t: float) -> None:
+        tr = self.training
+        if tr is not None:
+            self.max_step = max(self.max_step, tr.last_done(t))
+            tr.freeze(t)
+
+    # -- faults -----------------------------------------------------------------------------------
+    def draw(self, f: Fault) -> float:
+        return self.rngs.setdefault(f.seed, random.Random(f.seed)).random()
+
+    def draw_exp(self, f: Fault, mean: float) -> float:
+        return -mean * math.log(1.0 - self.draw(f))
+
+    def active_faults(self) -> list[tuple[Fault, list[str]]]:
+        by_id = {id(f): f for f in self.bad.values()}
+        return [(by_id[k], ms) for k, ms in self.shown.items() if k in by_id]
+
+    def inject(self, f: Fault) -> None:
+        self.injected[f.category] = self.injected.get(f.category, 0) + 1
+        if f.kind == "update":
+            self.update(f)
+            return
+        tr = self.training
+        slots = tr.slots if tr is not None else self.last_slots
+        if not slots:
+            return
+        if f.switch is not None:
+            machines = [m for m in slots if self.cluster.true_labels(m).get("switch") == f.switch]
+        else:
+            machines = [slots[f.slot]]
+        if f.persistent:
+            for m in machines:
+                self.bad[m] = f
+        if tr is None or not tr.stepping or tr.begins > self.now or self.st is None \
+                or self.st.phase != S.JobPhase.RUNNING:
+            return                                  # shows when its machine next runs (if persistent)
+        self.show(f, machines)
+
+    def show(self, f: Fault, machines: list[str]) -> None:
+        self.flush()
+        self.blame = f
+        self.shown[id(f)] = machines
+        self.agents.manifest(f, machines)
+        self.last_change = self.now
+        self.schedule_tick()
+
+    def recur(self, f: Fault, machine: str, run: Training) -> None:
+        tr = self.training
+        if self.bad.get(machine) is not f or tr is not run or not tr.stepping \
+                or machine not in tr.slots or self.st is None or self.st.phase != S.JobPhase.RUNNING:
+            return
+        self.show(f, [machine])
+
+    def _bug(self, kind: str, version: int, run: Training) -> None:
+        tr = self.training
+        if tr is None or tr is not run or not tr.stepping or self.bugs.get(version) != kind or self.st is None \
+                or self.st.phase != S.JobPhase.RUNNING:
+            return
+        self.flush()
+        self.blame = Fault(self.now - T0, "update", "update", 0, False, bug=kind)
+        self.agents.bug(kind, version)
+        self.last_change = self.now
+        self.schedule_tick()
+
+    def update(self, f: Fault) -> None:
+        """A code/data adjustment: a new version for a hot update, or a requeue without it."""
+        if self.seg is None or self.st is None or self.st.terminal:
+            self.pending_updates.append(f)
+            return
+        self.register(f)
+
+    def register(self, f: Fault) -> None:
+        self.version += 1
+        self.bugs[self.version] = f.bug
+        if self.platform.hot_update:
+            mode = "urgent" if f.urgent else "lazy"
+            self.deliver(VersionRegistered(row=self.version_row(self.version, "urgent" if f.urgent else "pending",
+                                                                mode)))
+        else:
+            self.deliver(Cancel(reason=f"requeue for code version {self.version}"))
+
+    # -- the end of a submission --------------------------------------------------------------------
+    def finish(self, act: a.FinishJob) -> None:
+        seg = self.seg
+        assert seg is not None
+        self.freeze(self.now)
+        for m in act.machines:
+            self.cluster.assign(m, "idle")
+        seg.end, seg.state, seg.reason = self.now, act.state, act.reason
+        self.training = None
+        pr = self.profile
+        last = self.max_step
+        durable = last - (last + 1) % self.ckpt_every
+        if act.state == "cancelled":          # a planned requeue: a checkpoint is written at the stop
+            resume, delay, why = last + 1, pr.requeue_s, "requeue"
+        else:
+            reason = act.reason or ""
+            human = "standby machine(s) ready" not in reason
+            if human:         # someone finds the bad machines and the bad code, then resubmits
+                sdc = any(f.kind == "nan" for f in self.bad.values())
+                delay = (pr.manual_sdc_s if sdc else pr.manual_s) + pr.requeue_s
+                drain = [m for m in act.machines if m in self.bad]
+                self.bugs[self.version] = None
+            else:             # the scheduler drains what the job wanted evicted and requeues it
+                delay = pr.requeue_s
+                inc = self.incidents[-1] if self.incidents else {}
+                drain = list(inc.get("evicted_machines") or [])
+            for m in drain:
+                self.assign(a.AssignMachine(machine=m, state="evicted"))
+            resume, why = durable + 1, "manual" if human else "requeue"
+        seg.lost_after = resume - 1
+        self.gaps.append((self.now, self.now + delay, why))
+        self.later(delay, self.submit, resume)
