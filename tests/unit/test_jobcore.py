@@ -38,6 +38,13 @@ def test_waits_for_machines_then_starts_with_warm_standbys():
     assert h.core.live(h.st)["standby_warm"] == []
     h.agent("m2", p.StandbyReady(pid=13))
     assert h.core.live(h.st)["standby_warm"] == ["m2"]      # every worker of m2 waits at the barrier
+    assert h.core.live(h.st)["spares_warm"] == []
+    h.agent("m0", p.StandbyReady(pid=14))                   # m0's second spare: its next restart is warm
+    assert h.core.live(h.st)["spares_warm"] == ["m0"]
+    crash(h, rank=0)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    assert of(h.diag(checks), a.StartRun)                   # the reattempt takes m0's spares
+    assert h.core.live(h.st)["spares_warm"] == [] and h.core.live(h.st)["standby_warm"] == ["m2"]
 
 
 def test_the_runs_start_up_is_recorded_once_every_rank_said_hello():

@@ -23,16 +23,25 @@ class PoolFlow:
 
     def prewarm(self, st: JobState, machine: str) -> Actions:
         st.pool.warm.add(machine)
-        st.pool.ready = {m: pids for m, pids in st.pool.ready.items() if m in st.pool.standby and m != machine}
+        keep = set(st.pool.standby) | set(st.slots)
+        st.pool.ready = {m: pids for m, pids in st.pool.ready.items() if m in keep and m != machine}
         st.pool.ready[machine] = []
         return [Prewarm(machine=machine, code_path=st.code_path, version=st.version_id)]
 
     def on_standby_ready(self, st: JobState, machine: str, pid: int | None) -> Actions:
-        """A pre-spawned worker of a standby imported everything and waits for its ranks."""
-        pids = st.pool.ready.get(machine)
-        if pid is not None and pids is not None and machine in st.pool.warm and pid not in pids:
+        """A pre-spawned worker (a standby's, or an active machine's spare for the next restart)
+        imported everything and waits for its ranks."""
+        if pid is None or not (machine in st.pool.warm or machine in st.slots):
+            return []
+        pids = st.pool.ready.setdefault(machine, [])
+        if pid not in pids:
             pids.append(pid)
         return []
+
+    def spares_ready(self, st: JobState) -> list[str]:
+        """The active machines whose spare workers all wait at the barrier: the next restart
+        there is warm. A run's start uses them up (`RunFlow.start_run`)."""
+        return [m for m in st.slots if len(st.pool.ready.get(m, ())) >= self.ctx.G]
 
     def warm_ready(self, st: JobState) -> list[str]:
         """The standbys whose every worker waits at the barrier: a failover to them is warm."""

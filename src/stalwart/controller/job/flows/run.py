@@ -54,6 +54,8 @@ class RunFlow:
         start_step = restore_step + 1
         warm = [m for m in st.slots if m in st.pool.warm]
         st.pool.warm -= set(warm)
+        for m in st.slots:          # the start takes their waiting workers (standby's or spares)
+            st.pool.ready.pop(m, None)
         copies = {r: [RestoreCopy(tier=c["tier"], step=c["step"], holder=c.get("holder"),
                                   location=c.get("location")) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
