@@ -145,10 +145,11 @@ def test_a_hundred_faults_in_a_row(tmp_path):
           f" unproductive {rep['unproductive_s']}")
     assert rep["state"] == "succeeded", rep.get("reason")
     # every restart resumed close to where the stopped run ended: from memory (a step or two back),
-    # at worst from the last durable step (every 20)
+    # at worst from a durable step (every 20: after a NaN the stopped run's newest copies are bad,
+    # and it may have trained a few steps past the NaN before it stopped)
     runs = rep["runs"]
     went_back = [(a["id"], a["end_step"], b["start_step"]) for a, b in zip(runs, runs[1:])
-                 if a["end_step"] is not None and b["start_step"] < a["end_step"] - spec.ckpt_every - 1]
+                 if a["end_step"] is not None and b["start_step"] < a["end_step"] - 2 * spec.ckpt_every]
     assert not went_back, went_back
     assert len(incs) == FAULTS, [(inc["id"], inc["symptom"], inc["mechanism"]) for inc in incs]
     unresolved = [(inc["id"], inc["symptom"], inc["mechanism"], inc["cause"]) for inc in incs

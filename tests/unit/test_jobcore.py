@@ -586,3 +586,26 @@ def test_a_jump_a_restart_reproduces_at_the_same_step_is_the_trainings_own():
     assert h.st.phase == JobPhase.RUNNING
     acts = h.step(loss=500.0)                      # a new jump at another step is an incident again
     assert of(acts, a.OpenIncident)[0].symptom == "loss_spike"
+
+
+def test_a_run_restored_from_further_back_restores_its_own_copies_next_time():
+    h = started(Harness(spare=2))
+    for s in range(12):
+        h.step()
+        h.ckpt(s)
+    for r in range(h.world):
+        h.agent(h.machine_of(r), p.Ckpt(run=h.st.run_seq, rank=r, step=5, tier="durable", location=f"/d/{r}/5"))
+    h.step(loss=NAN, local={2: float("inf")})         # step 12 is bad...
+    h.ckpt(12)
+    h.step()
+    h.ckpt(13)                                        # ...and so is 13: memory holds only bad steps
+    run = of(h.stopped() + h.advance(2.0), a.StartRun)[0]
+    assert run.restore_step == 5                      # the durable copy
+    for _ in range(3):                                # the new run trains 6, 7, 8: below the stale 12, 13
+        s = h.st.steps_done
+        h.step()
+        h.ckpt(s)
+    crash(h)
+    checks = of(h.stopped(), a.RunChecks)[0]
+    run = of(h.diag(checks), a.StartRun)[0]
+    assert run.restore_step == 8                      # its own copies, not durable step 5 again

@@ -55,6 +55,7 @@ class CkptManager:
         self._backup: dict | None = None        # {"machine": id, "addr": [host, port]}
         self._every = 10
         self._seen: dict[int, int] = {}         # rank -> newest own step handled
+        self._run: int | None = None            # the run whose copies are announced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ckpt-watch", daemon=True)
         self._thread.start()
@@ -113,10 +114,11 @@ class CkptManager:
                 return
             step, path = new[-1]
             self._seen[rank] = step
-        self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "own", "holder": self.machine_id})
+            run = self._run
+        self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own", "holder": self.machine_id})
         if backup is not None:       # only the newest step goes to the peer
             fut = self.client.push(tuple(backup["addr"]), rank, step, path)
-            fut.add_done_callback(lambda f, r=rank, s=step, b=backup: self._pushed(f, r, s, b))
+            fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
         if not store.durable_dir:
             return
         # every K-th step is made durable, also one that arrived too late to be the newest: the
@@ -126,10 +128,10 @@ class CkptManager:
                 fut = store.persist(rank, s, or_newer=True)
                 fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
 
-    def _pushed(self, fut, rank: int, step: int, backup: dict) -> None:
+    def _pushed(self, fut, rank: int, step: int, backup: dict, run: int | None = None) -> None:
         try:
             if fut.result() == "sent":
-                self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "backup",
+                self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "backup",
                            "holder": backup["machine"]})
         except Exception as e:
             log.warning("backup of rank %s step %s to %s failed: %s", rank, step, backup["machine"], e)
@@ -205,16 +207,18 @@ class CkptManager:
                       "step": w.restore[0].step, "tier": tier, "skipped": errors})
             extra.append(env)
         for w in cmd.workers:
-            self.start_from(w.rank, w.restore[0].step if w.restore else -1)
+            self.start_from(w.rank, w.restore[0].step if w.restore else -1, cmd.spec.run)
         return extra
 
-    def start_from(self, rank: int, step: int) -> None:
+    def start_from(self, rank: int, step: int, run: int | None = None) -> None:
         """A run starts `rank` after `step` (its restore is materialized by now): the rank's own
         slots holding later steps belong to the run that stopped and go (a scan would announce
         them, a stale copy, and take their step for the newest seen: the new run's copies of the
         same steps were then never announced, backed up or made durable, and every restore fell
-        back to an old durable step); the next step announced is the first after `step`."""
+        back to an old durable step); the next step announced is the first after `step`, and
+        the copies announced from now on are `run`'s (the controller ignores a stopped run's)."""
         with self._cfg_lock:
+            self._run = run
             for _, s, path in memckpt.list_shards(self.shm_dir, rank):
                 if s > step:
                     try:

@@ -68,6 +68,17 @@ class Availability:
             if steps:
                 self._put(int(rank), tier, [int(s) for s in steps], machine)
 
+    def forget_after(self, step: int) -> None:
+        """A run starts after `step`: the memory copies of later steps are the stopped run's (its
+        agents drop their own slots of them). Kept, they would outrank the new run's copies of
+        the same steps (the memory tiers keep only the newest few), and every restore until the
+        new run passed them would fall back to durable storage."""
+        for tiers in self.copies.values():
+            for tier in ("own", "backup"):
+                held = tiers.get(tier, {})
+                for s in [s for s in held if s > step]:
+                    del held[s]
+
     def drop_machine(self, machine: str) -> None:
         """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""
         self._forget(machine, ("own", "backup"))

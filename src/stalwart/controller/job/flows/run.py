@@ -76,6 +76,7 @@ class RunFlow:
         st.steps_done = start_step
         st.progress_at_run_start = st.best_steps
         self._close_bad_steps(st)
+        st.avail.forget_after(restore_step)
         return acts
 
     def _close_bad_steps(self, st: JobState) -> None:
@@ -226,6 +227,8 @@ class RunFlow:
             st.avail.add(ev.rank, ev.tier, ev.step, ev.location or "")
             return [AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
                                   checksum=ev.checksum or "", t=ev.t)]
+        if ev.run is not None and ev.run != st.run_seq:
+            return []       # a memory copy of a stopped run, reported late: its slots are gone
         st.avail.add(ev.rank, ev.tier, ev.step, ev.holder or "")
         return []
 
