@@ -42,8 +42,8 @@ def test_an_undelivered_batch_goes_back_in_order():
 
 def test_routine_events_linger_for_company_evidence_goes_at_once():
     box = Outbox()
-    box.put({"type": "step", "step": 0})
-    threading.Timer(0.05, lambda: box.put({"type": "step", "step": 1})).start()
+    box.put({"type": "metrics", "step": 0})
+    threading.Timer(0.05, lambda: box.put({"type": "metrics", "step": 1})).start()
     t0 = time.monotonic()
     assert [e["step"] for e in box.take(timeout=1.0, linger=0.3)] == [0, 1]     # waited for the second
     assert time.monotonic() - t0 >= 0.25
@@ -54,7 +54,9 @@ def test_routine_events_linger_for_company_evidence_goes_at_once():
     assert [e["type"] for e in out] == ["metrics", "worker_exit"] and time.monotonic() - t0 < 20
     box.put({"type": "restored", "rank": 0})         # nothing routine in the queue: no wait at all
     assert box.take(timeout=1.0, linger=30.0) == [{"type": "restored", "rank": 0}]
-    box.put({"type": "step", "step": 2})
+    box.put({"type": "step", "step": 2})             # a step report goes at once too
+    assert box.take(timeout=1.0, linger=30.0) == [{"type": "step", "step": 2}]
+    box.put({"type": "metrics"})
     box.give_back([{"type": "health"}])              # given back evidence counts too
     assert len(box.take(timeout=1.0, linger=30.0)) == 2
 
