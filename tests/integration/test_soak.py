@@ -31,9 +31,10 @@ from stalwart.spec import JobSpec
 FAULTS = int(os.environ.get("STALWART_SOAK_FAULTS", "100"))
 KINDS = ["crash", "machine-down", "gpu-xid", "sigstop", "nan"]
 RESOLVED = ("evict_restart", "reattempt")
-# the first fault at step FIRST; the job has GAP steps a fault (a fault's cycle trains ~5-15), so it
+# the first fault at step FIRST; the job has GAP steps a fault (a fault's cycle takes it ~5 steps
+# beyond its best: 2 past where the fault hit, then 1 s a step until the next goes in), so it
 # cannot end before the last one
-FIRST, GAP = 20, 30
+FIRST, GAP = 20, 20
 
 
 class Provisioner(threading.Thread):
@@ -94,9 +95,9 @@ def test_a_hundred_faults_in_a_row(tmp_path):
         for i in range(FAULTS):
             # The next fault goes in once the previous one's incident resumed, the job trained
             # beyond where that fault hit, and a warm standby waits (faults every few seconds would
-            # otherwise outrun the provisioning; real ones are hours apart; meanwhile the job
-            # trains at 1 s a step). The survivors' spares may still be warming: a restart there
-            # is then cold, which costs seconds, not correctness.
+            # otherwise outrun the provisioning; real ones are hours apart; from there on the job
+            # trains at 1 s a step until the fault goes in). The survivors' spares may still be
+            # warming: a restart there is then cold, which costs seconds, not correctness.
 
             def ready() -> bool:
                 st = _live(client, job)
@@ -107,11 +108,9 @@ def test_a_hundred_faults_in_a_row(tmp_path):
                 # is failed as a crash loop, and a restore may go back to a durable step)
                 if st["live"]["step"] < max(FIRST, injected[-1]["step"] + 2 if injected else 0):
                     return False
+                pace.touch()            # 1 s a step from here until the fault goes in
                 alive = {m["id"] for m in client.get("/api/machines")["machines"] if m["alive"]}
-                if alive & set(st["live"]["standby_warm"]):
-                    return True
-                pace.touch()            # 1 s a step while a standby warms up
-                return False
+                return bool(alive & set(st["live"]["standby_warm"]))
             t_wait = time.monotonic()
             assert wait_for(ready, 120, every=0.1), f"fault {i}: not resolved/progressing: {_live(client, job)}"
             pace.unlink(missing_ok=True)
