@@ -249,6 +249,27 @@ def test_the_steps_after_a_nan_are_restorable_again_once_a_later_run_rewrote_the
     assert of(h.diag(checks), a.StartRun)[0].restore_step == last
 
 
+def test_training_past_a_nan_again_is_progress_and_crashes_short_of_the_best_step_are_not():
+    h = started(Harness(spare=1))
+    h.steps(10)
+    h.ckpt(3)
+    h.step(loss=NAN, local={2: float("inf")})             # step 10 is bad; the run trains on a little
+    h.steps(3)
+    assert of(h.stopped() + h.advance(2.0), a.StartRun)[0].restore_step == 3
+    h.steps(7)                          # steps 4..10: a good step 10 is new (the bad one was no progress)
+    h.ckpt(10)
+    crash(h)
+    assert of(h.diag(of(h.stopped(), a.RunChecks)[0]), a.StartRun)
+    assert h.st.restarts_without_progress == 0
+    for n in (1, 2, 3):                                      # runs that die before a new step: a crash loop
+        crash(h)
+        acts = h.stopped() + h.advance(2.0)
+        acts += h.diag(of(acts, a.RunChecks)[0]) if of(acts, a.RunChecks) else []
+        acts += h.advance(2.0)
+        assert h.st.restarts_without_progress == n, kinds(acts)
+    assert "no progress across 3 restarts" in of(acts, a.FinishJob)[0].reason
+
+
 def test_a_restart_from_further_back_forgets_the_signals_of_the_steps_it_trains_again():
     h = started(Harness())
     h.steps(10)

@@ -176,6 +176,9 @@ class ImplicitFlow:
             return [record("jump_reproduced", now, run=st.run_seq, step=s, reason=reason)]
         culprits = [st.slots[i] for i in culprit_machines(local, self.ctx.topo)] if local else []
         st.bad_steps.append(BadSteps(lo=s, hi=OPEN_END))      # never restore the corrupted state
+        # the corrupted steps were no progress: a restart that trains past the NaN again is
+        # progress (else independent faults while the job catches up look like a crash loop)
+        st.best_steps = min(st.best_steps, s)
         kind = "nan" if "nan" in reason.lower() or "inf" in reason.lower() else "loss_spike"
         acts = self.core.failure.open(st, kind, now)
         if st.incident is not None:
