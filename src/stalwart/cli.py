@@ -374,6 +374,14 @@ def cmd_cleanup(a) -> int:
     from stalwart.backends.local import cleanup_stale
     killed = cleanup_stale(a.state_dir)
     print(f"stopped {len(killed)} leftover process(es)")
+    if a.orphans:
+        import shutil
+
+        from stalwart.agent.paths import orphans
+        gone = orphans()
+        for root in gone:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"freed the checkpoint memory of {len(gone)} machine(s) whose directory is gone")
     return 0
 
 
@@ -525,6 +533,8 @@ def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
 
     k = sub.add_parser("cleanup", help="stop processes a crashed `stalwart run` left behind")
     k.add_argument("--state-dir", default=DEFAULT_STATE)
+    k.add_argument("--orphans", action="store_true",
+                   help="also free /dev/shm checkpoint memory of machines whose directory was removed")
     k.set_defaults(fn=cmd_cleanup)
     from stalwart.backends.commands import add_commands
     add_commands(sub)        # stalwart slurm …, stalwart k8s …

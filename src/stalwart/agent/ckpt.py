@@ -22,7 +22,6 @@ from typing import Callable
 import msgspec
 
 from stalwart import protocol as p
-from stalwart.agent.paths import ckpt_root  # noqa: F401  (re-exported for the agent)
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt

@@ -17,7 +17,8 @@ import time
 import msgspec
 
 from stalwart import protocol as p
-from stalwart.agent.ckpt import CkptManager, ckpt_root
+from stalwart.agent.ckpt import CkptManager
+from stalwart.agent.paths import claim
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
@@ -118,7 +119,7 @@ class Agent:
                                       self.emit, period_s=heartbeat_s)
         # peers fetch backups at this machine's address (a local namespace machine's agent stays
         # in the root namespace: loopback there)
-        self.ckpt = CkptManager(machine_id, ckpt_root(self.workdir), self.emit,
+        self.ckpt = CkptManager(machine_id, claim(self.workdir), self.emit,
                                 peer_host=self.address if self.netns is None else "127.0.0.1")
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,

@@ -253,6 +253,12 @@ class LocalCluster(Backend):
         self.stop()
 
     def start_agent(self, machine: str) -> None:
+        import shutil
+
+        from stalwart.agent.paths import ckpt_root
+        # a machine that starts here is new: memory at its path is a killed earlier cluster's
+        # (same state dir path), never this machine's checkpoints
+        shutil.rmtree(ckpt_root(os.path.join(self.state_dir, "machines", machine)), ignore_errors=True)
         extra = ["--network-file", self.network_file] if self.network_file else []
         if machine[1:].isdigit():
             for key, value in synthetic_labels(int(machine[1:])).items():

@@ -76,9 +76,10 @@ class PeerWatch:
         """The suspect (if any) after observing the latest complete bucket, and what was seen."""
         last = int(now // self.period_s) - 1
         first = last - self.lookback + 1
-        for m, rows in self.rows.items():          # keep only what the lookback needs
-            for b in [b for b in rows if b < first]:
-                del rows[b]
+        for rows in self.rows.values():            # keep only what the lookback needs
+            if rows:
+                for b in [b for b in rows if b < first]:
+                    del rows[b]
         seen: dict = {}
         for g, (machines, cont) in enumerate(zip(self.groups, self.conts)):
             candidate, detail = self._candidate(machines, first, last)
@@ -92,6 +93,8 @@ class PeerWatch:
         common = set(range(first, last + 1))
         for m in machines:               # the buckets every machine has a row in
             common.intersection_update(self.rows[m])
+            if len(common) < WINDOW:     # too few already: the rest cannot add any
+                return None, {"samples": len(common)}
         have = sorted(common)
         if len(have) < WINDOW:
             return None, {"samples": len(have)}
