@@ -241,3 +241,19 @@ def test_sim_whatif_mode_analyzes_the_simulated_rank_times(capsys):
                      "--policies", "stalwart", "--whatif"]) == 0
     out = capsys.readouterr().out
     assert "what-if (stalwart, seed 1" in out and "without its slowest stage    (stage 3:" in out, out
+
+
+def test_a_slow_machine_nobody_acts_on_is_reported_one_step_at_a_time_only_while_it_could_be():
+    """nvrx-like lets a slow machine pass: its steps are reported one by one (for the slowdown
+    detectors) for a bounded watch, then in stretches, with the same accounting either way."""
+    faults = [Fault(2 * H, "mfu_decline", "slow", 1, True, seed=21)]
+    sim = Sim(small(days=2.0), peers.POLICIES["nvrx-like"], load("paper"), Model(), faults, seed=3).run()
+    assert sim.slow_machines, "nvrx-like does not act on a slowdown"
+    pol = sim.spec.policy
+    watch = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
+                 + pol.failslow_rounds * pol.failslow_period_s) + 600.0
+    reports_while_watching = watch / (sim.cfg.step_s * Model().slowdown)
+    # a few reports a run outside the watch; one a step while it lasts (~44 hours were slow)
+    assert sim.stats["reports"] < reports_while_watching + 50, sim.stats
+    r = results.summarize(sim, 0.0)
+    assert abs(sum(r["unproductive_s"].values()) + r["productive_s"] - 2 * DAY) < 1.0

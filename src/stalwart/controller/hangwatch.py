@@ -55,12 +55,16 @@ DEFAULT_WINDOW = 20
 
 
 def _time(name: str, t: Any) -> float:
+    if type(t) is float and math.isfinite(t):        # the common case, checked first (per rank, per step)
+        return t
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise ValueError(f"{name} must be a finite number of seconds (got {t!r})")
     return float(t)
 
 
 def _rank(rank: Any) -> int:
+    if type(rank) is int and rank >= 0:
+        return rank
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative integer (got {rank!r})")
     return rank
@@ -181,7 +185,7 @@ class HangWatch:
         running backwards for a rank is refused.
         """
         rank, t = _rank(rank), _time("t", t)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if type(step) is not int or step < 0:       # (an int subclass such as bool is refused)
             raise ValueError(f"step must be a non-negative integer (got {step!r})")
         st = self._touch(rank, t)
         if st.step_t is not None and t < st.step_t:

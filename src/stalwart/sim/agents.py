@@ -209,8 +209,7 @@ class Agents:
             lost_at = now + (pr.detect_kernel_s if kind == "kernel" and plat.inspection else 0.0)
             sim.later(lost_at - now, sim.machine_dies, m)
         elif kind == "slow":
-            sim.slow_machines.add(m)
-            sim.repace()
+            sim.slowed(m)
         elif kind == "nan":
             if tr is not None:
                 tr.nan_from = now

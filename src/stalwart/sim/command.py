@@ -159,8 +159,10 @@ def main(a: argparse.Namespace) -> int:
             from stalwart.sim.whatif import render
             who = f"what-if ({r['policy']}, seed {r['seed']}, one rank per machine):"
             print(render(0, w).replace("job 0:", who, 1))
+    slowest = max(runs, key=lambda r: r["runtime_s"])
     print(f"runtime {runtime:.1f} s (CPU {user:.1f} s) for {len(runs)} simulation(s) in {min(a.jobs, len(runs))} "
-          f"process(es)")
+          f"process(es); the slowest simulation took {slowest['runtime_s']:.1f} s ({slowest['policy']}, "
+          f"seed {slowest['seed']})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results.json_doc(cfg, a.profile, agg, runs, runtime, round(user, 2)), f, indent=1)

@@ -57,6 +57,7 @@ DAY = 86400.0
 PRE_STEPS = 22            # steps reported one by one before a hang or a slowdown (the hang watch keeps 20)
 MEM_KEEP = 3              # steps kept one by one at the end of a stretch (restores from memory land there)
 HANG_FLOOR_S = 30.0       # the uncalibrated hang timeout (10x this) outlasts a restart at this scale
+SLOW_WATCH_EXTRA_S = 600.0  # beyond the slowdown detectors' own windows (see `watching_slow`)
 IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
 
 
@@ -92,6 +93,7 @@ class Sim:
         self.bad: dict[str, Fault] = {}
         self.shown: dict[int, list[str]] = {}       # id(fault) -> machines it shows on in this run
         self.slow_machines: set[str] = set()
+        self.slow_since = 0.0         # when the current run's first machine turned slow
         self.stuck = False
         self.warm_at: dict[str, float] = {}
         self.version = 1
@@ -240,9 +242,28 @@ class Sim:
     def quiet(self) -> bool:
         st, tr = self.st, self.training
         return (st is not None and st.phase == S.JobPhase.RUNNING and st.incident is None and tr is not None
-                and tr.stepping and not self.slow_machines and st.signals.failslow is None
+                and tr.stepping and not self.watching_slow() and st.signals.failslow is None
                 and self.now >= self.busy_until
                 and (tr.begins > self.now or self.now - self.last_change >= self.cfg.settle_s))
+
+    def slowed(self, machine: str) -> None:
+        """`machine` computes slowly from now on (until it is evicted or the run ends)."""
+        if not self.slow_machines:
+            self.slow_since = self.now
+        self.slow_machines.add(machine)
+        self.repace()
+
+    def watching_slow(self) -> bool:
+        """A slow machine's steps are reported one by one (with per-rank compute times) for as long
+        as the core's slowdown detectors could still act on them: the peer watch's window and
+        continuity and the fail-slow rounds, twice over. A policy whose detectors are off (or that
+        let it pass) then sees stretches again, as for any quiet training."""
+        if not self.slow_machines:
+            return False
+        pol = self.spec.policy
+        watch = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
+                     + pol.failslow_rounds * pol.failslow_period_s) + SLOW_WATCH_EXTRA_S
+        return self.now < self.slow_since + watch
 
     def schedule_tick(self) -> None:
         if self.st is None or self.st.terminal or self.quiet():

@@ -163,6 +163,7 @@ def svg(runs: list[dict], title: str) -> str:
 def json_doc(cfg: Any, profile: str, agg: dict[str, dict], runs: list[dict], runtime_s: float,
              user_s: float | None) -> dict:
     return {"gpus": cfg.gpus, "days": cfg.days, "runtime_s": round(runtime_s, 2), "cpu_user_s": user_s,
+            "slowest_simulation_s": round(max((r["runtime_s"] for r in runs), default=0.0), 2),
             "profile": profile, "machines": cfg.machines, "step_s": cfg.step_s, "pp": cfg.pp,
             "policies": {name: {k: v for k, v in r.items()} for name, r in agg.items()},
             "runs": [{k: v for k, v in r.items() if k != "series_hours"} for r in runs]}

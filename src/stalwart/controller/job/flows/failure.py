@@ -107,10 +107,10 @@ class FailureFlow:
             return []
         p = self.ctx.policy
         limit = inc.stop_sent + STOP_GRACE_EXTRA_S + p.heartbeat_s * p.missed_beats
-        heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots}
         # silent relative to the job's freshest machine, not to the clock: a controller too busy to
         # read heartbeats (a backlog after a restart, a loaded host) hears every machine late, and
         # that is no machine's fault; a dead machine falls behind the live ones
+        heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots} if inc.awaiting else {}
         latest = max((t for t in heard.values() if t is not None), default=now)
         noted: Actions = []
         for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s):
