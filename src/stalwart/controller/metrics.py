@@ -187,9 +187,14 @@ class ControllerMetrics:
         self.requests = Histogram("stalwart_api_request_duration_seconds", "Controller API requests: "
                                   "seconds from request to reply, by route.", ["route", "method", "code"],
                                   buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._children: dict[tuple[str, str, int], Histogram] = {}    # labels() per request is costly
 
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
-        self.requests.labels(route, method, str(code)).observe(seconds)
+        key = (route, method, code)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(route, method, str(code))
+        child.observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the classic text format (0.0.4: every Prometheus reads it)."""
