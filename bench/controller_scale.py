@@ -323,7 +323,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def measure(n: int, src: str | None, args) -> dict:
+def measure(n: int, src: str | None, args, label: str = "this controller") -> dict:
     """One controller (current code, or `src`) under `n` simulated agents."""
     state_dir = tempfile.mkdtemp(prefix="stalwart-scale-")
     proc, base = start_controller(state_dir, src)
@@ -335,7 +335,6 @@ def measure(n: int, src: str | None, args) -> dict:
     procs = [ctx.Process(target=load_process, args=(ids[i::args.procs], base, token, args.gpus,
                                                    args.ramp, measuring, stopping, out), daemon=True)
              for i in range(args.procs)]
-    label = "before issue 12" if src else "this controller"
     try:
         for p in procs:
             p.start()
@@ -421,6 +420,8 @@ def measure(n: int, src: str | None, args) -> dict:
         return {"agents": n, "heartbeat_p50_ms": round(pct(rtts, 0.50), 2),
                 "heartbeat_p99_ms": round(pct(rtts, 0.99), 2), "false_lost": len(lost),
                 "controller_cpu_per_agent": round((cpu1 - cpu0) / (t1 - t0) / n, 6),
+                # CPU per delivered beat: robust where an overloaded controller served fewer
+                "_controller_cpu_per_beat_us": round((cpu1 - cpu0) / max(1, len(rtts)) * 1e6, 1),
                 "_beats": len(rtts), "_errors": errors, "_state": st["state"],
                 "_reason": str(st.get("reason") or "")[:60],
                 "_generator_lag_p99_ms": round(pct(lags, 0.99), 1),
@@ -470,13 +471,15 @@ def main(argv=None) -> int:
             print(f"no comparison: cannot unpack {args.before} from git ({e})", file=sys.stderr)
         else:
             try:
-                rows.append((f"before issue 12 ({args.before})", measure(args.agents, src, args)))
+                label = f"before issue 12 ({args.before})" if args.before == BEFORE_ISSUE_12 else f"at {args.before}"
+                rows.append((label, measure(args.agents, src, args, label)))
             except (RuntimeError, ApiError, ControllerUnreachable) as e:
                 print(f"the controller of {args.before} failed under {args.agents} agents: {e}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent", "_steps_per_s",
+    keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent",
+            "_controller_cpu_per_beat_us", "_steps_per_s",
             "_machines_api_s", "_beats", "_generator_lag_p99_ms", "_generator_cpu_per_agent", "_errors", "_state"]
     print(f"\n{args.agents} agents, {args.gpus} rank(s) each, 1 beat/s, 1 step/s, {args.duration:.0f}s window")
     print(f"{'':28s}" + "".join(f"{label:>30s}" for label, _ in rows))
@@ -492,6 +495,9 @@ def main(argv=None) -> int:
         if before["controller_cpu_per_agent"] and now["controller_cpu_per_agent"]:
             print(f"controller CPU per agent: "
                   f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.2f}x of before")
+        if before["_controller_cpu_per_beat_us"] and now["_controller_cpu_per_beat_us"]:
+            print(f"controller CPU per delivered beat: "
+                  f"{now['_controller_cpu_per_beat_us'] / before['_controller_cpu_per_beat_us']:.2f}x of before")
     if args.json:
         mine = rows[0][1]
         with open(args.json, "w") as f:

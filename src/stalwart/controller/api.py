@@ -171,6 +171,9 @@ class ApiServer:
                  tls: ssl.SSLContext | None = None):
         self.ctl, self.token, self.tls = ctl, token, tls
         self.api = Api(ctl)
+        self._handlers = {r.handler: (getattr(self.api, r.handler),
+                                      asyncio.iscoroutinefunction(getattr(self.api, r.handler)))
+                          for r in models.ROUTES}
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.port = self.sock.getsockname()[1]
@@ -276,10 +279,10 @@ class ApiServer:
                 body = models.decode(route, raw)
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
                 return reply(400, {"error": f"invalid request body: {e}"})
-            fn = getattr(self.api, route.handler)
+            fn, is_async = self._handlers[route.handler]
             args = (*m.groups(), query, body)
             try:
-                if asyncio.iscoroutinefunction(fn):
+                if is_async:
                     out = await fn(*args)
                 elif route.handler in ON_LOOP:
                     out = fn(*args)
