@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     if len(rows) == 2:
         now, before = rows[0][1], rows[1][1]
         if before["heartbeat_p99_ms"] and now["heartbeat_p99_ms"]:
-            print(f"heartbeat p99: {before['heartbeat_p99_ms'] / now['heartbeat_p99_ms']:.2f}x lower than before")
+            print(f"heartbeat p99: {now['heartbeat_p99_ms'] / before['heartbeat_p99_ms']:.2f}x of before")
         if before["controller_cpu_per_agent"] and now["controller_cpu_per_agent"]:
             print(f"controller CPU per agent: "
                   f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.2f}x of before")

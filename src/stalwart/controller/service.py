@@ -394,9 +394,10 @@ class Controller:
                            if m["alive"] and m["state"] == "idle"), key=natural_key)
 
     def machines(self) -> list[dict]:
-        with self._lock:
-            return [{k: v for k, v in m.items() if k != "info"} | {"address": m.get("address")}
-                    for m in sorted(self._machines.values(), key=lambda m: natural_key(m["id"]))]
+        with self._lock:        # (copied under the lock, sorted outside: the API's loop beats take it)
+            rows = [{k: v for k, v in m.items() if k != "info"} | {"address": m.get("address")}
+                    for m in self._machines.values()]
+        return sorted(rows, key=lambda m: natural_key(m["id"]))
 
     # -- commands to agents -------------------------------------------------------------------------
     def send(self, machine: str, cmd: protocol.Command) -> None:
