@@ -4,8 +4,10 @@ A real controller (`stalwart controller`, its own process, SQLite) and N simulat
 speak the real protocol over real sockets: each registers, beats once a second, long-polls its
 commands and posts its events (its ranks' reports of a step, at one step a second, merged into one
 message as the real agent merges them for a controller that takes it, and one metrics sample a
-second) for one running job of N machines. The agents are asyncio tasks on
-aiohttp client sessions, spread over a few processes; they start no workers (a `start` command
+second) for one running job of N machines. The agents are asyncio tasks (uvloop where installed)
+spread over a few processes, each with its three keep-alive HTTP/1.1 connections (beats, long
+poll, events) on a minimal client (`Conn`: the least bytes and objects per request, so that the
+generator, which shares the host's cores, costs little); they start no workers (a `start` command
 makes them report steps, a `stop` makes them report stopped).
 
 Printed: heartbeat round-trip p50/p99 over the measurement window (the round trip of each
@@ -13,7 +15,8 @@ request that carried a machine's beat: as the real agent, a simulated one whose 
 went through skips its heartbeat, so while the job trains the beat rides on the events), machines the controller
 called lost although their agents kept beating (false losses), and the controller's CPU per
 agent; the same for the controller as it was before issue 12 (from git, `--before REF`), side by
-side. `--json FILE` writes the current controller's figures:
+side; and the load generator's own figures: its lag (how late it sent, p99) and its CPU per
+agent. `--json FILE` writes the current controller's figures:
 {"agents", "heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent"}
 (`controller_cpu_per_agent`: CPU-seconds per second per agent, i.e. the share of a core).
 
@@ -37,7 +40,9 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
 
+import msgspec
 import psutil
 
 from stalwart.client import ApiError, Client, ControllerUnreachable
@@ -50,11 +55,78 @@ BEFORE_ISSUE_12 = "9740bb6"
 
 # -- one load process: its share of the simulated agents -----------------------------------------
 
+class HttpError(Exception):
+    pass
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to the controller, one request at a time: the least a
+    client needs (a request line, a few headers, a Content-Length body back), so that the load
+    generator spends its CPU on the agents' traffic, not on a client library's per-request objects.
+    Real sockets, the real protocol: the controller cannot tell it from the agent's client."""
+
+    def __init__(self, host: str, port: int, head: bytes):
+        self.host, self.port, self.head = host, port, head
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("the controller closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.buf[:end]).lower()
+        i = head.find(b"content-length:")
+        length = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None]) if i >= 0 else 0
+        if len(self.buf) < end + 4 + length:
+            return
+        body = bytes(self.buf[end + 4:end + 4 + length])
+        del self.buf[:end + 4 + length]
+        if b"connection: close" in head and self.transport is not None:
+            self.transport.close()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((int(head[9:12]), body))
+
+    async def request(self, method: str, path: str, body: bytes = b"", timeout: float = 10.0) -> bytes:
+        loop = asyncio.get_running_loop()
+        if self.transport is None or self.transport.is_closing():
+            self.buf.clear()
+            await loop.create_connection(lambda: self, self.host, self.port)
+        assert self.transport is not None
+        self.waiter = fut = loop.create_future()
+        self.transport.write(b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
+                             % (method.encode(), path.encode(), self.head, len(body), body))
+        timer = loop.call_later(timeout, lambda: fut.done() or fut.set_exception(TimeoutError()))
+        try:
+            status, data = await fut
+        except BaseException:
+            if self.transport is not None:      # a late answer must not be read as the next one's
+                self.transport.close()
+            raise
+        finally:
+            timer.cancel()
+        if status >= 400:
+            raise HttpError(f"{path}: HTTP {status}: {data[:200]!r}")
+        return data
+
+
 class SimAgent:
-    def __init__(self, mid: str, base: str, headers: dict, gpus: int, hb_s: float, rtts: list,
+    def __init__(self, mid: str, addr: tuple[str, int], head: bytes, gpus: int, hb_s: float, rtts: list,
                  lags: list, errors: dict, measuring):
-        self.mid, self.base, self.headers, self.gpus, self.hb_s = mid, base, headers, gpus, hb_s
+        self.mid, self.addr, self.head, self.gpus, self.hb_s = mid, addr, head, gpus, hb_s
         self.rtts, self.lags, self.errors, self.measuring = rtts, lags, errors, measuring
+        self.prefix = f"/api/agents/{mid}/"
+        # as the real agent: its beats, its long poll and its events on their own connections
+        self.beat_conn, self.poll_conn, self.event_conn = (Conn(*addr, head) for _ in range(3))
         self.run: int | None = None
         self.ranks: list[int] = []
         self.step = 0
@@ -63,32 +135,25 @@ class SimAgent:
         self.delivered_at = float("-inf")
         self.merge_steps = False
 
-    def url(self, path: str) -> str:
-        return f"{self.base}/api/agents/{self.mid}/{path}"
-
-    async def post(self, session, path: str, body: dict, timeout: float = 10.0) -> dict:
-        import aiohttp
-        async with session.post(self.url(path), json=body, headers=self.headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status >= 400:
-                raise RuntimeError(f"{path}: HTTP {r.status}: {(await r.text())[:200]}")
-            return await r.json()
-
     def failed(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
-    async def register(self, session) -> None:
-        body = {"address": "127.0.0.1", "gpus": self.gpus, "hostname": self.mid, "pid": os.getpid(),
-                "workdir": "/nonexistent"}
+    async def register(self) -> None:
+        body = msgspec.json.encode({"address": "127.0.0.1", "gpus": self.gpus, "hostname": self.mid,
+                                    "pid": os.getpid(), "workdir": "/nonexistent"})
         while True:
+            conn = Conn(*self.addr, self.head)     # (its own: a beat or a batch may be in flight)
             try:
-                reply = await self.post(session, "register", body)
+                reply = json.loads(await conn.request("POST", self.prefix + "register", body))
                 self.merge_steps = bool(reply.get("steps_batch"))   # as the real agent
                 self.registered.set()
                 return
             except Exception:
                 self.failed("register")
                 await asyncio.sleep(1.0 + random.random())
+            finally:
+                if conn.transport is not None:
+                    conn.transport.close()
 
     def beat_sent(self, t0: float, due: float) -> None:
         """A request that carried the machine's beat (a heartbeat, or a batch of events) came back."""
@@ -98,7 +163,7 @@ class SimAgent:
             # the load generator's own lateness: an overloaded generator sends late, not the controller
             self.lags.append(max(0.0, t0 - due) * 1000.0)
 
-    async def heartbeats(self, session, stop: asyncio.Event) -> None:
+    async def heartbeats(self, stop: asyncio.Event) -> None:
         """As the real agent: a heartbeat only when no batch of events went through within the
         last half interval (a delivered batch counts as the beat)."""
         await asyncio.sleep(random.random() * self.hb_s)        # agents do not beat in step
@@ -108,22 +173,21 @@ class SimAgent:
                 continue
             t0 = time.perf_counter()
             try:
-                reply = await self.post(session, "heartbeat", {"t": time.time(), "workers": []})
+                reply = await self.beat_conn.request("POST", self.prefix + "heartbeat",
+                                                     b'{"t":%.3f,"workers":[]}' % time.time())
                 self.beat_sent(t0, self.delivered_at + self.hb_s)
-                if reply.get("reregister"):
+                if b"reregister" in reply:
                     self.failed("reregister")
-                    await self.register(session)
+                    await self.register()
             except Exception:
                 self.failed("heartbeat")
             await asyncio.sleep(max(0.0, t0 + self.hb_s - time.perf_counter()))
 
-    async def commands(self, session, stop: asyncio.Event) -> None:
-        import aiohttp
+    async def commands(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                async with session.get(self.url("commands?wait=5"), headers=self.headers,
-                                       timeout=aiohttp.ClientTimeout(total=15)) as r:
-                    reply = await r.json()
+                reply = json.loads(await self.poll_conn.request("GET", self.prefix + "commands?wait=5",
+                                                                timeout=15))
             except Exception:
                 self.failed("commands")
                 await asyncio.sleep(0.5)
@@ -142,7 +206,7 @@ class SimAgent:
                     self.outbox.append({"type": "stopped", "run": cmd.get("run"), "inventory": {},
                                         "t": time.time()})
 
-    async def events(self, session, stop: asyncio.Event) -> None:
+    async def events(self, stop: asyncio.Event) -> None:
         await asyncio.sleep(random.random())
         due = time.perf_counter()
         while not stop.is_set():
@@ -159,50 +223,59 @@ class SimAgent:
             if self.merge_steps:
                 batch = merge_steps(batch)
             try:
-                reply = await self.post(session, "events", {"events": batch})
+                reply = await self.event_conn.request("POST", self.prefix + "events",
+                                                      msgspec.json.encode({"events": batch}))
                 self.beat_sent(t0, due)
-                if reply.get("reregister"):
+                if b"reregister" in reply:
                     self.failed("reregister")
-                    await self.register(session)
+                    await self.register()
             except Exception:
                 self.failed("events")
             due = t0 + 1.0
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
 
-    async def live(self, session, stop: asyncio.Event) -> None:
-        await self.register(session)
-        await asyncio.gather(self.heartbeats(session, stop), self.commands(session, stop),
-                             self.events(session, stop))
+    async def live(self, stop: asyncio.Event) -> None:
+        await self.register()
+        await asyncio.gather(self.heartbeats(stop), self.commands(stop), self.events(stop))
 
 
 def load_process(ids: list[str], base: str, token: str | None, gpus: int, ramp_s: float,
                  measuring, stopping, out) -> None:
-    """Run the agents `ids` until `stopping` is set; put (rtts, errors) on `out`."""
-    import aiohttp
+    """Run the agents `ids` until `stopping` is set; put (rtts, lags, errors) on `out`."""
 
     async def main() -> tuple[list, list, dict]:
         rtts: list[float] = []
         lags: list[float] = []
         errors: dict[str, int] = {}
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = urllib.parse.urlsplit(base)
+        head = b"Host: %s\r\nContent-Type: application/json\r\n" % url.netloc.encode()
+        if token:
+            head += b"Authorization: Bearer %s\r\n" % token.encode()
         stop = asyncio.Event()
-        # three connections per agent at most: its beat, its long poll and its events
-        conn = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-        async with aiohttp.ClientSession(connector=conn) as session:
-            agents = [SimAgent(m, base, headers, gpus, 1.0, rtts, lags, errors, measuring) for m in ids]
-            tasks = []
-            for a in agents:       # a ramp: the agents of a new cluster do not all start at once
-                tasks.append(asyncio.create_task(a.live(session, stop)))
-                await asyncio.sleep(ramp_s / max(1, len(agents)))
-            while not stopping.is_set():
-                await asyncio.sleep(0.2)
-            stop.set()
-            await asyncio.wait(tasks, timeout=20)
-            for t in tasks:
-                t.cancel()
+        agents = [SimAgent(m, (url.hostname or "127.0.0.1", url.port or 80), head, gpus, 1.0, rtts, lags,
+                           errors, measuring) for m in ids]
+        tasks = []
+        for a in agents:       # a ramp: the agents of a new cluster do not all start at once
+            tasks.append(asyncio.create_task(a.live(stop)))
+            await asyncio.sleep(ramp_s / max(1, len(agents)))
+        while not stopping.is_set():
+            await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.wait(tasks, timeout=20)
+        for t in tasks:
+            t.cancel()
+        for a in agents:
+            for c in (a.beat_conn, a.poll_conn, a.event_conn):
+                if c.transport is not None:
+                    c.transport.close()
         return rtts, lags, errors
 
-    out.put(asyncio.run(main()))
+    try:
+        import uvloop
+    except ImportError:
+        out.put(asyncio.run(main()))
+    else:
+        out.put(uvloop.run(main()))
 
 
 # -- the controller under test --------------------------------------------------------------------
@@ -250,7 +323,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def measure(n: int, src: str | None, args) -> dict:
+def measure(n: int, src: str | None, args, label: str = "this controller") -> dict:
     """One controller (current code, or `src`) under `n` simulated agents."""
     state_dir = tempfile.mkdtemp(prefix="stalwart-scale-")
     proc, base = start_controller(state_dir, src)
@@ -262,7 +335,6 @@ def measure(n: int, src: str | None, args) -> dict:
     procs = [ctx.Process(target=load_process, args=(ids[i::args.procs], base, token, args.gpus,
                                                    args.ramp, measuring, stopping, out), daemon=True)
              for i in range(args.procs)]
-    label = "before issue 12" if src else "this controller"
     try:
         for p in procs:
             p.start()
@@ -301,13 +373,15 @@ def measure(n: int, src: str | None, args) -> dict:
         else:       # the controller could not hold the job: that is the figure (its losses are counted)
             print(f"  [{label}] job {job} {st['state']}: {str(st.get('reason'))[:200]}", flush=True)
         ctl = psutil.Process(proc.pid)
+        gens = [psutil.Process(p.pid) for p in procs]
+        gen0 = sum(sum(g.cpu_times()[:2]) for g in gens)
         cpu0, t0 = sum(ctl.cpu_times()[:2]), time.monotonic()
         steps0 = api(base, token, f"/api/jobs/{job}")["steps_completed"]
         spy = None
         if args.profile and not src:
             pyspy = os.path.join(os.path.dirname(sys.executable), "py-spy")
             spy = subprocess.Popen([pyspy, "record", "-p", str(proc.pid), "-d", str(int(args.duration) + 60),
-                                    "-r", "50", "--nonblocking", "--format", "raw", "-o", args.profile],
+                                    "-r", "50", "--nonblocking", "--gil", "--format", "raw", "-o", args.profile],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         measuring.set()
         lost: set[str] = set()
@@ -320,6 +394,7 @@ def measure(n: int, src: str | None, args) -> dict:
             lost |= {m["id"] for m in ms if not m.get("alive")}
         measuring.clear()
         cpu1, t1 = sum(ctl.cpu_times()[:2]), time.monotonic()
+        gen1 = sum(sum(g.cpu_times()[:2]) for g in gens)
         if spy is not None:      # (with thousands of threads it samples slower than asked: stop it)
             spy.send_signal(signal.SIGINT)
             try:
@@ -345,9 +420,12 @@ def measure(n: int, src: str | None, args) -> dict:
         return {"agents": n, "heartbeat_p50_ms": round(pct(rtts, 0.50), 2),
                 "heartbeat_p99_ms": round(pct(rtts, 0.99), 2), "false_lost": len(lost),
                 "controller_cpu_per_agent": round((cpu1 - cpu0) / (t1 - t0) / n, 6),
+                # CPU per delivered beat: robust where an overloaded controller served fewer
+                "_controller_cpu_per_beat_us": round((cpu1 - cpu0) / max(1, len(rtts)) * 1e6, 1),
                 "_beats": len(rtts), "_errors": errors, "_state": st["state"],
                 "_reason": str(st.get("reason") or "")[:60],
                 "_generator_lag_p99_ms": round(pct(lags, 0.99), 1),
+                "_generator_cpu_per_agent": round((gen1 - gen0) / (t1 - t0) / n, 6),
                 "_steps_per_s": round((st["steps_completed"] - steps0) / (t1 - t0), 2),
                 "_machines_api_s": round(pct(polls, 0.5), 3)}
     finally:
@@ -384,11 +462,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.agents < 1 or args.procs < 1 or args.duration <= 0:
         ap.error("--agents, --procs and --duration must be positive")
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        ap.error("the load generator needs aiohttp: pip install -e '.[test]'")
-
     rows = [("this controller", measure(args.agents, None, args))]
     if args.before != "none":
         tmp = tempfile.mkdtemp(prefix="stalwart-before-")
@@ -398,14 +471,16 @@ def main(argv=None) -> int:
             print(f"no comparison: cannot unpack {args.before} from git ({e})", file=sys.stderr)
         else:
             try:
-                rows.append((f"before issue 12 ({args.before})", measure(args.agents, src, args)))
+                label = f"before issue 12 ({args.before})" if args.before == BEFORE_ISSUE_12 else f"at {args.before}"
+                rows.append((label, measure(args.agents, src, args, label)))
             except (RuntimeError, ApiError, ControllerUnreachable) as e:
                 print(f"the controller of {args.before} failed under {args.agents} agents: {e}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent", "_steps_per_s",
-            "_machines_api_s", "_beats", "_generator_lag_p99_ms", "_errors", "_state"]
+    keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent",
+            "_controller_cpu_per_beat_us", "_steps_per_s",
+            "_machines_api_s", "_beats", "_generator_lag_p99_ms", "_generator_cpu_per_agent", "_errors", "_state"]
     print(f"\n{args.agents} agents, {args.gpus} rank(s) each, 1 beat/s, 1 step/s, {args.duration:.0f}s window")
     print(f"{'':28s}" + "".join(f"{label:>30s}" for label, _ in rows))
     for k in keys:
@@ -416,10 +491,13 @@ def main(argv=None) -> int:
     if len(rows) == 2:
         now, before = rows[0][1], rows[1][1]
         if before["heartbeat_p99_ms"] and now["heartbeat_p99_ms"]:
-            print(f"heartbeat p99: {before['heartbeat_p99_ms'] / now['heartbeat_p99_ms']:.2f}x lower than before")
+            print(f"heartbeat p99: {now['heartbeat_p99_ms'] / before['heartbeat_p99_ms']:.2f}x of before")
         if before["controller_cpu_per_agent"] and now["controller_cpu_per_agent"]:
             print(f"controller CPU per agent: "
                   f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.2f}x of before")
+        if before["_controller_cpu_per_beat_us"] and now["_controller_cpu_per_beat_us"]:
+            print(f"controller CPU per delivered beat: "
+                  f"{now['_controller_cpu_per_beat_us'] / before['_controller_cpu_per_beat_us']:.2f}x of before")
     if args.json:
         mine = rows[0][1]
         with open(args.json, "w") as f:

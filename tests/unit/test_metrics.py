@@ -120,3 +120,31 @@ def test_no_job_yet_and_request_latency_and_registries_apart():
     assert v(out, "stalwart_api_request_duration_seconds_bucket", le="0.005", **key) == 1
     assert ("stalwart_api_request_duration_seconds_count", tuple(sorted(key.items()))) not in samples(b)
     assert REGISTRY.get_sample_value("stalwart_api_request_duration_seconds_count", key) is None
+
+
+def test_request_latency_matches_prometheus_clients_histogram():
+    """The lock-free request histogram exposes what prometheus_client's Histogram would: same
+    buckets (a value on a bound counts in it), +Inf, count and sum."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from stalwart.controller.metrics import REQUEST_BUCKETS
+
+    ours = ControllerMetrics(lambda: None, list)
+    reg = CollectorRegistry()
+    ref = Histogram("stalwart_api_request_duration_seconds", "x", ["route", "method", "code"],
+                    buckets=REQUEST_BUCKETS, registry=reg)
+    rng = random.Random(3)
+    values = [rng.choice(REQUEST_BUCKETS) for _ in range(50)] + [rng.uniform(0, 40) for _ in range(200)]
+    for i, x in enumerate(values):
+        route, code = ("agent_events", 200) if i % 3 else ("health", 404)
+        ours.observe_request(route, "POST", code, x)
+        ref.labels(route, "POST", str(code)).observe(x)
+    mine = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for m in ours.registry.collect() for s in m.samples if s.name.startswith("stalwart_api_request")}
+    theirs = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for m in reg.collect() for s in m.samples if not s.name.endswith("_created")}
+    assert mine.keys() == theirs.keys()
+    for k, val in theirs.items():
+        assert mine[k] == pytest.approx(val), k

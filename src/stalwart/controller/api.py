@@ -132,12 +132,32 @@ LISTEN_BACKLOG = 4096       # a burst of agents (a new cluster, a restarted cont
                             # overflow it: a dropped SYN is retried after 1, 3, 7 s
 
 
+# Answers to agents' beats and batches are a handful of small constant bodies: encoded once.
+_CONSTANT_REPLIES: dict[tuple, bytes] = {}
+
+
 def _encode(out) -> tuple[bytes, str]:
     if isinstance(out, Raw):
         return out
     if isinstance(out, str):
         return out.encode(), "text/html; charset=utf-8"
+    if type(out) is dict and len(out) <= 2 and all(type(v) is bool for v in out.values()):
+        key = tuple(out.items())
+        data = _CONSTANT_REPLIES.get(key)
+        if data is None:
+            data = _CONSTANT_REPLIES[key] = json.dumps(out).encode()
+        return data, "application/json"
     return json.dumps(out).encode(), "application/json"
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (Linux, macOS: about half the CPU of asyncio's
+    own per request, which decides how many agents one controller core holds), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class ApiServer:
@@ -151,11 +171,14 @@ class ApiServer:
                  tls: ssl.SSLContext | None = None):
         self.ctl, self.token, self.tls = ctl, token, tls
         self.api = Api(ctl)
+        self._handlers = {r.handler: (getattr(self.api, r.handler),
+                                      asyncio.iscoroutinefunction(getattr(self.api, r.handler)))
+                          for r in models.ROUTES}
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.port = self.sock.getsockname()[1]
         self.pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="api")
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self.thread = threading.Thread(target=self._serve, name="api", daemon=True)
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -181,11 +204,15 @@ class ApiServer:
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.set_exception_handler(self._loop_error)
-        app = web.Application(client_max_size=models.MAX_BODY)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # at stop, requests in flight (agents' long polls) get a second, not aiohttp's 60
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        async def server() -> web.Server:      # (made on its running loop)
+            # aiohttp's low-level server: every request goes to one handler that routes it itself
+            # (models.ROUTES), without an Application's router, URL objects and middleware chain
+            return web.Server(self._handle, request_factory=self._make_request, access_log=None)
+
         try:
+            # at stop, requests in flight (agents' long polls) get a second, not aiohttp's 60
+            runner = web.ServerRunner(self.loop.run_until_complete(server()), handle_signals=False,
+                                      shutdown_timeout=1.0)
             self.loop.run_until_complete(runner.setup())
             self.loop.run_until_complete(web.SockSite(runner, self.sock, ssl_context=self.tls,
                                                       backlog=LISTEN_BACKLOG).start())
@@ -200,6 +227,10 @@ class ApiServer:
             self.loop.run_until_complete(runner.cleanup())
             self.loop.close()
 
+    def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task, self.loop,
+                               client_max_size=models.MAX_BODY)
+
     @staticmethod
     def _loop_error(loop, context) -> None:
         exc = context.get("exception")
@@ -211,7 +242,7 @@ class ApiServer:
         loop.default_exception_handler(context)
 
     # -- one request ------------------------------------------------------------------------------
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0, method, path = time.perf_counter(), request.method, request.path
         route_name = "unmatched"
 
@@ -237,7 +268,8 @@ class ApiServer:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:          # a chunked body that grew too big
             return reply(413, {"error": f"request body over {models.MAX_BODY} bytes"}, close=True)
-        query = urllib.parse.parse_qs(request.query_string)
+        qs = request.query_string
+        query = urllib.parse.parse_qs(qs) if qs else {}
         for route in models.ROUTES:
             m = route.pattern.match(path)
             if not (m and route.method == method):
@@ -247,10 +279,10 @@ class ApiServer:
                 body = models.decode(route, raw)
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
                 return reply(400, {"error": f"invalid request body: {e}"})
-            fn = getattr(self.api, route.handler)
+            fn, is_async = self._handlers[route.handler]
             args = (*m.groups(), query, body)
             try:
-                if asyncio.iscoroutinefunction(fn):
+                if is_async:
                     out = await fn(*args)
                 elif route.handler in ON_LOOP:
                     out = fn(*args)

@@ -2,7 +2,9 @@
 
 Job threads put commands (any thread); each agent long-polls for its own on the API's event loop
 (`take`), so thousands of idle agents cost no thread each. A command wakes only the agent it is
-for: its machine's `asyncio.Event`, set through the loop (`call_soon_threadsafe`).
+for: its poll's future, resolved through the loop (`call_soon_threadsafe`); a poll that times out
+is answered by a timer on the loop (no task, no cancellation: thousands of polls end every few
+seconds).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ class CommandQueues:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, list[dict]] = {}
-        self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, list[asyncio.Future]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -30,9 +32,10 @@ class CommandQueues:
             return len(self._queues.get(machine, ()))
 
     def _wake(self, machine: str) -> None:          # (with the lock held)
-        ev, loop = self._events.get(machine), self._loop
-        if ev is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(ev.set)
+        waiters, loop = self._waiters.pop(machine, None), self._loop
+        if waiters and loop is not None and not loop.is_closed():
+            for w in waiters:
+                loop.call_soon_threadsafe(_resolve, w)
 
     async def take(self, machine: str, wait: float) -> list[dict]:
         """The machine's commands; when there are none, wait up to `wait` seconds (at most
@@ -40,27 +43,35 @@ class CommandQueues:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(wait, MAX_WAIT_S))
         while True:
+            left = deadline - loop.time()
             with self._lock:
                 cmds = self._queues.get(machine)
-                if cmds or self._closed:
+                if cmds or self._closed or left <= 0:
                     self._queues[machine] = []
                     return cmds or []
                 self._loop = loop
-                ev = self._events.get(machine)
-                if ev is None:
-                    ev = self._events[machine] = asyncio.Event()
-                ev.clear()        # a put after this line sets it again (it takes the lock first)
-            left = deadline - loop.time()
-            if left <= 0:
-                return []
+                waiter = loop.create_future()     # a put after this line resolves it (it takes the lock)
+                self._waiters.setdefault(machine, []).append(waiter)
+            timer = loop.call_later(left, _resolve, waiter)
             try:
-                await asyncio.wait_for(ev.wait(), left)
-            except TimeoutError:
-                pass
+                await waiter
+            finally:
+                timer.cancel()
+                with self._lock:
+                    mine = self._waiters.get(machine)
+                    if mine and waiter in mine:
+                        mine.remove(waiter)
+                        if not mine:
+                            del self._waiters[machine]
 
     def close(self) -> None:
         """Answer every waiting poll now (empty) and every later one at once."""
         with self._lock:
             self._closed = True
-            for machine in self._events:
+            for machine in list(self._waiters):
                 self._wake(machine)
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -15,10 +15,11 @@ a second between scrapes; plot it as is, or use ``deriv()``, rather than ``rate(
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -178,18 +179,53 @@ class JobCollector(Collector):
         return fams
 
 
+class RequestLatency(Collector):
+    """``stalwart_api_request_duration_seconds``: the API's request latency by route, method and
+    code. Observed by the API's event loop alone, thousands of times a second at scale: plain
+    counters per label set (a bisect and two additions), no lock per observation as in
+    prometheus_client's Histogram; a scrape reads a copy (a count at most one request behind)."""
+
+    NAME = "stalwart_api_request_duration_seconds"
+    DOC = "Controller API requests: seconds from request to reply, by route."
+
+    def __init__(self, buckets: tuple[float, ...] = REQUEST_BUCKETS):
+        self.bounds = tuple(float(b) for b in buckets)
+        self.series: dict[tuple[str, str, str], list[float]] = {}   # bucket counts..., sum
+
+    def observe(self, route: str, method: str, code: int, seconds: float) -> None:
+        key = (route, method, str(code))
+        row = self.series.get(key)
+        if row is None:
+            row = self.series[key] = [0.0] * (len(self.bounds) + 2)
+        row[bisect.bisect_left(self.bounds, seconds)] += 1    # (the +Inf bucket: index len(bounds))
+        row[-1] += seconds
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        h = HistogramMetricFamily(self.NAME, self.DOC, labels=["route", "method", "code"])
+        for key, row in list(self.series.items()):
+            row = list(row)
+            cum, buckets = 0.0, []
+            for le, n in zip([repr(b) for b in self.bounds] + ["+Inf"], row[:-1]):
+                cum += n
+                buckets.append((le, cum))
+            h.add_metric(list(key), buckets, row[-1])
+        yield h
+
+
 class ControllerMetrics:
     """One controller's registry: the job collector and the API's request-latency histogram."""
 
     def __init__(self, summary: Summary, machines: Machines):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(JobCollector(summary, machines))
-        self.requests = Histogram("stalwart_api_request_duration_seconds", "Controller API requests: "
-                                  "seconds from request to reply, by route.", ["route", "method", "code"],
-                                  buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.requests = RequestLatency()
+        self.registry.register(self.requests)
 
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
-        self.requests.labels(route, method, str(code)).observe(seconds)
+        self.requests.observe(route, method, code, seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type) of the classic text format (0.0.4: every Prometheus reads it)."""
