@@ -208,22 +208,33 @@ class _TensorTypes:
 _TENSOR_TYPES = _TensorTypes()
 
 
+def _tensor_ref(index: int):
+    """What a tensor's place in the metadata pickle names (`_Unpickler.find_class` resolves it to
+    the index-th tensor of the shard); never called itself."""
+    raise pickle.UnpicklingError("a shard's tensor reference read outside memckpt.load")
+
+
 class _Pickler(pickle.Pickler):
+    """Pickles a state with every eligible tensor replaced by a reference to its index.
+
+    `reducer_override` is consulted only for objects that are not of a basic type (ints, floats,
+    strings, dicts, lists...): for a model's and optimizer's state that is the tensors alone,
+    where a `persistent_id` would be a Python call for every object (a third of the training
+    thread's snapshot time)."""
+
     def __init__(self, buf):
         super().__init__(buf, protocol=5)
         self.tensors: list = []
         self._ids: dict[int, int] = {}
 
-    def persistent_id(self, obj):
-        if type(obj) not in _TENSOR_TYPES:      # the cheap test first: most of a state is not tensors
-            return None
-        if _eligible(obj):
-            idx = self._ids.get(id(obj))
-            if idx is None:
-                idx = self._ids[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return ("t", idx)
-        return None
+    def reducer_override(self, obj):
+        if type(obj) not in _TENSOR_TYPES or not _eligible(obj):
+            return NotImplemented
+        idx = self._ids.get(id(obj))
+        if idx is None:
+            idx = self._ids[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return _tensor_ref, (idx,)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -231,7 +242,13 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(buf)
         self._tensors = tensors
 
+    def find_class(self, module, name):
+        if module == __name__ and name == "_tensor_ref":
+            return self._tensors.__getitem__
+        return super().find_class(module, name)
+
     def persistent_load(self, pid):
+        # shards written before the references were globals (persistent ids ("t", index))
         if pid[0] != "t":
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         return self._tensors[pid[1]]
@@ -259,11 +276,12 @@ class _Slot:
         self.base = base
         self.capacity = 0
         self.buf = None           # torch uint8 tensor mapping base.data
-        self.layout_key = None    # tuple of (offset, nbytes) last written
+        self.layout_key = None    # set once `views` were zeroed and made for the current buffer
         self.pending: Future | None = None
         self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
         self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
         self.views: list | None = None     # ...and the views of `buf` they were copied into
+        self.pairs: list[int] = []         # the indices of those with any bytes
 
 
 class MemCheckpointer:
@@ -333,28 +351,32 @@ class MemCheckpointer:
             os.unlink(slot.base + ".hdr")
         except FileNotFoundError:
             pass
-        key = tuple((e["offset"], e["nbytes"]) for e in table)
-        if key != slot.layout_key or slot.views is None:
+        if slot.views is None or slot.layout_key is None:
             slot.buf[:nbytes].zero_()  # keep padding bytes zero so the checksum is deterministic
             slot.views = [slot.buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape)
                           for t, e in zip(p.tensors, table)]
             slot.shapes = shapes
-        pairs = [(d, t) for d, t, e in zip(slot.views, p.tensors, table) if e["nbytes"]]
+            slot.pairs = [i for i, e in enumerate(table) if e["nbytes"]]
+        views, src = slot.views, p.tensors
         with torch.no_grad():     # one call for every tensor: the step blocks for the copy alone
-            torch._foreach_copy_([d for d, _ in pairs], [t.detach() for _, t in pairs])
-        slot.layout_key = key
-        hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
-               "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
-        slot.pending = self._pool.submit(self._commit, slot, hdr, meta)
+            if len(slot.pairs) == len(src):
+                torch._foreach_copy_(views, src)
+            else:
+                torch._foreach_copy_([views[i] for i in slot.pairs], [src[i] for i in slot.pairs])
+        slot.layout_key = nbytes
+        # the header (the tensor table, the base64 of the metadata), its checksum and its commit
+        # are the background thread's: the training thread only copied
+        slot.pending = self._pool.submit(self._commit, slot, step, table, nbytes, meta)
         self._last_step = step
 
-    def _commit(self, slot: _Slot, hdr: dict, meta: bytes) -> None:
-        n = hdr["nbytes"]
-        crc = crc_of(slot.buf[:n].numpy()) if n else 0
+    def _commit(self, slot: _Slot, step: int, table: list[dict], nbytes: int, meta: bytes) -> None:
+        hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
+               "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
+        crc = crc_of(slot.buf[:nbytes].numpy()) if nbytes else 0
         hdr["checksum"] = zlib.crc32(meta, crc)
         write_header(slot.base, hdr)
         if self.on_commit is not None:
-            self.on_commit(hdr["step"], slot.base + ".hdr")
+            self.on_commit(step, slot.base + ".hdr")
 
     def wait(self) -> None:
         """Block until every submitted snapshot is committed; re-raises a background failure."""
