@@ -110,7 +110,7 @@ class CpuSampler(threading.Thread):
             out[role] = out.get(role, 0.0) + max(0.0, cpu - start)
         return out
 
-    def _warmed_at(self, pid: int, idle_share: float = 0.05, span_s: float = 1.0) -> float:
+    def _warmed_at(self, pid: int, idle_share: float = 0.01, span_s: float = 2.0) -> float:
         """The process's CPU seconds when it first used under `idle_share` of a core for
         `span_s` (it finished warming up and waits); its last reading if it never did."""
         series = [(t, s[pid][1]) for t, s in self.samples if pid in s]
