@@ -92,8 +92,7 @@ class CkptManager:
         if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.shm_dir):
             log.warning("rank %s announced a shard outside this machine's memory: %s", rank, path)
             return
-        hdr = memckpt.read_header(path)
-        if hdr is None or hdr.get("rank") != rank or hdr.get("step") != step:
+        if memckpt.header_step_rank(path) != (step, rank):
             return                                  # (its slot was reused by a newer step already)
         self._handle(rank, [(step, path)])
 

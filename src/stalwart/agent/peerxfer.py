@@ -318,7 +318,9 @@ class PeerClient:
                     self._cv.notify_all()         # (flush: nothing queued, nothing in flight)
 
     def _send(self, addr, rank: int, step: int, path: str, lane: _Lane) -> str:
-        hdr, view = memckpt.encode_shard(path)
+        # the header travels as read (not parsed and written again) and the seqlock check compares
+        # its bytes: a shard's header is tens of KB of JSON for a small model's optimizer state
+        hdr, raw, view = memckpt.encode_shard_raw(path)
         try:
             if hdr["rank"] != rank or hdr["step"] != step:
                 return "stale"
@@ -328,14 +330,15 @@ class PeerClient:
             lane.staging[:n] = view
         finally:
             view.release()
-        if not memckpt.still_current(path, hdr):
+        if not memckpt.still_current_raw(path, raw):
             return "stale"
+        frame = b'{"op":"push","keep":true,"header":' + raw + b"}"
         for attempt in (0, 1):
             reused = lane.sock is not None
             if lane.sock is None:
                 lane.sock = self._connect(addr)
             try:
-                _send_frame(lane.sock, {"op": "push", "header": hdr, "keep": True})
+                lane.sock.sendall(struct.pack(">I", len(frame)) + frame)
                 _send_view(lane.sock, memoryview(lane.staging)[:n], self.chunk_bytes)
                 reply = _recv_frame(lane.sock)
                 break
