@@ -17,18 +17,22 @@ DEFAULT_LIMIT = 20_000
 DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed",
               "standby_ready")
 # What may wait a moment for company (`take(linger=)`): everything else goes out at once. Not
-# step reports nor reports of backups or durable copies: a machine that dies loses what waits in
-# its outbox, and a lost report of its last step or of a backup it made is a step missing from
-# the job's record. A report of a copy in the machine's own memory (tier "own") may wait: if the
-# machine dies the copy dies with it, and while the machine lives anything prompt behind it
-# (a worker's exit, the next backup's report) takes it along, in order.
+# step reports nor reports of durable copies: a machine that dies loses what waits in its outbox,
+# and a lost report of its last step is a step missing from the job's record. A report of a copy
+# in the machine's own memory, its own shard (tier "own") or a peer's backup it holds (tier
+# "backup", holder: itself), may wait: if the machine dies the copy dies with it, and while it
+# lives anything prompt behind it (a step report, a worker's exit) takes it along, in order.
 ROUTINE = frozenset(("metrics", "activity"))
 
 
 def routine(event: dict) -> bool:
     """May `event` wait for company (see ROUTINE)?"""
     kind = event.get("type")
-    return kind in ROUTINE or (kind == "ckpt" and event.get("tier") == "own")
+    if kind in ROUTINE:
+        return True
+    return kind == "ckpt" and (event.get("tier") == "own" or (
+        event.get("tier") == "backup" and event.get("holder") is not None
+        and event.get("holder") == event.get("machine")))
 
 
 class Outbox:

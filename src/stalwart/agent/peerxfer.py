@@ -28,7 +28,7 @@ import sys
 import threading
 import zlib
 from concurrent.futures import Future
-from typing import Iterator
+from typing import Callable, Iterator
 
 from stalwart.agent.shards import TIERS, ShardStore, receive_shard
 from stalwart.worker import memckpt
@@ -153,6 +153,8 @@ class _Handler(socketserver.BaseRequestHandler):
             _reply_error(sock, e)
             return
         srv.received += 1
+        if srv.on_stored is not None:
+            srv.on_stored(hdr, req.get("run"))
         _send_frame(sock, {"ok": True, "path": path})
 
     @staticmethod
@@ -183,12 +185,16 @@ class PeerServer:
     """Receives peers' shards into `store`'s backup tier and serves shards back on request."""
 
     def __init__(self, host: str, port: int, store: ShardStore, timeout_s: float = 60.0,
-                 max_shard_bytes: int = 1 << 40):
+                 max_shard_bytes: int = 1 << 40,
+                 on_stored: Callable[[dict, int | None], None] | None = None):
+        """`on_stored(header, run)`: a pushed shard is stored and verified (`run`: the run the
+        pusher said made it, or None)."""
         self.store = store
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
         self.received = 0
         self.rejected = 0
+        self.on_stored = on_stored
         self._srv = _TCPServer((host, port), _Handler)
         self._srv.peer = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
@@ -228,7 +234,7 @@ LANE_IDLE_S = 5.0       # a push lane's thread and connection wait this long for
 
 class _Lane:
     def __init__(self):
-        self.pending: tuple[int, str, Future] | None = None
+        self.pending: tuple[int, str, Future, int | None] | None = None
         self.busy = False
         self.staging = bytearray()
         self.sock: socket.socket | None = None    # kept for the next push (one per step)
@@ -262,7 +268,8 @@ class PeerClient:
         return sock
 
     # -- push
-    def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str) -> Future:
+    def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str,
+             run: int | None = None) -> Future:
         """Queue a push of the shard at `slot_path` (rank, step) to the peer at `addr`.
 
         Returns a Future: "sent" once the peer stored and verified it, "superseded" when a newer
@@ -279,7 +286,7 @@ class PeerClient:
             if old is not None and old[0] > step:
                 fut.set_result("superseded")
                 return fut
-            lane.pending = (step, slot_path, fut)
+            lane.pending = (step, slot_path, fut, run)
             if old is not None:
                 old[2].set_result("superseded")
             if not lane.busy:
@@ -303,12 +310,12 @@ class PeerClient:
                     lane.busy = False
                     self._cv.notify_all()
                     return
-                step, path, fut = lane.pending
+                step, path, fut, run = lane.pending
                 lane.pending, lane.active = None, True
             try:
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(self._send(key[0], key[1], step, path, lane))
+                        fut.set_result(self._send(key[0], key[1], step, path, lane, run))
                     except BaseException as e:    # noqa: BLE001 — handed to the caller's future
                         lane.drop()
                         fut.set_exception(e)
@@ -317,7 +324,7 @@ class PeerClient:
                     lane.active = False
                     self._cv.notify_all()         # (flush: nothing queued, nothing in flight)
 
-    def _send(self, addr, rank: int, step: int, path: str, lane: _Lane) -> str:
+    def _send(self, addr, rank: int, step: int, path: str, lane: _Lane, run: int | None = None) -> str:
         # the header travels as read (not parsed and written again) and the seqlock check compares
         # its bytes: a shard's header is tens of KB of JSON for a small model's optimizer state
         hdr, raw, view = memckpt.encode_shard_raw(path)
@@ -332,7 +339,7 @@ class PeerClient:
             view.release()
         if not memckpt.still_current_raw(path, raw):
             return "stale"
-        frame = b'{"op":"push","keep":true,"header":' + raw + b"}"
+        frame = b'{"op":"push","keep":true,"run":' + json.dumps(run).encode() + b',"header":' + raw + b"}"
         for attempt in (0, 1):
             reused = lane.sock is not None
             if lane.sock is None:
