@@ -12,7 +12,10 @@ def test_pushes_of_successive_steps_share_one_connection_and_survive_its_loss(tm
     holder reports a backup: its report may wait for company, the pusher's could not)."""
     store = ShardStore(str(tmp_path / "peer-own"), str(tmp_path / "backup"), keep_backup=2)
     accepted, stored = [], []
-    with PeerServer("127.0.0.1", 0, store, on_stored=lambda hdr, run: stored.append((hdr["step"], run))) as srv, PeerClient(timeout_s=10) as client, \
+
+    def on_stored(hdr, run):
+        stored.append((hdr["step"], run))
+    with PeerServer("127.0.0.1", 0, store, on_stored=on_stored) as srv, PeerClient(timeout_s=10) as client, \
             MemCheckpointer(str(tmp_path / "own"), rank=0) as ck:
         real = srv._srv.get_request
 
