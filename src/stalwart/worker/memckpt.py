@@ -105,12 +105,23 @@ def header_step_rank(path: str) -> tuple[int, int] | None:
     return (hdr["step"], hdr["rank"]) if hdr is not None else None
 
 
-def write_header(base: str, hdr: dict) -> None:
-    """Write a header atomically (temp file then rename) — the commit point of a shard."""
+def write_header(base: str, hdr: dict, encoded: bytes | None = None) -> None:
+    """Write a header atomically (temp file then rename) — the commit point of a shard.
+    `encoded`: the header's JSON already made (`hdr` unused then)."""
     tmp = f"{base}.hdr.tmp.{os.getpid()}.{threading.get_ident()}"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(hdr, separators=(",", ":")).encode())
+        f.write(encoded if encoded is not None else json.dumps(hdr, separators=(",", ":")).encode())
     os.replace(tmp, base + ".hdr")
+
+
+_TABLE_MARK = "\x00tensors"
+
+
+def _encode_header(hdr: dict, table_json: str) -> bytes:
+    """`hdr` as JSON with its "tensors" entry given already encoded (the table stays the same
+    from step to step: encoding it, tens of KB, each step held the GIL the training thread needs)."""
+    text = json.dumps(dict(hdr, tensors=_TABLE_MARK), separators=(",", ":"))
+    return text.replace(json.dumps(_TABLE_MARK), table_json, 1).encode()
 
 
 def crc_of(view, crc: int = 0) -> int:
@@ -332,6 +343,7 @@ class _Slot:
         self.pending: Future | None = None
         self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
         self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
+        self.table_json = ""                                # (the table, encoded)
         self.views: list | None = None     # ...and the views of `buf` they were copied into
         self.pairs: list[int] = []         # the indices of those with any bytes
 
@@ -397,6 +409,7 @@ class MemCheckpointer:
         shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
         if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
             slot.plan, slot.views, slot.shapes = _plan(p.tensors), None, None
+            slot.table_json = json.dumps(slot.plan[0], separators=(",", ":"))
         table, nbytes = slot.plan
         self._ensure(slot, nbytes)
         try:                      # invalidate first: a crash from here on never looks complete
@@ -418,15 +431,16 @@ class MemCheckpointer:
         slot.layout_key = nbytes
         # the header (the tensor table, the base64 of the metadata), its checksum and its commit
         # are the background thread's: the training thread only copied
-        slot.pending = self._pool.submit(self._commit, slot, step, table, nbytes, meta)
+        slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
         self._last_step = step
 
-    def _commit(self, slot: _Slot, step: int, table: list[dict], nbytes: int, meta: bytes) -> None:
+    def _commit(self, slot: _Slot, step: int, table_json: str, nbytes: int, meta: bytes) -> None:
+        # (the key order is the format's: "format", "step", "rank" first, see header_step_rank)
         hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
-               "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
+               "tensors": None, "meta": base64.b64encode(meta).decode(), "complete": 1}
         crc = crc_of(slot.buf[:nbytes].numpy()) if nbytes else 0
         hdr["checksum"] = zlib.crc32(meta, crc)
-        write_header(slot.base, hdr)
+        write_header(slot.base, hdr, _encode_header(hdr, table_json))
         if self.on_commit is not None:
             self.on_commit(step, slot.base + ".hdr")
 
