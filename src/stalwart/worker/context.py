@@ -268,7 +268,7 @@ class Context:
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
                "local_grad_norm": self._local_grad_norm, "compute_s": self._compute_s}
         msg.update(extra)
-        self.link.send_quick(msg)
+        self.link.send(msg)
         self._last_report = self._step_t0 = now
         self._blocked("report", t0)
 

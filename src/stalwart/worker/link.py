@@ -37,21 +37,6 @@ class AgentLink:
         if self._conn is not None:
             self._q.put(msg)
 
-    def send_quick(self, msg: dict) -> None:
-        """`send` from the training thread: written at once when the socket has room and nothing
-        waits in the queue (a small write to a Unix socket costs less than waking the writer
-        thread, which then competes with training for the GIL and the CPU), else queued. Never
-        blocks on the agent."""
-        conn = self._conn
-        if conn is None:
-            return
-        try:
-            if self._q.empty() and conn.send_nowait(msg):
-                return
-        except OSError:
-            return                                  # the agent is gone: the reader thread acts
-        self._q.put(msg)
-
     def send_now(self, msg: dict) -> None:
         """Send synchronously (used before blocking on the agent, and before exit)."""
         if self._conn is not None:
@@ -98,4 +83,3 @@ class AgentLink:
         self._closed.set()
         self._q.put(None)
         self._conn.close()
-
