@@ -17,7 +17,8 @@ time) three times, one after the other, and prints:
 and the ratios against bare torchrun. `--json FILE` writes
 {"layouts": [{"workers", "tp", "pp", "dp", "throughput_ratio", "own_cpu_share",
 "sdk_blocking_share", "first_step_ratio"}, ...]}: stalwart's steps/s over bare torchrun's, its own
-processes' CPU over its workers' CPU, the SDK's blocking time over the step time, and its
+processes' CPU over its workers' CPU (a spare's one-time warm-up left out,
+printed apart), the SDK's blocking time over the step time, and its
 command-to-first-step over bare torchrun's. Not a timed test; run it alone on the host.
 """
 from __future__ import annotations
