@@ -10,13 +10,15 @@ time) three times, one after the other, and prints:
 - steady-state steps/s: the median rate of 10-step blocks between 30% and 90% of the steps;
 - command to first step (s);
 - CPU-seconds per training step in that window of the workers, of stalwart's own processes
-  (controller, agents, their checkers and spare/standby workers) and of torchrun's launcher;
+  (controller, agents, their peer-backup servers and checkers, spare/standby workers, the
+  `stalwart run` process itself; in total and by role) and of torchrun's launcher;
 - the SDK's blocking time per step (begin_step, gradients, report, the in-memory checkpoint).
 
 and the ratios against bare torchrun. `--json FILE` writes
 {"layouts": [{"workers", "tp", "pp", "dp", "throughput_ratio", "own_cpu_share",
 "sdk_blocking_share", "first_step_ratio"}, ...]}: stalwart's steps/s over bare torchrun's, its own
-processes' CPU over its workers' CPU, the SDK's blocking time over the step time, and its
+processes' CPU over its workers' CPU (a spare's one-time warm-up left out,
+printed apart), the SDK's blocking time over the step time, and its
 command-to-first-step over bare torchrun's. Not a timed test; run it alone on the host.
 """
 from __future__ import annotations
@@ -36,10 +38,17 @@ import psutil
 
 GPT_ARGS = ["-m", "stalwart.examples.gpt", "--log-every", "1"]
 LAYOUTS = [(2, 1, 2), (2, 2, 2)]          # (tp, pp, dp); 2 GPUs per machine
-OWN_MARKERS = ("stalwart.cli", "stalwart.diag.worker", "stalwart.agent.peerxfer", "py-spy")
+# stalwart's own processes, by role (the first marker found in the command line names the role)
+OWN_ROLES = (("stalwart.cli controller", "controller"), ("stalwart.cli agent", "agent"),
+             ("stalwart.agent.peerxfer", "peerxfer"), ("stalwart.diag.worker", "checker"),
+             ("py-spy", "py-spy"), ("stalwart.cli", "cli"))
+OWN = ("controller", "agent", "spare", "peerxfer", "checker", "py-spy", "cli")
+# (a spare's one-time warm-up is reported apart: "spare_warmup", CPU-s per step of the window)
 
 
 def role_of(proc: psutil.Process) -> str:
+    """launcher, worker, other, or one of OWN: stalwart's controller, agents, warm spare/standby
+    workers, peer-backup servers, checkers, py-spy, and the `stalwart run` process itself."""
     try:
         cmd = " ".join(proc.cmdline())
     except psutil.Error:
@@ -53,9 +62,10 @@ def role_of(proc: psutil.Process) -> str:
             standby = False
         # a warm spare or standby waiting at its barrier is stalwart's cost (a bench job has no fault,
         # so none is activated: /proc keeps the environment a process started with)
-        return "own" if standby else "worker"
-    if any(m in cmd for m in OWN_MARKERS):
-        return "own"
+        return "spare" if standby else "worker"
+    for marker, role in OWN_ROLES:
+        if marker in cmd:
+            return role
     return "other"
 
 
@@ -85,14 +95,31 @@ class CpuSampler(threading.Thread):
             self.samples.append((time.time(), snap))
 
     def window(self, ta: float, tb: float) -> dict[str, float]:
-        """CPU seconds by role between the samples nearest `ta` and `tb`."""
+        """CPU seconds by role between the samples nearest `ta` and `tb`. A spare's warm-up (its
+        imports, before it waits at its barrier) is a one-time start-up cost like the workers'
+        own imports, which the window leaves out too: it is counted as "spare_warmup", apart
+        from the spares' CPU once idle ("spare")."""
         before = next((s for t, s in reversed(self.samples) if t <= ta), self.samples[0][1] if self.samples else {})
         after = next((s for t, s in self.samples if t >= tb), self.samples[-1][1] if self.samples else {})
         out: dict[str, float] = {}
         for pid, (role, cpu) in after.items():
             start = before.get(pid, (role, 0.0))[1]
+            if role == "spare":
+                warm = min(max(start, self._warmed_at(pid)), cpu)
+                out["spare_warmup"] = out.get("spare_warmup", 0.0) + max(0.0, warm - start)
+                start = max(start, warm)
             out[role] = out.get(role, 0.0) + max(0.0, cpu - start)
         return out
+
+    def _warmed_at(self, pid: int, idle_share: float = 0.01, span_s: float = 2.0) -> float:
+        """The process's CPU seconds when it first used under `idle_share` of a core for
+        `span_s` (it finished warming up and waits); its last reading if it never did."""
+        series = [(t, s[pid][1]) for t, s in self.samples if pid in s]
+        for i, (t0, c0) in enumerate(series):
+            later = [(t, c) for t, c in series[i:] if t >= t0 + span_s]
+            if later and later[0][1] - c0 <= idle_share * (later[0][0] - t0):
+                return c0
+        return series[-1][1] if series else 0.0
 
 
 def read_steps(path: str) -> list[dict]:
@@ -122,10 +149,15 @@ def measure(steps: list[dict], launched: float, sampler: CpuSampler) -> dict:
     n = hi - lo
     cpu = sampler.window(ta, tb)
     out = {"steps_per_s": statistics.median(rates), "first_step_s": by[min(by)]["t"] - launched,
-           "worker_cpu_per_step": cpu.get("worker", 0.0) / n, "own_cpu_per_step": cpu.get("own", 0.0) / n,
-           "launcher_cpu_per_step": cpu.get("launcher", 0.0) / n, "step_s": (tb - ta) / n}
+           "worker_cpu_per_step": cpu.get("worker", 0.0) / n,
+           "own_cpu_per_step": sum(cpu.get(r, 0.0) for r in OWN) / n,
+           "launcher_cpu_per_step": cpu.get("launcher", 0.0) / n, "step_s": (tb - ta) / n,
+           "own_by_role": {r: cpu[r] / n for r in OWN if cpu.get(r)},
+           "spare_warmup_cpu_per_step": cpu.get("spare_warmup", 0.0) / n}
     if "sdk_s" in by[lo] and "sdk_s" in by[hi]:
         out["sdk_s_per_step"] = (by[hi]["sdk_s"] - by[lo]["sdk_s"]) / n
+    if "sdk_parts" in by[lo] and "sdk_parts" in by[hi]:
+        out["sdk_parts_per_step"] = {k: (by[hi]["sdk_parts"][k] - v) / n for k, v in by[lo]["sdk_parts"].items()}
     return out
 
 
@@ -212,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
                              ("launcher_cpu_per_step", "{:.4f}"), ("sdk_s_per_step", "{:.5f}")):
                 vals = [fmt.format(r[m][key]) if key in r[m] else "-" for m in ("bare", "sdk", "stalwart")]
                 print(f"{key:34s}" + "".join(f"{v:>16s}" for v in vals))
+            st = r["stalwart"]
+            print("stalwart's own CPU-s per step by role: "
+                  + (", ".join(f"{k} {v:.4f}" for k, v in st["own_by_role"].items()) or "none")
+                  + f"; spares' one-time warm-up in the window {st['spare_warmup_cpu_per_step']:.4f} (not counted)")
+            if "sdk_parts_per_step" in st:
+                print("SDK blocking s per step by call: "
+                      + ", ".join(f"{k} {v:.5f}" for k, v in st["sdk_parts_per_step"].items()))
             row = layout_row(tp, pp, dp, r)
             rows.append(row)
             print(f"ratios vs bare torchrun: throughput {row['throughput_ratio']:.3f}x, stalwart's own CPU "

@@ -77,3 +77,25 @@ def test_a_fatal_signal_pending_counts_as_dying_and_the_stop_does_not_claim_the_
     while len(exits) < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert {w.rank: w.expected_exit for w in exits} == {0: False, 1: True}
+
+
+def test_process_tree_finds_every_descendant_from_the_children_files():
+    import psutil
+
+    from stalwart.agent.workers import process_tree
+    p = subprocess.Popen(["bash", "-c", "sleep 30 & (sleep 30; true) & wait"])
+    try:
+        want = None
+        for _ in range(100):                      # until bash forked both (bounded)
+            want = sorted([p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)])
+            if len(want) >= 4:
+                break
+            time.sleep(0.05)
+        assert want is not None and len(want) >= 4
+        assert sorted(x.pid for x in process_tree(p.pid)) == want
+    finally:
+        for c in psutil.Process(p.pid).children(recursive=True):
+            c.kill()
+        p.kill()
+        p.wait()
+    assert process_tree(p.pid) == []

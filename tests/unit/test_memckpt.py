@@ -244,3 +244,60 @@ def test_prune_keeps_the_newest_steps_of_one_rank_by_name(tmp_path):
     assert not os.path.exists(memckpt.step_base(str(tmp_path), 0, 5) + ".data")
     assert [s for s, _ in memckpt.step_shards(str(tmp_path), 1)] == [3]
     assert memckpt.step_shards(str(tmp_path / "none"), 0) == []
+
+
+def test_header_step_rank_and_raw_seqlock_without_parsing(shm_dir):
+    """The agent's cheap reads of a slot: (step, rank) from the header's first bytes, and 'not
+    overwritten' as the same header bytes before and after a copy."""
+    with MemCheckpointer(shm_dir, rank=7, slots=2) as ck:
+        ck.snapshot({"w": torch.ones(4), "lr": 0.5}, 3)
+        ck.wait()
+        path = latest(shm_dir, 7)[1]
+        assert memckpt.header_step_rank(path) == (3, 7)
+        hdr, raw, view = memckpt.encode_shard_raw(path)
+        view.release()
+        assert json.loads(raw) == hdr and memckpt.still_current_raw(path, raw)
+        ck.snapshot({"w": torch.ones(4), "lr": 0.5}, 5)          # the same slot, a newer step
+        ck.wait()
+        assert memckpt.header_step_rank(path) == (5, 7) and not memckpt.still_current_raw(path, raw)
+    other = os.path.join(shm_dir, "rank00001.slot0")                # a header laid out otherwise
+    memckpt.write_header(other, {"rank": 1, "step": 9, "format": memckpt.FORMAT, "complete": 1})
+    assert memckpt.header_step_rank(other + ".hdr") == (9, 1)
+    assert memckpt.header_step_rank(os.path.join(shm_dir, "rank00002.slot0.hdr")) is None
+
+
+def test_a_shard_whose_metadata_uses_persistent_ids_still_loads(shm_dir):
+    """Shards written before tensors were pickled as global references (persistent ids)."""
+    import base64
+    import io
+    import pickle
+    import zlib
+
+    class OldPickler(pickle.Pickler):
+        def __init__(self, buf):
+            super().__init__(buf, protocol=5)
+            self.tensors = []
+
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                self.tensors.append(obj)
+                return ("t", len(self.tensors) - 1)
+            return None
+
+    w = torch.arange(6, dtype=torch.float32)
+    buf = io.BytesIO()
+    p = OldPickler(buf)
+    p.dump({"w": w, "step": 4})
+    meta = buf.getvalue()
+    data = w.numpy().tobytes()
+    base = memckpt.step_base(shm_dir, 0, 4)
+    with open(base + ".data", "wb") as f:
+        f.write(data)
+    table = [{"dtype": "float32", "shape": [6], "offset": 0, "nbytes": len(data), "param": False,
+              "requires_grad": False}]
+    memckpt.write_header(base, {"format": memckpt.FORMAT, "step": 4, "rank": 0, "layout": {},
+                                "nbytes": len(data), "tensors": table,
+                                "meta": base64.b64encode(meta).decode(), "complete": 1,
+                                "checksum": zlib.crc32(meta, zlib.crc32(data))})
+    step, state = load(base + ".hdr", 0)
+    assert step == 4 and state["step"] == 4 and torch.equal(state["w"], w)

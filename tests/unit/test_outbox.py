@@ -61,6 +61,30 @@ def test_routine_events_linger_for_company_evidence_goes_at_once():
     assert len(box.take(timeout=1.0, linger=30.0)) == 2
 
 
+def test_a_report_of_a_copy_the_machine_holds_waits_for_company_others_go_at_once():
+    """A copy in the machine's own memory dies with the machine: its report may wait (the next
+    prompt event takes it along, in order); a report of a copy elsewhere or durable may not."""
+    box = Outbox()
+    box.put({"type": "ckpt", "tier": "own", "rank": 0, "step": 3})
+    box.put({"type": "ckpt", "tier": "own", "rank": 1, "step": 3})
+    t0 = time.monotonic()
+    assert box.take(timeout=1.0, linger=0.2) and time.monotonic() - t0 >= 0.15     # lingered
+    box.put({"type": "ckpt", "tier": "own", "rank": 0, "step": 4})
+    threading.Timer(0.05, lambda: box.put({"type": "ckpt", "tier": "backup", "rank": 0, "step": 4})).start()
+    t0 = time.monotonic()
+    out = box.take(timeout=1.0, linger=30.0)
+    assert [e["tier"] for e in out] == ["own", "backup"] and time.monotonic() - t0 < 20
+    for tier in ("backup", "durable"):
+        box.put({"type": "ckpt", "tier": tier, "rank": 0, "step": 9})
+        assert len(box.take(timeout=1.0, linger=30.0)) == 1
+    # a backup this machine holds for a peer dies with it too: its holder's report may wait
+    box.put({"type": "ckpt", "tier": "backup", "rank": 2, "step": 9, "holder": "m1", "machine": "m1"})
+    t0 = time.monotonic()
+    assert box.take(timeout=1.0, linger=0.2) and time.monotonic() - t0 >= 0.15
+    box.put({"type": "ckpt", "tier": "backup", "rank": 2, "step": 9, "holder": "m2", "machine": "m1"})
+    assert len(box.take(timeout=1.0, linger=30.0)) == 1      # (a pusher's report of a peer's copy)
+
+
 def test_take_waits_for_an_event():
     box = Outbox()
     threading.Timer(0.05, lambda: box.put({"type": "done"})).start()

@@ -47,7 +47,10 @@ class CkptManager:
         # peers' backups: keep more than the controller counts on, so a report still in flight
         # never points at a pruned copy
         self.store = ShardStore(self.shm_dir, self.backup_dir, keep_backup=4)
-        self.server = PeerServer("0.0.0.0", 0, self.store).start()
+        # the holder of a backup reports it (it may wait for company in the outbox: the copy dies
+        # with this machine), not its pusher (whose report had to go at once, a request per rank
+        # per step: the pusher may die right after the push, its backup living on here)
+        self.server = PeerServer("0.0.0.0", 0, self.store, on_stored=self._stored).start()
         self.peer_addr = (peer_host, self.server.address[1])
         self.client = PeerClient()
         self._cfg_lock = threading.Lock()
@@ -91,8 +94,7 @@ class CkptManager:
         if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.shm_dir):
             log.warning("rank %s announced a shard outside this machine's memory: %s", rank, path)
             return
-        hdr = memckpt.read_header(path)
-        if hdr is None or hdr.get("rank") != rank or hdr.get("step") != step:
+        if memckpt.header_step_rank(path) != (step, rank):
             return                                  # (its slot was reused by a newer step already)
         self._handle(rank, [(step, path)])
 
@@ -116,7 +118,7 @@ class CkptManager:
             run = self._run
         self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own", "holder": self.machine_id})
         if backup is not None:       # only the newest step goes to the peer
-            fut = self.client.push(tuple(backup["addr"]), rank, step, path)
+            fut = self.client.push(tuple(backup["addr"]), rank, step, path, run=run)
             fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
         if not store.durable_dir:
             return
@@ -127,11 +129,14 @@ class CkptManager:
                 fut = store.persist(rank, s, or_newer=True)
                 fut.add_done_callback(lambda f, r=rank, s=s: self._persisted(f, r, s))
 
+    def _stored(self, hdr: dict, run: int | None) -> None:
+        """A peer's shard is stored and verified here: this machine holds its backup."""
+        self.emit({"type": "ckpt", "run": run, "rank": hdr["rank"], "step": hdr["step"], "tier": "backup",
+                   "holder": self.machine_id})
+
     def _pushed(self, fut, rank: int, step: int, backup: dict, run: int | None = None) -> None:
         try:
-            if fut.result() == "sent":
-                self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "backup",
-                           "holder": backup["machine"]})
+            fut.result()             # (the holder reports a stored backup: see _stored)
         except Exception as e:
             log.warning("backup of rank %s step %s to %s failed: %s", rank, step, backup["machine"], e)
 

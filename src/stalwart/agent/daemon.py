@@ -39,7 +39,7 @@ PLAIN_REFILL_AFTER_S = 60.0     # a run without step reports gets its spares thi
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 
-EVENT_LINGER_S = 0.2   # metrics wait this long for company (steps go at once: see outbox.ROUTINE)
+EVENT_LINGER_S = 0.2   # metrics wait this long for company (steps go at once: see outbox.routine)
 SKIP_BEATS_FROM = 3    # missed beats the controller allows before an agent's batches stand in for beats
 RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 

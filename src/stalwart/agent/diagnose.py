@@ -25,6 +25,14 @@ from stalwart.agent.workers import die_with_parent, kill_tree
 log = logging.getLogger("stalwart.agent")
 START_GRACE_S = 15.0     # importing torch on a loaded machine, on top of the checks' own bound
 CHECKER = [sys.executable, "-m", "stalwart.diag.worker"]
+WARM_NICE = 10           # the warm checker imports torch while the job trains: it yields the CPU to it
+
+
+def _warm_checker_child() -> None:
+    """In the warm checker's child before exec: die with the agent's thread, lower priority (no
+    root needed to lower one; the checks run while the job is stopped, so they keep it)."""
+    die_with_parent()
+    os.nice(WARM_NICE)
 
 
 class Diagnoser:
@@ -50,7 +58,7 @@ class Diagnoser:
                 self._warm = subprocess.Popen(argv, env=self.env({}), cwd=self.workdir,
                                               stdin=subprocess.PIPE, stdout=log_f,
                                               stderr=subprocess.STDOUT, start_new_session=True,
-                                              preexec_fn=die_with_parent)
+                                              preexec_fn=_warm_checker_child)
 
     def warm_pid(self) -> int | None:
         with self._lock:

@@ -17,9 +17,22 @@ DEFAULT_LIMIT = 20_000
 DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed",
               "standby_ready")
 # What may wait a moment for company (`take(linger=)`): everything else goes out at once. Not
-# step reports nor checkpoint reports: a machine that dies loses what waits in its outbox, and a
-# lost report of its last step or of a backup it made is a step missing from the job's record.
+# step reports nor reports of durable copies: a machine that dies loses what waits in its outbox,
+# and a lost report of its last step is a step missing from the job's record. A report of a copy
+# in the machine's own memory, its own shard (tier "own") or a peer's backup it holds (tier
+# "backup", holder: itself), may wait: if the machine dies the copy dies with it, and while it
+# lives anything prompt behind it (a step report, a worker's exit) takes it along, in order.
 ROUTINE = frozenset(("metrics", "activity"))
+
+
+def routine(event: dict) -> bool:
+    """May `event` wait for company (see ROUTINE)?"""
+    kind = event.get("type")
+    if kind in ROUTINE:
+        return True
+    return kind == "ckpt" and (event.get("tier") == "own" or (
+        event.get("tier") == "backup" and event.get("holder") is not None
+        and event.get("holder") == event.get("machine")))
 
 
 class Outbox:
@@ -35,7 +48,7 @@ class Outbox:
     def put(self, event: dict) -> None:
         with self._cond:
             self._q.append(event)
-            if event.get("type") not in ROUTINE:
+            if not routine(event):
                 self._prompt += 1
             if len(self._q) > self.limit:
                 self._make_room()
@@ -69,14 +82,14 @@ class Outbox:
                     self._cond.wait(left)
             n = min(max_batch, len(self._q))
             batch = [self._q.popleft() for _ in range(n)]
-            self._prompt -= sum(1 for ev in batch if ev.get("type") not in ROUTINE)
+            self._prompt -= sum(1 for ev in batch if not routine(ev))
             return batch
 
     def give_back(self, batch: list[dict]) -> None:
         """A batch that could not be delivered goes back to the front, in order."""
         with self._cond:
             self._q.extendleft(reversed(batch))
-            self._prompt += sum(1 for ev in batch if ev.get("type") not in ROUTINE)
+            self._prompt += sum(1 for ev in batch if not routine(ev))
             while len(self._q) > self.limit and self._make_room():
                 pass
 

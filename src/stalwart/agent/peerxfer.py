@@ -28,7 +28,7 @@ import sys
 import threading
 import zlib
 from concurrent.futures import Future
-from typing import Iterator
+from typing import Callable, Iterator
 
 from stalwart.agent.shards import TIERS, ShardStore, receive_shard
 from stalwart.worker import memckpt
@@ -105,23 +105,38 @@ class _Handler(socketserver.BaseRequestHandler):
         srv: PeerServer = self.server.peer  # type: ignore[attr-defined]
         sock: socket.socket = self.request
         sock.settimeout(srv.timeout_s)
-        try:
-            req = _recv_frame(sock)
-            op = req.get("op")
-            if op == "push":
-                self._push(srv, sock, req)
-            elif op == "fetch":
-                self._fetch(srv, sock, req)
-            elif op == "list":
-                steps = srv.store.available_steps(verify=False)
-                _send_frame(sock, {"ok": True, "steps": {t: {str(r): s for r, s in d.items()}
-                                                         for t, d in steps.items()}})
-            else:
-                raise ValueError(f"unknown op {op!r}")
-        except (ConnectionError, TimeoutError):
-            pass                                  # the peer went away or stalled: nothing to answer
-        except Exception as e:                    # noqa: BLE001 — reported to the peer
-            _reply_error(sock, e)
+        # A pusher keeps its connection for the next step's push (`keep: true`); any other
+        # request, and any failure, ends the connection after its answer.
+        keep = True
+        while keep:
+            try:
+                req = _recv_frame(sock)
+            except (ConnectionError, TimeoutError, OSError):
+                return                            # the peer closed (or idled out): done
+            except Exception as e:                # noqa: BLE001 — reported to the peer
+                _reply_error(sock, e)
+                return
+            keep = req.get("keep") is True and req.get("op") == "push"
+            try:
+                self._one(srv, sock, req)
+            except (ConnectionError, TimeoutError):
+                return                            # the peer went away or stalled: nothing to answer
+            except Exception as e:                # noqa: BLE001 — reported to the peer
+                _reply_error(sock, e)
+                return
+
+    def _one(self, srv: "PeerServer", sock: socket.socket, req: dict) -> None:
+        op = req.get("op")
+        if op == "push":
+            self._push(srv, sock, req)
+        elif op == "fetch":
+            self._fetch(srv, sock, req)
+        elif op == "list":
+            steps = srv.store.available_steps(verify=False)
+            _send_frame(sock, {"ok": True, "steps": {t: {str(r): s for r, s in d.items()}
+                                                     for t, d in steps.items()}})
+        else:
+            raise ValueError(f"unknown op {op!r}")
 
     @staticmethod
     def _push(srv: "PeerServer", sock: socket.socket, req: dict) -> None:
@@ -138,6 +153,8 @@ class _Handler(socketserver.BaseRequestHandler):
             _reply_error(sock, e)
             return
         srv.received += 1
+        if srv.on_stored is not None:
+            srv.on_stored(hdr, req.get("run"))
         _send_frame(sock, {"ok": True, "path": path})
 
     @staticmethod
@@ -168,12 +185,16 @@ class PeerServer:
     """Receives peers' shards into `store`'s backup tier and serves shards back on request."""
 
     def __init__(self, host: str, port: int, store: ShardStore, timeout_s: float = 60.0,
-                 max_shard_bytes: int = 1 << 40):
+                 max_shard_bytes: int = 1 << 40,
+                 on_stored: Callable[[dict, int | None], None] | None = None):
+        """`on_stored(header, run)`: a pushed shard is stored and verified (`run`: the run the
+        pusher said made it, or None)."""
         self.store = store
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
         self.received = 0
         self.rejected = 0
+        self.on_stored = on_stored
         self._srv = _TCPServer((host, port), _Handler)
         self._srv.peer = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
@@ -208,11 +229,24 @@ class PeerServer:
 
 # ----------------------------------------------------------------------------- client
 
+LANE_IDLE_S = 5.0       # a push lane's thread and connection wait this long for the next step's push
+
+
 class _Lane:
     def __init__(self):
-        self.pending: tuple[int, str, Future] | None = None
+        self.pending: tuple[int, str, Future, int | None] | None = None
         self.busy = False
         self.staging = bytearray()
+        self.sock: socket.socket | None = None    # kept for the next push (one per step)
+        self.active = False                        # a push is being sent
+
+    def drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
 
 
 class PeerClient:
@@ -234,7 +268,8 @@ class PeerClient:
         return sock
 
     # -- push
-    def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str) -> Future:
+    def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str,
+             run: int | None = None) -> Future:
         """Queue a push of the shard at `slot_path` (rank, step) to the peer at `addr`.
 
         Returns a Future: "sent" once the peer stored and verified it, "superseded" when a newer
@@ -251,7 +286,7 @@ class PeerClient:
             if old is not None and old[0] > step:
                 fut.set_result("superseded")
                 return fut
-            lane.pending = (step, slot_path, fut)
+            lane.pending = (step, slot_path, fut, run)
             if old is not None:
                 old[2].set_result("superseded")
             if not lane.busy:
@@ -264,23 +299,35 @@ class PeerClient:
         return fut
 
     def _run_lane(self, key: tuple, lane: _Lane) -> None:
+        """One lane's pushes, newest first; the thread and its connection stay a while for the
+        next step's push (a thread and a TCP connection per step cost more CPU than the copy)."""
         while True:
             with self._cv:
+                if lane.pending is None and not self._closed:
+                    self._cv.wait_for(lambda: lane.pending is not None or self._closed, LANE_IDLE_S)
                 if lane.pending is None:
+                    lane.drop()                   # (under the lock: a new lane thread may start next)
                     lane.busy = False
                     self._cv.notify_all()
                     return
-                step, path, fut = lane.pending
-                lane.pending = None
-            if not fut.set_running_or_notify_cancel():
-                continue
+                step, path, fut, run = lane.pending
+                lane.pending, lane.active = None, True
             try:
-                fut.set_result(self._send(key[0], key[1], step, path, lane))
-            except BaseException as e:            # noqa: BLE001 — handed to the caller's future
-                fut.set_exception(e)
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._send(key[0], key[1], step, path, lane, run))
+                    except BaseException as e:    # noqa: BLE001 — handed to the caller's future
+                        lane.drop()
+                        fut.set_exception(e)
+            finally:
+                with self._cv:
+                    lane.active = False
+                    self._cv.notify_all()         # (flush: nothing queued, nothing in flight)
 
-    def _send(self, addr, rank: int, step: int, path: str, lane: _Lane) -> str:
-        hdr, view = memckpt.encode_shard(path)
+    def _send(self, addr, rank: int, step: int, path: str, lane: _Lane, run: int | None = None) -> str:
+        # the header travels as read (not parsed and written again) and the seqlock check compares
+        # its bytes: a shard's header is tens of KB of JSON for a small model's optimizer state
+        hdr, raw, view = memckpt.encode_shard_raw(path)
         try:
             if hdr["rank"] != rank or hdr["step"] != step:
                 return "stale"
@@ -290,20 +337,36 @@ class PeerClient:
             lane.staging[:n] = view
         finally:
             view.release()
-        if not memckpt.still_current(path, hdr):
+        if not memckpt.still_current_raw(path, raw):
             return "stale"
-        with self._connect(addr) as sock:
-            _send_frame(sock, {"op": "push", "header": hdr})
-            _send_view(sock, memoryview(lane.staging)[:n], self.chunk_bytes)
-            reply = _recv_frame(sock)
+        frame = b'{"op":"push","keep":true,"run":' + json.dumps(run).encode() + b',"header":' + raw + b"}"
+        for attempt in (0, 1):
+            reused = lane.sock is not None
+            if lane.sock is None:
+                lane.sock = self._connect(addr)
+            try:
+                lane.sock.sendall(struct.pack(">I", len(frame)) + frame)
+                _send_view(lane.sock, memoryview(lane.staging)[:n], self.chunk_bytes)
+                reply = _recv_frame(lane.sock)
+                break
+            except TimeoutError:
+                lane.drop()
+                raise                             # a stalled peer: not twice the wait
+            except OSError:
+                lane.drop()
+                if not reused or attempt:
+                    raise
+                # the peer closed the kept connection meanwhile (it idled out, or restarted): once more
         if not reply.get("ok"):
+            lane.drop()
             raise PeerError(f"peer {addr[0]}:{addr[1]} rejected rank {rank} step {step}: {reply.get('error')}")
         return "sent"
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until no push is queued or in flight; False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not any(lane.busy for lane in self._lanes.values()), timeout)
+            return self._cv.wait_for(lambda: not any(lane.pending is not None or lane.active
+                                                     for lane in self._lanes.values()), timeout)
 
     # -- fetch
     def _open_fetch(self, addr, rank: int, step: int | None, tier: str) -> tuple[socket.socket, dict]:
@@ -352,6 +415,7 @@ class PeerClient:
         """Finish queued pushes (bounded by `timeout`) and refuse new ones."""
         with self._cv:
             self._closed = True
+            self._cv.notify_all()                 # idle lanes leave now
         self.flush(timeout)
         for t in self._threads:
             t.join(timeout=max(0.0, timeout))

@@ -8,6 +8,8 @@ from typing import Callable
 
 from stalwart.client import ApiError, ControllerUnreachable
 
+PROGRESS_EVERY_S = 1.0     # the progress line's refresh: each is a job report the controller builds
+
 
 def poll(cluster, path: str, patience_s: float = 90.0) -> dict:
     """GET from the cluster's controller, riding out a controller restart (its supervisor brings
@@ -40,7 +42,7 @@ def run_job(cluster, spec, start: Callable[[], None]) -> int:
             if st["state"] != "running":
                 rep = st
                 break
-            time.sleep(0.5)
+            time.sleep(PROGRESS_EVERY_S)
         prog.close()
     except KeyboardInterrupt:
         print("\nstalwart: interrupted; stopping everything", file=sys.stderr)

@@ -78,7 +78,12 @@ class ReportCache:
         self._jobs[job_id] = e                  # the most recently asked for last
         while len(self._jobs) > MAX_JOBS:
             del self._jobs[next(iter(self._jobs))]
-        e.log.extend(self.store.events_since(job_id, max(0, e.log.top - LOOKBACK_IDS)))
+        # the ids behind the newest seen are read alone (a report asked for twice a second read
+        # and decoded 500 rows each time); rows are read from the oldest id not seen yet
+        unseen = [i for i in self.store.event_ids_since(job_id, max(0, e.log.top - LOOKBACK_IDS))
+                  if i not in e.log.ids]
+        if unseen:
+            e.log.extend(self.store.events_since(job_id, unseen[0] - 1))
         return e
 
     def report(self, job_id: int, now: float | None = None) -> dict:

@@ -101,6 +101,16 @@ meta = sa.Table(
 )
 SCHEMA = "2"
 
+# The statements a job's every decision runs, built once: a statement built per call with its
+# values in it has its cache key generated on each execution (half the job thread's time)
+_INS_EVENT = events.insert()
+_DEL_STATE = job_state.delete().where(job_state.c.job_id == sa.bindparam("jid"))
+_INS_STATE = job_state.insert()
+_DEL_CKPT = checkpoints.delete().where(
+    (checkpoints.c.job_id == sa.bindparam("jid")) & (checkpoints.c.step == sa.bindparam("s"))
+    & (checkpoints.c.rank == sa.bindparam("r")) & (checkpoints.c.tier == sa.bindparam("tier")))
+_INS_CKPT = checkpoints.insert()
+
 JSON_FIELDS = {"spec", "machines", "restore", "info", "suspects", "evicted", "data"}
 
 
@@ -185,12 +195,12 @@ class Store:
             for kind, v in ops:
                 self._op(c, job_id, kind, dict(v))
             if state is not None:
-                c.execute(job_state.delete().where(job_state.c.job_id == job_id))
-                c.execute(job_state.insert().values(job_id=job_id, state=state, saved_at=time.time()))
+                c.execute(_DEL_STATE, {"jid": job_id})
+                c.execute(_INS_STATE, {"job_id": job_id, "state": state, "saved_at": time.time()})
 
     def _op(self, c, job_id: int, kind: str, v: dict[str, Any]) -> None:
         if kind == "event":
-            c.execute(events.insert().values(job_id=job_id, t=v["t"], kind=v["kind"], data=json.dumps(v["data"])))
+            c.execute(_INS_EVENT, {"job_id": job_id, "t": v["t"], "kind": v["kind"], "data": json.dumps(v["data"])})
         elif kind == "incident_open":
             c.execute(incidents.insert().values(job_id=job_id, **_enc(dict(v, suspects=[], evicted=[], data={}))))
         elif kind == "incident_update":
@@ -207,10 +217,8 @@ class Store:
             ident = v.pop("id")
             c.execute(table.update().where(table.c.id == ident).values(**v))
         elif kind == "checkpoint":
-            key = ((checkpoints.c.job_id == job_id) & (checkpoints.c.step == v["step"])
-                   & (checkpoints.c.rank == v["rank"]) & (checkpoints.c.tier == v["tier"]))
-            c.execute(checkpoints.delete().where(key))
-            c.execute(checkpoints.insert().values(job_id=job_id, **v))
+            c.execute(_DEL_CKPT, {"jid": job_id, "s": v["step"], "r": v["rank"], "tier": v["tier"]})
+            c.execute(_INS_CKPT, dict(v, job_id=job_id))
         elif kind == "machine":
             ident = v.pop("id")
             if c.execute(sa.select(machines.c.id).where(machines.c.id == ident)).first():
@@ -298,6 +306,12 @@ class Store:
         """The job's events with an id above `after_id`, in id order."""
         return self._select(sa.select(events).where(events.c.job_id == job_id, events.c.id > after_id)
                             .order_by(events.c.id))
+
+    def event_ids_since(self, job_id: int, after_id: int) -> list[int]:
+        """The ids of the job's events above `after_id`, in order (no payload read or decoded)."""
+        with self.engine.connect() as c:
+            return [r[0] for r in c.execute(sa.select(events.c.id).where(
+                events.c.job_id == job_id, events.c.id > after_id).order_by(events.c.id))]
 
     def events(self, job_id: int, kinds: Iterable[str] | None = None) -> list[dict]:
         q = sa.select(events).where(events.c.job_id == job_id)

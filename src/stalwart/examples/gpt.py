@@ -303,8 +303,11 @@ def train(ctx: Any, args: argparse.Namespace) -> list[dict[str, float]]:
         ctx.report(step, **metrics)
         if ctx.rank == 0 and args.log_every and step % args.log_every == 0:
             sdk = getattr(ctx, "blocking_s", None)     # (the worker SDK's own time, so far)
+            parts = getattr(ctx, "blocking_parts", None)
             print(json.dumps({"step": step, **metrics, "t": round(time.time(), 4),
-                              **({"sdk_s": round(sdk, 6)} if sdk is not None else {})}), flush=True)
+                              **({"sdk_s": round(sdk, 6)} if sdk is not None else {}),
+                              **({"sdk_parts": {k: round(v, 6) for k, v in parts.items()}} if parts else {})}),
+                  flush=True)
         history.append({"step": step, **metrics, "step_time": t1 - t0})
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             ctx.checkpoint({"model": stage.state_dict(), "optim": opt.state_dict(),

@@ -14,13 +14,26 @@
 """
 from __future__ import annotations
 
-from stalwart.worker.context import Context
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalwart.worker.context import Context
 
 
 def init(tp: int | None = None, pp: int | None = None, dp: int | None = None, cp: int | None = None,
          ep: int | None = None, timeout_s: float = 60.0) -> Context:
     """Join the job: rendezvous, process groups for every parallel dimension, link to the agent."""
+    from stalwart.worker.context import Context
     return Context(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, timeout_s=timeout_s)
+
+
+def __getattr__(name: str) -> Any:
+    # `Context` (and torch with it) loads on first use: the agent imports this package's
+    # memckpt format helpers and must not pay torch's import (1.7 s of CPU per agent at start-up)
+    if name == "Context":
+        from stalwart.worker.context import Context
+        return Context
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["init", "Context"]

@@ -102,6 +102,7 @@ class Context:
         # seconds the training thread spent inside the SDK's per-step calls (begin_step,
         # on_gradients, report, the in-memory checkpoint): what stalwart costs a step
         self.blocking_s = 0.0
+        self.blocking_parts = {"begin": 0.0, "gradients": 0.0, "report": 0.0, "snapshot": 0.0}
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
         self._begin_t = time.time()
@@ -182,6 +183,11 @@ class Context:
         self.link.send({"type": "restored", "rank": self.rank, "step": step, "tier": "durable"})
         return step + 1, state
 
+    def _blocked(self, part: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.blocking_s += dt
+        self.blocking_parts[part] += dt
+
     # -- per-step hooks ----------------------------------------------------------------------
     def chaos_active(self, kind: str, step: int) -> bool:
         """True when chaos of `kind` was armed on this worker and applies from `step` on."""
@@ -219,7 +225,7 @@ class Context:
         err = self.gpu.fatal()
         if err is not None:
             raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
-        self.blocking_s += time.perf_counter() - t0
+        self._blocked("begin", t0)
         self._begin_t = time.time()
         slow = self.gpu.slowdown()
         self._throttled_s = 0.0
@@ -251,7 +257,7 @@ class Context:
             # wrong although the norm this rank computed looked fine, so the per-rank norms do not
             # name the machine; the non-finite update shows only after the reduction.
             grads[0].view(-1)[0] = float("inf")
-        self.blocking_s += time.perf_counter() - t0
+        self._blocked("gradients", t0)
 
     def report(self, step: int, loss: float | None = None, grad_norm: float | None = None,
                tokens: int | None = None, **extra: float) -> None:
@@ -264,7 +270,7 @@ class Context:
         msg.update(extra)
         self.link.send(msg)
         self._last_report = self._step_t0 = now
-        self.blocking_s += time.perf_counter() - t0
+        self._blocked("report", t0)
 
     def checkpoint(self, state: Any, step: int) -> None:
         """Checkpoint the state reached after `step`.
@@ -276,7 +282,7 @@ class Context:
         if self.mem is not None:
             t0 = time.perf_counter()
             self.mem.snapshot(state, step)
-            self.blocking_s += time.perf_counter() - t0
+            self._blocked("snapshot", t0)
             return
         if self.replay:
             return

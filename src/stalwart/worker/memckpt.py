@@ -63,22 +63,65 @@ def base_of(path: str) -> str:
 
 def read_header(path: str) -> dict | None:
     """The parsed header of a shard, or None when it is absent or not complete."""
+    raw = read_header_bytes(path)
+    return _parse_header(raw) if raw is not None else None
+
+
+def _parse_header(raw: bytes) -> dict | None:
     try:
-        with open(base_of(path) + ".hdr", "rb") as f:
-            hdr = json.loads(f.read())
-    except (FileNotFoundError, ValueError):
+        hdr = json.loads(raw)
+    except ValueError:
         return None
     if not isinstance(hdr, dict) or hdr.get("format") != FORMAT or hdr.get("complete") != 1:
         return None
     return hdr
 
 
-def write_header(base: str, hdr: dict) -> None:
-    """Write a header atomically (temp file then rename) — the commit point of a shard."""
+def read_header_bytes(path: str) -> bytes | None:
+    """A shard's header as written (not parsed), or None when there is none."""
+    try:
+        with open(base_of(path) + ".hdr", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+_HEAD = re.compile(rb'^\{"format":"' + re.escape(FORMAT.encode()) + rb'","step":(\d+),"rank":(\d+),')
+
+
+def header_step_rank(path: str) -> tuple[int, int] | None:
+    """(step, rank) of a complete shard from the start of its header alone (a header exists only
+    once its shard is complete; parsing a whole one, 30 KB for a small model's optimizer state,
+    costs ~0.5 ms); None when there is none. A header laid out otherwise is parsed."""
+    try:
+        with open(base_of(path) + ".hdr", "rb") as f:
+            head = f.read(160)
+    except FileNotFoundError:
+        return None
+    m = _HEAD.match(head)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    hdr = read_header(path)
+    return (hdr["step"], hdr["rank"]) if hdr is not None else None
+
+
+def write_header(base: str, hdr: dict, encoded: bytes | None = None) -> None:
+    """Write a header atomically (temp file then rename) — the commit point of a shard.
+    `encoded`: the header's JSON already made (`hdr` unused then)."""
     tmp = f"{base}.hdr.tmp.{os.getpid()}.{threading.get_ident()}"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(hdr, separators=(",", ":")).encode())
+        f.write(encoded if encoded is not None else json.dumps(hdr, separators=(",", ":")).encode())
     os.replace(tmp, base + ".hdr")
+
+
+_TABLE_MARK = "\x00tensors"
+
+
+def _encode_header(hdr: dict, table_json: str) -> bytes:
+    """`hdr` as JSON with its "tensors" entry given already encoded (the table stays the same
+    from step to step: encoding it, tens of KB, each step held the GIL the training thread needs)."""
+    text = json.dumps(dict(hdr, tensors=_TABLE_MARK), separators=(",", ":"))
+    return text.replace(json.dumps(_TABLE_MARK), table_json, 1).encode()
 
 
 def crc_of(view, crc: int = 0) -> int:
@@ -169,14 +212,34 @@ def encode_shard(path: str) -> tuple[dict, memoryview]:
     hdr = read_header(path)
     if hdr is None:
         raise CorruptShard(f"{base_of(path)}: no complete header")
+    return hdr, _map_data(path, hdr)
+
+
+def _map_data(path: str, hdr: dict) -> memoryview:
     n = hdr["nbytes"]
     if n == 0:
-        return hdr, memoryview(b"")
+        return memoryview(b"")
     with open(base_of(path) + ".data", "rb") as f:
         if os.fstat(f.fileno()).st_size < n:
             raise CorruptShard(f"{base_of(path)}: data shorter than header's nbytes")
         mm = mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ)
-    return hdr, memoryview(mm)
+    return memoryview(mm)
+
+
+def encode_shard_raw(path: str) -> tuple[dict, bytes, memoryview]:
+    """`encode_shard`, with the header's bytes as read too (to ship as they are, and for
+    `still_current_raw`)."""
+    raw = read_header_bytes(path)
+    hdr = _parse_header(raw) if raw is not None else None
+    if hdr is None or raw is None:
+        raise CorruptShard(f"{base_of(path)}: no complete header")
+    return hdr, raw, _map_data(path, hdr)
+
+
+def still_current_raw(path: str, raw: bytes) -> bool:
+    """`still_current` against the header's bytes as read before the copy: the same bytes, the
+    same shard (the header names its step and checksum), with no parsing."""
+    return read_header_bytes(path) == raw
 
 
 def still_current(path: str, hdr: dict) -> bool:
@@ -208,22 +271,33 @@ class _TensorTypes:
 _TENSOR_TYPES = _TensorTypes()
 
 
+def _tensor_ref(index: int):
+    """What a tensor's place in the metadata pickle names (`_Unpickler.find_class` resolves it to
+    the index-th tensor of the shard); never called itself."""
+    raise pickle.UnpicklingError("a shard's tensor reference read outside memckpt.load")
+
+
 class _Pickler(pickle.Pickler):
+    """Pickles a state with every eligible tensor replaced by a reference to its index.
+
+    `reducer_override` is consulted only for objects that are not of a basic type (ints, floats,
+    strings, dicts, lists...): for a model's and optimizer's state that is the tensors alone,
+    where a `persistent_id` would be a Python call for every object (a third of the training
+    thread's snapshot time)."""
+
     def __init__(self, buf):
         super().__init__(buf, protocol=5)
         self.tensors: list = []
         self._ids: dict[int, int] = {}
 
-    def persistent_id(self, obj):
-        if type(obj) not in _TENSOR_TYPES:      # the cheap test first: most of a state is not tensors
-            return None
-        if _eligible(obj):
-            idx = self._ids.get(id(obj))
-            if idx is None:
-                idx = self._ids[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return ("t", idx)
-        return None
+    def reducer_override(self, obj):
+        if type(obj) not in _TENSOR_TYPES or not _eligible(obj):
+            return NotImplemented
+        idx = self._ids.get(id(obj))
+        if idx is None:
+            idx = self._ids[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return _tensor_ref, (idx,)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -231,7 +305,13 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(buf)
         self._tensors = tensors
 
+    def find_class(self, module, name):
+        if module == __name__ and name == "_tensor_ref":
+            return self._tensors.__getitem__
+        return super().find_class(module, name)
+
     def persistent_load(self, pid):
+        # shards written before the references were globals (persistent ids ("t", index))
         if pid[0] != "t":
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         return self._tensors[pid[1]]
@@ -259,11 +339,13 @@ class _Slot:
         self.base = base
         self.capacity = 0
         self.buf = None           # torch uint8 tensor mapping base.data
-        self.layout_key = None    # tuple of (offset, nbytes) last written
+        self.layout_key = None    # set once `views` were zeroed and made for the current buffer
         self.pending: Future | None = None
         self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
         self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
+        self.table_json = ""                                # (the table, encoded)
         self.views: list | None = None     # ...and the views of `buf` they were copied into
+        self.pairs: list[int] = []         # the indices of those with any bytes
 
 
 class MemCheckpointer:
@@ -327,34 +409,40 @@ class MemCheckpointer:
         shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
         if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
             slot.plan, slot.views, slot.shapes = _plan(p.tensors), None, None
+            slot.table_json = json.dumps(slot.plan[0], separators=(",", ":"))
         table, nbytes = slot.plan
         self._ensure(slot, nbytes)
         try:                      # invalidate first: a crash from here on never looks complete
             os.unlink(slot.base + ".hdr")
         except FileNotFoundError:
             pass
-        key = tuple((e["offset"], e["nbytes"]) for e in table)
-        if key != slot.layout_key or slot.views is None:
+        if slot.views is None or slot.layout_key is None:
             slot.buf[:nbytes].zero_()  # keep padding bytes zero so the checksum is deterministic
             slot.views = [slot.buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape)
                           for t, e in zip(p.tensors, table)]
             slot.shapes = shapes
-        pairs = [(d, t) for d, t, e in zip(slot.views, p.tensors, table) if e["nbytes"]]
+            slot.pairs = [i for i, e in enumerate(table) if e["nbytes"]]
+        views, src = slot.views, p.tensors
         with torch.no_grad():     # one call for every tensor: the step blocks for the copy alone
-            torch._foreach_copy_([d for d, _ in pairs], [t.detach() for _, t in pairs])
-        slot.layout_key = key
-        hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
-               "tensors": table, "meta": base64.b64encode(meta).decode(), "complete": 1}
-        slot.pending = self._pool.submit(self._commit, slot, hdr, meta)
+            if len(slot.pairs) == len(src):
+                torch._foreach_copy_(views, src)
+            else:
+                torch._foreach_copy_([views[i] for i in slot.pairs], [src[i] for i in slot.pairs])
+        slot.layout_key = nbytes
+        # the header (the tensor table, the base64 of the metadata), its checksum and its commit
+        # are the background thread's: the training thread only copied
+        slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
         self._last_step = step
 
-    def _commit(self, slot: _Slot, hdr: dict, meta: bytes) -> None:
-        n = hdr["nbytes"]
-        crc = crc_of(slot.buf[:n].numpy()) if n else 0
+    def _commit(self, slot: _Slot, step: int, table_json: str, nbytes: int, meta: bytes) -> None:
+        # (the key order is the format's: "format", "step", "rank" first, see header_step_rank)
+        hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
+               "tensors": None, "meta": base64.b64encode(meta).decode(), "complete": 1}
+        crc = crc_of(slot.buf[:nbytes].numpy()) if nbytes else 0
         hdr["checksum"] = zlib.crc32(meta, crc)
-        write_header(slot.base, hdr)
+        write_header(slot.base, hdr, _encode_header(hdr, table_json))
         if self.on_commit is not None:
-            self.on_commit(hdr["step"], slot.base + ".hdr")
+            self.on_commit(step, slot.base + ".hdr")
 
     def wait(self) -> None:
         """Block until every submitted snapshot is committed; re-raises a background failure."""

@@ -1,0 +1,45 @@
+"""Backup pushes keep their lane's connection from one step to the next (agent/peerxfer.py)."""
+import socket
+
+from stalwart.agent.peerxfer import PeerClient, PeerServer
+from stalwart.agent.shards import ShardStore
+from stalwart.worker import memckpt
+from stalwart.worker.memckpt import MemCheckpointer
+
+
+def test_pushes_of_successive_steps_share_one_connection_and_survive_its_loss(tmp_path):
+    """...and the receiving side is told of every stored shard and the run that made it (the
+    holder reports a backup: its report may wait for company, the pusher's could not)."""
+    store = ShardStore(str(tmp_path / "peer-own"), str(tmp_path / "backup"), keep_backup=2)
+    accepted, stored = [], []
+
+    def on_stored(hdr, run):
+        stored.append((hdr["step"], run))
+    with PeerServer("127.0.0.1", 0, store, on_stored=on_stored) as srv, PeerClient(timeout_s=10) as client, \
+            MemCheckpointer(str(tmp_path / "own"), rank=0) as ck:
+        real = srv._srv.get_request
+
+        def counting():
+            conn = real()
+            accepted.append(conn)
+            return conn
+        srv._srv.get_request = counting            # type: ignore[method-assign]
+        import torch
+        w = torch.zeros(1000)
+
+        def push(step: int) -> str:
+            w.fill_(step)
+            ck.snapshot({"w": w}, step)
+            ck.wait()
+            return client.push(srv.address, 0, step, memckpt.latest(str(tmp_path / "own"), 0)[1],
+                               run=7).result(10)
+
+        assert [push(s) for s in range(3)] == ["sent"] * 3
+        assert len(accepted) == 1 and srv.received == 3           # one connection for three steps
+        assert stored == [(0, 7), (1, 7), (2, 7)]                  # the holder hears of each, with its run
+        lane = next(iter(client._lanes.values()))
+        assert lane.sock is not None
+        lane.sock.shutdown(socket.SHUT_RDWR)                      # the kept connection breaks...
+        assert push(3) == "sent" and len(accepted) == 2           # ...the next push reconnects once
+        assert client.list(srv.address)["backup"][0] == [2, 3]
+    store.close()
