@@ -113,6 +113,9 @@ def test_streak_stops_at_evictions_gaps_and_planned_stops():
     assert ladder.streak(hist, 5) == ["rollback"]
     assert ladder.streak(hist + [inc(5, "hot_update", 50)], 3600) == []
     assert ladder.streak([], 3600) == []
+    # the current failure, detected long after the newest past one, starts a new run
+    assert ladder.streak(hist, 5, now=44) == ["rollback"]
+    assert ladder.streak(hist, 5, now=46) == []
 
 
 def test_next_rung_reattempt_then_replay_once():

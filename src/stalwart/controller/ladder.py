@@ -43,13 +43,15 @@ def checks_for(symptom: str, category: str, machines: int, stop_time_checks: boo
     return checks
 
 
-def streak(incidents: Sequence[Mapping], window_s: float) -> list[str]:
-    """Mechanisms of the failures just before the current one that no eviction explained, newest
-    first; the run of them ends at an eviction, a planned stop, or a gap longer than `window_s`."""
+def streak(incidents: Sequence[Mapping], window_s: float, now: float | None = None) -> list[str]:
+    """Mechanisms of the failures just before the current one (detected at `now`) that no eviction
+    explained, newest first; the run of them ends at an eviction, a planned stop, or a gap longer
+    than `window_s` (between two of them, and between the newest and `now`: a failure hours after
+    the last one is not that one coming back)."""
     out: list[str] = []
     past = [i for i in incidents if i.get("mechanism")]
     past.sort(key=lambda i: i["detected_at"])
-    later = None
+    later = now
     for inc in reversed(past):
         if inc["mechanism"] not in UNEXPLAINED or inc.get("evicted"):
             break

@@ -153,7 +153,8 @@ class DiagnosisFlow:
         if inc.confirm:
             res = dataclasses.replace(res, evict=[], suspects=[], mechanism="reattempt",
                                       cause=f"{res.cause}; no machine confirmed: evicting none")
-        previous = ladder.streak([dataclasses.asdict(h) for h in st.history], self.ctx.policy.ladder_window_s)
+        previous = ladder.streak([dataclasses.asdict(h) for h in st.history], self.ctx.policy.ladder_window_s,
+                                 inc.detected_at)
         possible, why_not = self.core.replay.possible(st)
         rung = ladder.next_rung(previous, possible)
         rollback = None
