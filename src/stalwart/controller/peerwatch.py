@@ -96,8 +96,6 @@ class PeerWatch:
             if len(common) < WINDOW:     # too few already: the rest cannot add any
                 return None, {"samples": len(common)}
         have = sorted(common)
-        if len(have) < WINDOW:
-            return None, {"samples": len(have)}
         metrics = [k for k in METRICS if all(any(k in self.rows[m][b] for b in have) for m in machines)]
         if not metrics:
             return None, {"samples": len(have)}

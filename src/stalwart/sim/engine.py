@@ -94,6 +94,9 @@ class Sim:
         self.shown: dict[int, list[str]] = {}       # id(fault) -> machines it shows on in this run
         self.slow_machines: set[str] = set()
         self.slow_since = 0.0         # when the current run's first machine turned slow
+        pol = self.spec.policy        # how long the slowdown detectors may take (see `watching_slow`)
+        self.slow_watch_s = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
+                                 + pol.failslow_rounds * pol.failslow_period_s) + SLOW_WATCH_EXTRA_S
         self.stuck = False
         self.warm_at: dict[str, float] = {}
         self.version = 1
@@ -258,12 +261,7 @@ class Sim:
         as the core's slowdown detectors could still act on them: the peer watch's window and
         continuity and the fail-slow rounds, twice over. A policy whose detectors are off (or that
         let it pass) then sees stretches again, as for any quiet training."""
-        if not self.slow_machines:
-            return False
-        pol = self.spec.policy
-        watch = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
-                     + pol.failslow_rounds * pol.failslow_period_s) + SLOW_WATCH_EXTRA_S
-        return self.now < self.slow_since + watch
+        return bool(self.slow_machines) and self.now < self.slow_since + self.slow_watch_s
 
     def schedule_tick(self) -> None:
         if self.st is None or self.st.terminal or self.quiet():
