@@ -26,6 +26,7 @@ class FakeCluster:
         self.dead: set[str] = set()
         self.busy: set[str] = set()
         self.heard: dict[str, float] = {}      # when a machine was last heard, if not just now
+        self.late = 0.0                        # the heartbeat lateness the host has shown
         self.tags: dict[str, dict[str, str]] = {}    # topology labels, if any
         self.clock = clock
 
@@ -36,6 +37,9 @@ class FakeCluster:
         if machine in self.heard:
             return self.heard[machine]
         return None if machine in self.dead else self.clock.now
+
+    def beat_late_s(self) -> float:
+        return self.late
 
     def free(self) -> list[str]:
         return [m for m in self.machines if m not in self.busy and m not in self.dead]

@@ -90,9 +90,24 @@ def test_a_machine_silent_for_two_beats_after_the_stop_is_lost():
     assert policy.silent_during_stop({"m0", "m1", "m2"}, heard, now=10.0, heartbeat_s=1.0) == ["m1", "m2"]
     assert policy.silent_during_stop({"m0"}, heard, now=10.0, heartbeat_s=1.0) == []
     assert policy.silent_during_stop({"m1"}, heard, now=10.0, heartbeat_s=1.5) == []   # 2.1 s < 2 beats
-    # short beats: never less than the floor (one late beat on a loaded host is no silence)
-    assert policy.silent_during_stop({"m1"}, {"m1": 8.5}, now=10.0, heartbeat_s=0.5) == []
-    assert policy.silent_during_stop({"m1"}, {"m1": 7.9}, now=10.0, heartbeat_s=0.5) == ["m1"]
+    # short beats on a quiet host: two intervals are enough
+    assert policy.silent_during_stop({"m1"}, {"m1": 9.1}, now=10.0, heartbeat_s=0.5) == []
+    assert policy.silent_during_stop({"m1"}, {"m1": 9.0}, now=10.0, heartbeat_s=0.5) == ["m1"]
+    # ... a host whose beats came 0.4 s late asks for one interval plus twice that
+    assert policy.silent_during_stop({"m1"}, {"m1": 8.8}, now=10.0, heartbeat_s=0.5, late_s=0.4) == []
+    assert policy.silent_during_stop({"m1"}, {"m1": 8.7}, now=10.0, heartbeat_s=0.5, late_s=0.4) == ["m1"]
+    # ... and a very late beat (a loaded host) never asks for more than the cap
+    assert policy.silent_during_stop({"m1"}, {"m1": 8.5}, now=10.0, heartbeat_s=0.5, late_s=5.0) == []
+    assert policy.silent_during_stop({"m1"}, {"m1": 7.9}, now=10.0, heartbeat_s=0.5, late_s=5.0) == ["m1"]
+
+
+def test_the_silence_limit_follows_the_lateness_seen_between_two_beats_and_the_cap():
+    assert policy.silence_limit(0.5) == 1.0
+    assert policy.silence_limit(0.5, late_s=0.1) == 1.0          # jitter within the two intervals
+    assert policy.silence_limit(0.5, late_s=0.5) == 1.5
+    assert policy.silence_limit(0.5, late_s=3.0) == policy.SILENT_CAP_S
+    assert policy.silence_limit(2.0, late_s=3.0) == 4.0          # the cap never cuts below two beats
+    assert policy.silence_limit(0.5, late_s=-1.0) == 1.0         # early beats are no jitter
 
 
 def net(machine="m1", kind="nic_down", t=10.0, ids=("eth0/link@0#1",), standing=False):

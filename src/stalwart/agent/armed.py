@@ -17,7 +17,7 @@ import time
 from typing import Callable, Mapping
 
 from stalwart import protocol as p
-from stalwart.agent.workers import kill_tree
+from stalwart.agent.workers import kill_trees_now
 
 log = logging.getLogger("stalwart.agent")
 
@@ -84,8 +84,7 @@ class ChaosCommands:
         if cmd["kind"] == "machine-down":
             self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
             time.sleep(0.05)  # let the sender thread carry the injection time out
-            for pid in self.machine_pids():
-                kill_tree(pid)
+            kill_trees_now(list(self.machine_pids()))
             os._exit(137)
         t = self.apply(cmd)
         self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})

@@ -171,6 +171,19 @@ def kill_tree(pid: int, grace_s: float = 0.0) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def kill_trees_now(pids: list[int]) -> None:
+    """SIGKILL several processes and all their descendants at once, waiting for none of them: what
+    a machine that loses power does to its processes (`machine-down`). Killing tree after tree and
+    waiting for each left the agent alive, answering the controller, for a second or two."""
+    procs = [p for pid in pids for p in process_tree(pid)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 @dataclass
 class Worker:
     local_rank: int

@@ -144,20 +144,29 @@ def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
 
 
 SILENT_BEATS = 2
-# ... and never less than this: with short heartbeats on a loaded host, one agent's beat can come a
-# second late (a slow request, a busy process), and that is no reason to evict its machine
-SILENT_FLOOR_S = 2.0
+# ... plus twice the lateness the host's beats have shown recently, up to this: with short heartbeats
+# on a loaded host one agent's beat can come a second late (a slow request, a busy process), and
+# that is no reason to evict its machine; on a quiet host two intervals are enough
+SILENT_CAP_S = 2.0
+
+
+def silence_limit(heartbeat_s: float, late_s: float = 0.0, beats: int = SILENT_BEATS) -> float:
+    """How long a machine asked to stop may stay silent before it is called lost: `beats`
+    heartbeat intervals, longer where beats have come late on this host (one interval plus twice
+    the largest recent lateness), but never more than `SILENT_CAP_S` beyond what `beats` asks."""
+    floor = beats * heartbeat_s
+    return min(max(floor, heartbeat_s + 2 * max(late_s, 0.0)), max(floor, SILENT_CAP_S))
 
 
 def silent_during_stop(awaiting: Iterable[str], last_heard: Mapping[str, float | None], now: float,
-                       heartbeat_s: float, beats: int = SILENT_BEATS) -> list[str]:
-    """Machines asked to stop that have sent nothing for `beats` heartbeat intervals: lost.
+                       heartbeat_s: float, late_s: float = 0.0, beats: int = SILENT_BEATS) -> list[str]:
+    """Machines asked to stop that have sent nothing for `silence_limit`: lost.
 
     Outside an incident a machine is lost after `missed_beats` silent intervals; while one is
     open the evidence already points at a failure and every live agent answers the stop at once
     (its heartbeats go on meanwhile), so a shorter silence is enough to act on.
     """
-    limit = max(beats * heartbeat_s, SILENT_FLOOR_S)
+    limit = silence_limit(heartbeat_s, late_s, beats)
 
     def silent(m: str) -> bool:
         heard = last_heard.get(m)

@@ -21,6 +21,7 @@ import msgspec
 from stalwart import protocol
 from stalwart.chaos import catalogue
 from stalwart.controller import snapshot, versions
+from stalwart.controller.beats import BeatLateness
 from stalwart.controller.job import state as S
 from stalwart.controller.commands import CommandQueues
 from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
@@ -77,6 +78,9 @@ class MachineView:
     def last_heard(self, machine: str) -> float | None:
         return self.ctl.last_heard(machine)
 
+    def beat_late_s(self) -> float:
+        return self.ctl.beat_late_s()
+
     def free(self) -> list[str]:
         return self.ctl.free_for(self.job_id)
 
@@ -96,6 +100,7 @@ class Controller:
         self.store_host = store_host
         self.heartbeat_s = heartbeat_s
         self.missed_beats = missed_beats
+        self.lateness = BeatLateness(heartbeat_s)   # how late beats come on this host (silence rules)
         self.backend = backend      # backends.base.Backend: evicts, refills, says when the cluster ended
         self._requested: dict[str, float] = {}     # machines asked of the backend -> when
         self._ended: str | None = None             # why the cluster took the machines away
@@ -217,7 +222,9 @@ class Controller:
             m = self._machines.get(machine)
             if m is None or not m["alive"]:
                 return {"reregister": True}
-            m["last_beat"] = time.time()
+            now = time.time()
+            self.lateness.heard(m["last_beat"], now)
+            m["last_beat"] = now
         return {"ok": True}
 
     def _monitor(self) -> None:
@@ -270,6 +277,11 @@ class Controller:
         with self._lock:
             m = self._machines.get(machine)
             return m["last_beat"] if m else None
+
+    def beat_late_s(self) -> float:
+        """The largest heartbeat lateness seen recently on this host (`beats.BeatLateness`)."""
+        with self._lock:
+            return self.lateness.late_s(time.time())
 
     def machine_labels(self, machine: str) -> dict[str, str]:
         """The topology labels its agent registered with (`stalwart agent --label`)."""
@@ -414,7 +426,9 @@ class Controller:
             m = self._machines.get(machine)
             job_id = m.get("job_id") if m else None
             if m is not None and m["alive"]:
-                m["last_beat"] = time.time()
+                now = time.time()
+                self.lateness.heard(m["last_beat"], now)
+                m["last_beat"] = now
             reply = {"ok": True} if m is not None and m["alive"] else {"ok": True, "reregister": True}
         runner = self._runner_of(job_id)
         if runner is None:

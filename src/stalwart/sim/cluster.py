@@ -71,6 +71,9 @@ class SimCluster:
     def last_heard(self, machine: str) -> float | None:
         return self.dead_at.get(machine, self.now)
 
+    def beat_late_s(self) -> float:
+        return 0.0          # simulated heartbeats are never late
+
     def free(self) -> list[str]:
         if self._free is None:
             self._free = [m for m in self.order if m not in self.busy and m not in self.dead_at and m not in self.out]

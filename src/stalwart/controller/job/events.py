@@ -69,6 +69,9 @@ class ClusterView(Protocol):
     def last_heard(self, machine: str) -> float | None:
         """When its agent last sent anything."""
 
+    def beat_late_s(self) -> float:
+        """The largest heartbeat lateness seen recently on this host (0: beats come on time)."""
+
     def free(self) -> list[str]:
         """Idle machines no job holds, in a stable order."""
 

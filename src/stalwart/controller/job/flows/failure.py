@@ -97,8 +97,9 @@ class FailureFlow:
         return [StopWorkers(machines=list(st.slots), run=st.run_seq, grace_s=self.ctx.policy.stop_grace_s)]
 
     def check_stopped(self, st: JobState, now: float) -> Actions:
-        """While stopping: machines silent for two beats are lost; once every machine stopped (or
-        the bound passed) and the evidence had its moment, localize."""
+        """While stopping: machines silent for two beats (more where this host's beats came late)
+        are lost; once every machine stopped (or the bound passed) and the evidence had its moment,
+        localize."""
         inc = st.incident
         assert inc is not None and inc.stop_sent is not None
         if self.core.reconcile.pending(st):
@@ -113,7 +114,8 @@ class FailureFlow:
         heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots} if inc.awaiting else {}
         latest = max((t for t in heard.values() if t is not None), default=now)
         noted: Actions = []
-        for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s):
+        late = self.ctx.cluster.beat_late_s() if inc.awaiting else 0.0
+        for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s, late):
             inc.awaiting.discard(m)
             inc.lost.add(m)
             seen = heard.get(m)
