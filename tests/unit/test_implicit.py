@@ -169,6 +169,27 @@ def test_flight_recorder_when_all_stacks_agree_and_when_it_agrees_too():
     assert d2.kind is None and d2.machines == [] and "same collectives" in d2.reason
 
 
+def test_flight_recorder_when_the_stack_outliers_narrow_nothing():
+    """tp 2 x dp 3 on 3 machines: the hung rank 0 sleeps outside any collective, and the capture
+    caught rank 2 (another machine) in a different frame: outliers on machines 0 and 1 share only
+    the dp group of the whole job. The flight recorder shows ranks 0 and 1 never entered the
+    all_reduce the others wait in: machine 0, not a guess over the whole job."""
+    topo = Topology(machines=3, gpus_per_machine=2, tp=2, dp=3)
+    sleep = [("train.py", "<module>"), ("train.py", "train_step"), ("stalwart/worker.py", "maybe_hang")]
+    cap = capture(topo, lambda r: sleep if r == 0 else RECV if r == 2 else GRAD_SYNC)
+    alone = decide_hang(cap, topo, ids(topo))
+    assert alone.machines == [] and "narrow nothing" in alone.reason
+    dumps = {r: _fr([_ar(1), _ar(2, retired=False)]) for r in range(6)}
+    dumps[0] = dumps[1] = _fr([_ar(1)])
+    d = decide_hang(cap, topo, ids(topo), fr_dumps=dumps)
+    assert d.source == "flightrec" and d.outlier_ranks == [0, 1] and d.machines == ["node-00"]
+    assert d.reason.startswith("stacks inconclusive (outliers on 2 machines")
+    # a recorder that shows every rank in the same collective changes nothing
+    same = {r: _fr([_ar(1), _ar(2, retired=False)]) for r in range(6)}
+    d2 = decide_hang(cap, topo, ids(topo), fr_dumps=same)
+    assert d2.machines == [] and "narrow nothing" in d2.reason
+
+
 def test_bad_input_is_refused():
     topo = Topology(machines=2, gpus_per_machine=1, dp=2)
     cap = capture(topo, lambda r: GRAD_SYNC)

@@ -191,8 +191,9 @@ def decide_hang(stacks_by_machine: Mapping[Any, list[dict]], topo: Any,
 
     ``stacks_by_machine``: machine id -> list of :func:`stalwart.agent.tracer.capture`
     records.  ``machine_ids_by_index``: the id at each topology index (list or mapping).
-    ``fr_dumps``: optional rank -> flight-recorder dump, consulted when the stacks are
-    ambiguous or all identical; ``pg_ranks`` optional pg_id -> member ranks for it.
+    ``fr_dumps``: optional rank -> flight-recorder dump, consulted when the stacks name no
+    machine (ambiguous, all identical, or outliers that narrow nothing); ``pg_ranks`` optional
+    pg_id -> member ranks for it.
     ``max_fraction``: never evict more than this fraction of the machines (see
     :func:`stalwart.analyzer.stacks.decide_eviction`).
     """
@@ -204,7 +205,9 @@ def decide_hang(stacks_by_machine: Mapping[Any, list[dict]], topo: Any,
     d = decide_eviction(agg, topo, max_fraction)
     note = f" ({len(not_captured)} ranks without a captured worker stack: {not_captured})" \
         if not_captured else ""
-    if d.machines or not fr_dumps or not (agg.ambiguous or not agg.outliers):
+    # the flight recorder is asked whenever the stacks evict nothing: identical, ambiguous, or
+    # outliers that narrow nothing (on several machines sharing only a group of most of the job)
+    if d.machines or not fr_dumps:
         return Decision(d.kind, _ids(d.machines, by_index), d.outlier_ranks, "stacks: " + d.reason + note,
                         "stacks" if d.machines else None, list(d.machines), not_captured)
     found = _from_flightrec(fr_dumps, pg_ranks, topo, max_fraction)
