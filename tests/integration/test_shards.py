@@ -290,6 +290,7 @@ def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
                 ck.wait()
                 mgr._scan()
         assert [s for _, s, _ in memckpt.list_shards(mgr.shm_dir, 0)] == [4, 5]
+        mgr.store.drain()       # the first run's durable copies are reported before we look away
         events.clear()
         mgr.configure(durable, every=2, backup=None)          # the next run, restored from step 1
         mgr.start_from(0, 1)

@@ -331,6 +331,11 @@ class ShardStore:
                         self._fs.rm(b + ext)
         return base + ".hdr"
 
+    def drain(self) -> None:
+        """Wait for the persists queued so far, and for their done callbacks (they run on the
+        persist thread as each copy ends, before it takes the next)."""
+        self._pool.submit(lambda: None).result()
+
     def close(self) -> None:
         """Wait for pending persists and stop the background thread."""
         self._pool.shutdown(wait=True)
