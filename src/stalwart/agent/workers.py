@@ -150,24 +150,28 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return procs
 
 
-def kill_tree(pid: int, grace_s: float = 0.0) -> None:
-    """Kill a process and every descendant, also when stopped (SIGSTOP) or frozen."""
-    procs = process_tree(pid)
+def _kill_now(procs: list[psutil.Process]) -> None:
+    """SIGKILL each process (continued first: a stopped one dies only once it runs)."""
     for p in procs:
         try:
             p.send_signal(signal.SIGCONT)
-            if grace_s > 0:
-                p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    if grace_s > 0:
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
-        procs = alive
-    for p in procs:
-        try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def kill_tree(pid: int, grace_s: float = 0.0) -> None:
+    """Kill a process and every descendant, also when stopped (SIGSTOP) or frozen."""
+    procs = process_tree(pid)
+    if grace_s > 0:
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=grace_s)
+    _kill_now(procs)
     psutil.wait_procs(procs, timeout=5)
 
 
@@ -175,13 +179,7 @@ def kill_trees_now(pids: list[int]) -> None:
     """SIGKILL several processes and all their descendants at once, waiting for none of them: what
     a machine that loses power does to its processes (`machine-down`). Killing tree after tree and
     waiting for each left the agent alive, answering the controller, for a second or two."""
-    procs = [p for pid in pids for p in process_tree(pid)]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    _kill_now([p for pid in pids for p in process_tree(pid)])
 
 
 @dataclass

@@ -17,7 +17,7 @@ class BeatLateness:
 
     def __init__(self, heartbeat_s: float, window_s: float = WINDOW_S):
         self.heartbeat_s, self.window_s = heartbeat_s, window_s
-        self._bucket_start = None          # type: float | None
+        self._bucket_start: float | None = None
         self._current = 0.0                # max lateness in the current window
         self._previous = 0.0               # ... and in the one before
 

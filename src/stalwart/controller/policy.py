@@ -153,7 +153,8 @@ SILENT_CAP_S = 2.0
 def silence_limit(heartbeat_s: float, late_s: float = 0.0, beats: int = SILENT_BEATS) -> float:
     """How long a machine asked to stop may stay silent before it is called lost: `beats`
     heartbeat intervals, longer where beats have come late on this host (one interval plus twice
-    the largest recent lateness), but never more than `SILENT_CAP_S` beyond what `beats` asks."""
+    the largest recent lateness), but never more than `SILENT_CAP_S` or the `beats` intervals,
+    whichever is longer."""
     floor = beats * heartbeat_s
     return min(max(floor, heartbeat_s + 2 * max(late_s, 0.0)), max(floor, SILENT_CAP_S))
 

@@ -222,10 +222,14 @@ class Controller:
             m = self._machines.get(machine)
             if m is None or not m["alive"]:
                 return {"reregister": True}
-            now = time.time()
-            self.lateness.heard(m["last_beat"], now)
-            m["last_beat"] = now
+            self._heard(m)
         return {"ok": True}
+
+    def _heard(self, m: dict) -> None:
+        """A live machine sent something (a beat or events): note when, and how late (under the lock)."""
+        now = time.time()
+        self.lateness.heard(m["last_beat"], now)
+        m["last_beat"] = now
 
     def _monitor(self) -> None:
         next_alive = 0.0
@@ -426,9 +430,7 @@ class Controller:
             m = self._machines.get(machine)
             job_id = m.get("job_id") if m else None
             if m is not None and m["alive"]:
-                now = time.time()
-                self.lateness.heard(m["last_beat"], now)
-                m["last_beat"] = now
+                self._heard(m)
             reply = {"ok": True} if m is not None and m["alive"] else {"ok": True, "reregister": True}
         runner = self._runner_of(job_id)
         if runner is None:
