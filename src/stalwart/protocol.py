@@ -74,7 +74,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True):
 
     `run` is None for warm spares (they learn their run at activation). `replay` marks a
     throw-away run of the stop-time replay: it never reads or writes the job's checkpoints.
-    `master` is the rendezvous store's (host, port), None for spares.
+    `master` is the rendezvous store's (host, port), None for spares. `spares`: the job's
+    `warm_spares` policy.
     """
     job: int
     run: int | None
@@ -92,6 +93,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True):
     replay_layers: int = 0
     restore_step: int = -1
     master: tuple[str, int] | None = None
+    spares: bool = True                   # keep warm spare workers on the machine once the run trains
 
     def warm_key(self) -> tuple:
         """Which runs a warm worker started for this spec can serve: the same command,

@@ -107,6 +107,7 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "ladder_window_s": ("float", 0.0, True, math.inf, False),
     "mem_slots": ("int", 2, False, math.inf, False),
     "over_evict": ("bool", 0, False, 0, False),
+    "warm_spares": ("bool", 0, False, 0, False),
 }
 
 
@@ -163,6 +164,10 @@ class Policy:
         (ByteRobust's over-eviction: fast, at the price of healthy machines in that group);
         false: stacks only inform, a hang's culprit is searched by stop-time checks and replay,
         and a slowdown evicts only machines measured slower than their peers (true/false).
+    warm_spares: once a run trains, every machine starts spare workers (torch imported, at low
+        priority) so that a restart there never waits for imports (true/false). Off where many
+        simulated machines share one host's few cores: there the spares' imports compete with
+        training, and a fault soon after the start finds them still importing.
 
     ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
@@ -197,6 +202,7 @@ class Policy:
     ladder_window_s: float = 3600.0
     mem_slots: int = 4
     over_evict: bool = True
+    warm_spares: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

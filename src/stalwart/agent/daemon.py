@@ -461,6 +461,11 @@ class Agent:
         replay = cmd.spec.replay
         ready: list[int] = []
         if not replay and self._warm_key == cmd.spec.warm_key() and self.warm.workers:
+            if warm_nice():
+                # they are wanted now: a spare still importing at low priority on a busy machine
+                # would hold the whole run back (every rank waits for this machine's)
+                for pid in self.warm.pids():
+                    renice(pid, 0)
             deadline = time.time() + cmd.wait_warm_s
             while True:
                 warm_pids = set(self.warm.pids())
@@ -478,7 +483,7 @@ class Agent:
             self._hand_over(cmd, extra, ready[:n])
             warm = True
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm})
-        if self.keep_warm and not replay:
+        if self.keep_warm and cmd.spec.spares and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
             self._refill_at = (time.time(), cmd)     # (started once a rank here reported a step)

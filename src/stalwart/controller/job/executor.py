@@ -113,7 +113,7 @@ class Executor:
             job=self.job_id, run=run, command=list(s.command), cwd=code_path or s.code_dir,
             user_env=dict(s.env), layout=layout, steps=s.steps, ckpt_every=s.ckpt_every,
             ckpt_dir=self.ctl.ckpt_dir(self.job_id), mem_slots=s.policy.mem_slots, version=version,
-            code_path=code_path)
+            code_path=code_path, spares=s.policy.warm_spares)
         values.update(over)
         return p.RunSpec(**values)
 
