@@ -6,6 +6,8 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from stalwart.agent.workers import _exited
 
 
@@ -51,6 +53,30 @@ def test_renice_sets_every_thread_of_a_process(tmp_path):
         p.kill()
         p.wait()
     assert not renice(p.pid, 0)                        # gone: says so, does not raise
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may bring a process back from SCHED_IDLE")
+def test_a_warm_worker_waits_in_the_idle_class_and_renice_brings_every_thread_back(tmp_path):
+    import sys
+    from stalwart.agent.workers import WorkerSet, renice
+    ws = WorkerSet(str(tmp_path), on_exit=lambda w: None)
+    code = ("import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); "
+            "time.sleep(30)")
+    ws.spawn([sys.executable, "-c", code], [dict(os.environ)], [None], None, None, "warm", nice=10)
+    pid = ws.workers[0].proc.pid
+    try:
+        deadline = time.time() + 10
+        while len(os.listdir(f"/proc/{pid}/task")) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(tids) == 2
+        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, t) == 10
+                   for t in tids)
+        assert renice(pid, 0)
+        assert all(os.sched_getscheduler(t) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, t) == 0
+                   for t in tids)
+    finally:
+        ws.stop()
 
 
 def test_a_fatal_signal_pending_counts_as_dying_and_the_stop_does_not_claim_the_exit(tmp_path):

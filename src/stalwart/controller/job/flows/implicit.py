@@ -36,6 +36,12 @@ FAILSLOW_QUIET_S = 30.0         # at most one set of fail-slow rounds per 30 s
 # only the pair test sees it; a milder drop with nobody to blame becomes the job's pace.
 FAILSLOW_CHECK_FACTOR = 5.0
 STEADY_SHARE = 0.8              # a fail-slow verdict: flagged in this share of the rounds
+# A slow-compute verdict must explain the slowdown: the flagged ranks compute at least this share of
+# the step time added since the healthy pace more than their peers (a slow pipeline stage adds its
+# extra once per micro-batch, plus the pipeline's fill and drain: a share, not all of it). A rank a
+# little slower than its peers while the steps take many times longer (a slow link, a loaded host)
+# is not what slowed the job.
+EXPLAIN_SHARE = 0.25
 COMM_ROUNDS = 2                 # ... in this many rounds in a row (a busy host's stall passes)
 
 
@@ -353,7 +359,8 @@ class ImplicitFlow:
             slow = self._still_slow(st, fs)
             if slow:                  # slower, with nobody to blame: this is the job's pace now
                 st.signals.failslow_ref_s = None
-            return acts + [record("failslow_cleared", now, run=st.run_seq, rounds=fs.done, still_slow=slow)]
+            return acts + [record("failslow_cleared", now, run=st.run_seq, rounds=fs.done, still_slow=slow,
+                                  why=why)]
         if len(machines) > len(self.ctx.ready_standbys(st)):
             # a slow job still trains: never trade it for a failed one
             return acts + [record("failslow_no_standby", now, run=st.run_seq, machines=machines, why=why)]
@@ -406,6 +413,11 @@ class ImplicitFlow:
         n, half = self.ctx.policy.failslow_rounds, max(1, self.ctx.spec.machines // 2)
         machines, seen = steady_outliers(fs.by_compute, n, STEADY_SHARE)
         if machines and len(machines) <= half:
+            extra, added = self._extra_compute(st, fs, machines)
+            if extra < EXPLAIN_SHARE * added:
+                return [], (f"{', '.join(machines)} computed slower than its data-parallel peers in {seen} of "
+                            f"the last {n} rounds, {extra:.3f}s a step more: too little to explain the "
+                            f"{added:.3f}s a step the job slowed by")
             return machines, f"computed slower than its data-parallel peers in {seen} of the last {n} rounds"
         verdict = (fs.rounds.verdict(min_flags=math.ceil(STEADY_SHARE * n - 1e-9))
                    if self.ctx.policy.over_evict else None)
@@ -415,6 +427,21 @@ class ImplicitFlow:
                     f"{verdict[0]} group flagged most often: in {flagged} of the last {n} rounds")
         machines, seen = steady_outliers(fs.flagged, n, STEADY_SHARE)
         return machines, f"flagged in {seen} of the last {n} rounds"
+
+    def _extra_compute(self, st: JobState, fs: FailSlow, machines: list[str]) -> tuple[float, float]:
+        """(the most a rank of `machines` computes per step beyond the median of its peers, the
+        step time added since the healthy pace), from the last round's per-rank compute."""
+        topo, compute = self.ctx.topo, st.signals.failslow_compute
+        recent = st.signals.step_durs[-RECENT_N:]
+        added = max(0.0, median(recent) - fs.baseline_s) if recent else 0.0
+        extra = 0.0
+        for m in machines:
+            for r in topo.ranks_of_machine(st.slots.index(m)) if m in st.slots else ():
+                group = topo.group("dp", r) if topo.size("dp") > 1 else list(compute)
+                peers = [compute[q] for q in group if q != r and q in compute]
+                if r in compute and peers:
+                    extra = max(extra, compute[r] - median(peers))
+        return extra, added
 
     def _still_slow(self, st: JobState, fs: FailSlow) -> bool:
         """Whether the recent steps still run below the throughput seen before the rounds began."""
