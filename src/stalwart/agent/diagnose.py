@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from stalwart.agent.workers import die_with_parent, kill_tree
+from stalwart.agent.workers import die_with_parent, kill_tree, renice
 
 log = logging.getLogger("stalwart.agent")
 START_GRACE_S = 15.0     # importing torch on a loaded machine, on top of the checks' own bound
@@ -30,7 +30,10 @@ WARM_NICE = 10           # the warm checker imports torch while the job trains: 
 
 def _warm_checker_child() -> None:
     """In the warm checker's child before exec: die with the agent's thread, lower priority (no
-    root needed to lower one; the checks run while the job is stopped, so they keep it)."""
+    root needed to lower one). As root the checks get the normal priority back when they start
+    (`Diagnoser.run`): a pair test measuring bandwidth at niceness 10 on a machine busy with other
+    work measures the scheduler; without root they keep it (the job is stopped, the machine is
+    theirs)."""
     die_with_parent()
     os.nice(WARM_NICE)
 
@@ -96,6 +99,8 @@ class Diagnoser:
             open(out, "w").close()
             files.append((plan_path, out, os.path.join(d, f"diag{lr}.log")))
         warm = self._take_warm()
+        if warm is not None and os.geteuid() == 0:
+            renice(warm.pid, 0)      # (its processes for the plans start from it: they inherit it)
         if warm is not None:
             try:
                 warm.stdin.write((json.dumps({"plans": files, "env": cmd.get("env", {})}) + "\n").encode())
