@@ -35,8 +35,8 @@ fixed), side by side with wrong and right evictions.
 `--quick` runs a subset in a few minutes (DP layout, middle machine: the two classes of issue 17
 and one of each other mechanism, 2 fault-free runs, and one fault-free run on a busy host in the
 TP x DP layout, where a round's stacks can flag a single machine's TP group). The full matrix
-(171 cases) runs two cases at a time by default (`--parallel 2`: about an hour on a quiet 2-core
-host; one at a time, for undisturbed timings, takes about twice as long).
+(171 cases) runs two cases at a time by default (`--parallel 2`: about 1.6 hours on a quiet 2-core
+host, measured: both cores busy throughout; one at a time, for undisturbed timings, takes longer).
 `--json FILE` writes every case and the summary.
 Timings are noisy on a busy host; the correctness figures are not allowed to be.
 """
