@@ -147,7 +147,9 @@ def parse_name(name: str) -> tuple[int, str, int] | None:
 
 
 def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]:
-    """Complete shards in `dir` as sorted (rank, step, header path); the checksum is not verified."""
+    """Complete shards in `dir` as sorted (rank, step, header path), from the start of each header
+    (`header_step_rank`: the agent lists its memory every second, and a whole header is tens of
+    KB of JSON); neither the checksum nor the rest of the header is checked: readers do that."""
     out = []
     try:
         names = os.listdir(dir)
@@ -158,9 +160,9 @@ def list_shards(dir: str, rank: int | None = None) -> list[tuple[int, int, str]]
         if not m or (rank is not None and int(m.group(1)) != rank):
             continue
         path = os.path.join(dir, name)
-        hdr = read_header(path)
-        if hdr is not None and hdr.get("rank") == int(m.group(1)):
-            out.append((hdr["rank"], hdr["step"], path))
+        held = header_step_rank(path)
+        if held is not None and held[1] == int(m.group(1)):
+            out.append((held[1], held[0], path))
     out.sort()
     return out
 
