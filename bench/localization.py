@@ -43,6 +43,7 @@ Timings are noisy on a busy host; the correctness figures are not allowed to be.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -291,13 +292,16 @@ def run_one(case: Case, state_dir: str) -> dict:
     from jobrun import gpt_spec, run_job
 
     from stalwart.controller.store import Store
+    from stalwart.spec import Policy
 
     lay = LAYOUTS[case.layout]
     steps = (BY_NAME[case.kind].steps if case.kind in BY_NAME else SLOW_STEPS if case.kind == "fault-free-busy"
              else 0) or STEPS
     spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=steps, tp=lay["tp"], pp=lay["pp"],
                     dp=lay["dp"], standby=lay["standby"])
-    spec["policy"].update(POLICY)
+    # (the peer's policy may predate a key: it runs with the keys it knows)
+    known = {f.name for f in dataclasses.fields(Policy)}
+    spec["policy"].update({k: v for k, v in POLICY.items() if k in known})
     spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S), "--batch", str(lay["batch"])]
     text = chaos_text(case)
     if text:
