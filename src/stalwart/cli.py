@@ -5,7 +5,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -199,19 +198,28 @@ def cmd_submit(a) -> int:
 
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
+    from stalwart.backends.statedir import StateDirBusy, StateDirLock
     from stalwart.controller.pool import standby_count
     spec = _spec_from_args(a)
-    if a.fresh and os.path.isdir(a.state_dir):
-        shutil.rmtree(a.state_dir)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
-    total = spec.machines + standby_count(spec) + a.spare
-    cluster = LocalCluster(a.state_dir, total, spec.gpus_per_machine, heartbeat_s=spec.policy.heartbeat_s,
-                           missed_beats=spec.policy.missed_beats, log_level=a.log_level)
-    print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
-          f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
-    from stalwart.backends.launch import run_job
-    return run_job(cluster, spec, cluster.start)
+    lock = StateDirLock(a.state_dir)
+    try:
+        lock.acquire()      # one `stalwart run` per state dir, until this one ends
+    except StateDirBusy as e:
+        raise UserError(str(e)) from None
+    try:
+        if a.fresh:
+            lock.clear()
+        total = spec.machines + standby_count(spec) + a.spare
+        cluster = LocalCluster(a.state_dir, total, spec.gpus_per_machine, heartbeat_s=spec.policy.heartbeat_s,
+                               missed_beats=spec.policy.missed_beats, log_level=a.log_level)
+        print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
+              f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
+        from stalwart.backends.launch import run_job
+        return run_job(cluster, spec, cluster.start)
+    finally:
+        lock.release()
 
 
 # -- status / report / inject / machines -------------------------------------------------------
@@ -372,6 +380,11 @@ def cmd_stacks(a) -> int:
 
 def cmd_cleanup(a) -> int:
     from stalwart.backends.local import cleanup_stale
+    from stalwart.backends.statedir import StateDirLock
+    holder = StateDirLock(a.state_dir).held_elsewhere()
+    if holder is not None:
+        raise UserError(f"a `stalwart run` still runs in {os.path.abspath(a.state_dir)} ({holder}): nothing "
+                        "is left over; stop it with Ctrl-C in its terminal, or kill that pid")
     killed = cleanup_stale(a.state_dir)
     print(f"stopped {len(killed)} leftover process(es)")
     if a.orphans:

@@ -1,4 +1,5 @@
 """Bad input ends in one clear line and a non-zero exit, never a traceback."""
+import os
 import socket
 import subprocess
 import sys
@@ -72,3 +73,40 @@ def test_a_second_job_from_the_same_directory_runs(tmp_path):
     second = stalwart(*run[:1], "--state-dir", "sd140", *run[1:], cwd=code)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "internal error" not in second.stdout + second.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_on_a_live_state_dir_is_refused_and_the_first_finishes(tmp_path):
+    """One `stalwart run` per state dir: a second one (with --fresh, which would delete the first
+    one's state under it) is refused in one line, `cleanup` leaves a live run alone, and the first
+    job trains on to the end."""
+    import time
+
+    sd = str(tmp_path / "sd")
+    run = ["run", "--state-dir", sd, "--machines", "1", "--gpus-per-machine", "1", "--steps", "60", "--",
+           sys.executable, "-m", "stalwart.examples.gpt", "--layers", "1", "--log-every", "0",
+           "--min-compute-s", "0.1"]
+    first = subprocess.Popen([sys.executable, "-m", "stalwart.cli", *run], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(sd, "controller.json")) and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.1)
+        second = stalwart(*run[:3], "--fresh", *run[3:])
+        assert second.returncode == 2, second.stderr
+        assert "is in use by another `stalwart run`" in second.stderr and "Traceback" not in second.stderr
+        assert str(first.pid) in second.stderr
+        cleanup = stalwart("cleanup", "--state-dir", sd)
+        assert cleanup.returncode == 2 and "still runs" in cleanup.stderr
+        out, err = first.communicate(timeout=240)
+        assert first.returncode == 0, err[-2000:]
+        assert "succeeded" in out
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, 9)
+            first.wait()
+            stalwart("cleanup", "--state-dir", sd)
+    # once it ended, the state dir is free again
+    again = stalwart("cleanup", "--state-dir", sd)
+    assert again.returncode == 0, again.stderr
