@@ -36,6 +36,8 @@ import time
 
 import psutil
 
+from stalwart.protocol import WARM_TITLE_MARK
+
 GPT_ARGS = ["-m", "stalwart.examples.gpt", "--log-every", "1"]
 LAYOUTS = [(2, 1, 2), (2, 2, 2)]          # (tp, pp, dp); 2 GPUs per machine
 # stalwart's own processes, by role (the first marker found in the command line names the role)
@@ -62,7 +64,9 @@ def role_of(proc: psutil.Process) -> str:
             standby = False
         # a warm spare or standby waiting at its barrier is stalwart's cost (a bench job has no fault,
         # so none is activated: /proc keeps the environment a process started with)
-        return "spare" if standby else "worker"
+        # (a warm worker forked by the machine's fork server has the server's environment: its
+        # command line says it waits, agent/forkclient.py's WARM_MARK)
+        return "spare" if standby or WARM_TITLE_MARK.strip() in cmd else "worker"
     for marker, role in OWN_ROLES:
         if marker in cmd:
             return role

@@ -46,6 +46,11 @@ class Env:
     FR_PERIOD = "STALWART_FR_PERIOD"
 
 
+# what the command line of a warm worker forked by its machine's fork server ends with while it
+# waits for its ranks (`ps` shows the spares); the SDK takes it off at activation
+WARM_TITLE_MARK = "  [stalwart: warm, waiting for ranks]"
+
+
 class _Msg(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
     """Base of commands and events: tagged by `type`; unknown fields are ignored on decode so a
     newer peer can add fields."""
@@ -336,10 +341,13 @@ class ChaosApplied(_Msg, tag="chaos_applied", kw_only=True):
 
 
 class Started(_Msg, tag="started", kw_only=True):
+    """`preload_s`: of the time to start the workers, how long the machine's fork server was
+    still importing (torch...) for them: import time, not spawn time."""
     run: int | None = None
     pids: list[int] = []
     warm: bool = False
     t: float = 0.0
+    preload_s: float = 0.0
 
 
 class RestoreSourceUsed(_Msg, tag="restore_source", kw_only=True):

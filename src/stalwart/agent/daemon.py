@@ -26,9 +26,10 @@ from stalwart.agent.outbox import Outbox
 from stalwart.agent.armed import ChaosCommands
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
-from stalwart.agent.progress import ProgressWatch, hook_env
+from stalwart.agent.forkclient import ForkServers
+from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
-from stalwart.agent.workers import Worker, WorkerSet, renice, warm_nice
+from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -74,11 +75,15 @@ class Agent:
         os.makedirs(self.workdir, exist_ok=True)
         self.sock_path = os.path.join(self.workdir, "agent.sock")
         self.simgpu_path = os.path.join(self.workdir, "simgpu.json")
-        self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
+        # the machine's fork server: workers, spares and standbys forked from one process that
+        # imported torch once (agent/forkclient.py); started with the first run's workers
+        self.forks = ForkServers(os.path.join(self.workdir, "logs"), preexec=die_with_parent,
+                                 hide_paths=(hook_dir(),))
+        self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit, self.forks)
         # Warm workers: torch imported, the user's module loaded, blocked at the activation barrier.
         # A standby machine holds them for its first run; every machine keeps spares for the next
         # restart (keep_warm), so a restart never waits for `import torch`.
-        self.warm = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit)
+        self.warm = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit, self.forks)
         self._warm_key: tuple | None = None
         self._refill_at: tuple[float, p.Start] | None = None   # when to top up the spares, for which run
         self._spares_for: str | None = None     # `spares` asked: report when those are all ready
@@ -177,6 +182,7 @@ class Agent:
         self.chaos.cleanup()
         self.workers.stop()
         self.warm.stop()
+        self.forks.close()
         self.diagnoser.stop()
         self.ckpt.close()
         import shutil
@@ -451,6 +457,7 @@ class Agent:
         self.workers.stop()
         self._last_step.clear()
         self.progress.reset()
+        preload_before = self.forks.preload_wait_s
         extra = self._prepare_run(cmd)
         if extra is None:
             return
@@ -482,7 +489,8 @@ class Agent:
         else:
             self._hand_over(cmd, extra, ready[:n])
             warm = True
-        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm})
+        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm,
+                   "preload_s": round(self.forks.preload_wait_s - preload_before, 3)})
         if self.keep_warm and cmd.spec.spares and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.

@@ -17,6 +17,10 @@ from typing import Callable
 
 import psutil
 
+from stalwart.agent.forkclient import ForkedProcess, ForkServers
+
+Proc = subprocess.Popen | ForkedProcess      # a worker started by the agent, or forked by its fork server
+
 
 def die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the parent dies (so no worker outlives its
@@ -63,11 +67,13 @@ def renice(pid: int, value: int = 0) -> bool:
         return False
 
 
-def _exited(proc: subprocess.Popen) -> bool:
+def _exited(proc: Proc) -> bool:
     """Has the process ended (reaped or not)? `Popen.poll()` cannot tell while another thread
     waits on it (it then answers None), so ask the kernel without reaping (WNOWAIT)."""
     if proc.returncode is not None:
         return True
+    if isinstance(proc, ForkedProcess):       # (not our child: its fork server reaps it)
+        return proc.exited()
     try:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
@@ -99,7 +105,7 @@ def _dying(pid: int) -> bool:
         return False        # gone already (then `_exited` says so) or unreadable
 
 
-def ended_on_its_own(proc: subprocess.Popen) -> bool:
+def ended_on_its_own(proc: Proc) -> bool:
     """Has the process ended, or begun to end, without anyone stopping it?"""
     return _exited(proc) or _dying(proc.pid)
 
@@ -179,6 +185,25 @@ def _kill_now(procs: list[psutil.Process]) -> None:
             pass
 
 
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process has ended; the ones still alive at `timeout`. A zombie counts as
+    ended: one whose parent died waits for init to reap it (a second or more here), and a worker
+    forked by the fork server is not ours to reap (`psutil.wait_procs` waited for both)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        procs = alive
+        time.sleep(0.01)
+
+
 def kill_tree(pid: int, grace_s: float = 0.0) -> None:
     """Kill a process and every descendant, also when stopped (SIGSTOP) or frozen."""
     procs = process_tree(pid)
@@ -189,9 +214,9 @@ def kill_tree(pid: int, grace_s: float = 0.0) -> None:
                 p.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
                 pass
-        _, procs = psutil.wait_procs(procs, timeout=grace_s)
+        procs = wait_gone(procs, grace_s)
     _kill_now(procs)
-    psutil.wait_procs(procs, timeout=5)
+    wait_gone(procs, 5.0)
 
 
 def kill_trees_now(pids: list[int]) -> None:
@@ -205,7 +230,7 @@ def kill_trees_now(pids: list[int]) -> None:
 class Worker:
     local_rank: int
     rank: int | None
-    proc: subprocess.Popen
+    proc: Proc
     out_path: str
     err_path: str
     run: int | None
@@ -221,9 +246,12 @@ class Worker:
 class WorkerSet:
     """The workers of one machine for the current run (or the warm standbys waiting for one)."""
 
-    def __init__(self, log_dir: str, on_exit: Callable[[Worker], None]):
+    def __init__(self, log_dir: str, on_exit: Callable[[Worker], None], forks: ForkServers | None = None):
+        """`forks`: the machine's fork server(s), which start the workers they can (see
+        agent/forkclient.py); the others, or all without one, start as new processes."""
         self.log_dir = log_dir
         self.on_exit = on_exit
+        self.forks = forks
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
 
@@ -243,10 +271,14 @@ class WorkerSet:
                 name = f"{tag}_rank{rank}" if rank is not None else f"{tag}_local{i}"
                 out_path = os.path.join(self.log_dir, f"{name}.out")
                 err_path = os.path.join(self.log_dir, f"{name}.err")
-                with open(out_path, "ab") as out, open(err_path, "ab") as err:
-                    proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
-                                            stderr=err, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, preexec_fn=pre_exec)
+                proc: Proc | None = None
+                if self.forks is not None:
+                    proc = self.forks.spawn(command, env, cwd, out_path, err_path, prefix, nice)
+                if proc is None:
+                    with open(out_path, "ab") as out, open(err_path, "ab") as err:
+                        proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
+                                                stderr=err, stdin=subprocess.DEVNULL,
+                                                start_new_session=True, preexec_fn=pre_exec)
                 w = Worker(local_rank=i, rank=rank, proc=proc, out_path=out_path, err_path=err_path,
                            run=run)
                 self.workers.append(w)

@@ -5,7 +5,8 @@ is that start-up is a large share of the time lost at scale, and which phase dom
 to shorten, so the report splits it at the events the job records:
 
     waiting     job_submitted -> run_started of the first run (machines taken)
-    spawn       -> workers_started (the last machine's agent spawned its workers)
+    spawn       -> workers_started (the last machine's agent spawned its workers), less the time
+                   the machine's fork server was still importing for them (`preload_s`)
     import      -> the last worker's SDK began (python, torch and the training script loaded)
     rendezvous  -> the last worker's process groups were up
     first_step  -> the start of the first step (restore and whatever the script does before it)
@@ -34,7 +35,7 @@ def startup_phases(events: Iterable[Mapping]) -> dict[str, float]:
         elif first_run is None:
             continue
         elif kind == "workers_started" and data.get("run") == first_run[0]:
-            started.append(t)
+            started.append(t - float(data.get("preload_s") or 0.0))
         elif kind == "workers_ready" and data.get("run") == first_run[0] and ready is None:
             imported, ready = data.get("imported"), data.get("ready")
         elif kind == "step" and data.get("run") == first_run[0]:

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from stalwart.protocol import Env
+from stalwart.protocol import WARM_TITLE_MARK, Env
 from stalwart.topology import Topology
 from stalwart.worker import durable, memckpt
 from stalwart.worker.link import AgentLink
@@ -39,6 +39,18 @@ def _warm_up_torch() -> None:
     (p * p).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def _untitle_warm() -> None:
+    """A warm worker forked by its machine's fork server shows that it waits in its command line
+    (agent/forkclient.py's WARM_MARK): it trains now."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    title = setproctitle.getproctitle()
+    if title.endswith(WARM_TITLE_MARK):
+        setproctitle.setproctitle(title[:-len(WARM_TITLE_MARK)])
 
 
 class Context:
@@ -122,6 +134,7 @@ class Context:
         self._activation.wait()
         os.environ.update(self._activation_env)
         os.environ.pop(Env.STANDBY, None)
+        _untitle_warm()
 
     def _init_process_groups(self) -> None:
         backend = "nccl" if self.cuda else "gloo"

@@ -235,7 +235,8 @@ class RunFlow:
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
-        return [record("workers_started", ev.t or now, run=ev.run, machine=machine, warm=bool(ev.warm))]
+        return [record("workers_started", ev.t or now, run=ev.run, machine=machine, warm=bool(ev.warm),
+                       preload_s=ev.preload_s)]
 
     def on_restore_source(self, st: JobState, ev: protocol.RestoreSourceUsed, now: float) -> Actions:
         run = st.run
