@@ -130,7 +130,7 @@ class Agent:
                                       self.netns.host_ifname if self.netns is not None else None,
                                       self.emit, period_s=heartbeat_s)
         self.diagnoser = Diagnoser(machine_id, self.workdir, self.simgpu_path, self._base_env,
-                                   self._prefix, self.emit)
+                                   self._prefix, self.emit, self.forks)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
         self.chaos_cmds = ChaosCommands(self.chaos.apply, self.emit, lambda: self._last_step,

@@ -5,9 +5,10 @@ Each check process gets a plan file and appends one JSON line per finished check
 killed at the bound still leaves what it had measured. Processes run in the machine's network
 namespace (with its environment) like the workers, and are killed with their whole tree.
 
-Between failures the agent keeps one warm `stalwart.diag.worker --serve` process per machine (torch
-imported, the checks loaded) that forks the checkers when a `diagnose` command comes, so the checks
-do not start with an `import torch` in every process; without one the checkers start cold.
+The checkers are forked by the machine's fork server where it runs (agent/forkclient.py: torch
+imported once for the workers and the checks alike). Without one, the agent keeps one warm
+`stalwart.diag.worker --serve` process per machine between failures (torch imported, the checks
+loaded) that forks the checkers when a `diagnose` command comes; without either they start cold.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from stalwart.agent.forkclient import ForkedProcess, ForkServers
 from stalwart.agent.workers import die_with_parent, kill_tree, renice
 
 log = logging.getLogger("stalwart.agent")
@@ -41,16 +43,20 @@ def _warm_checker_child() -> None:
 class Diagnoser:
     def __init__(self, machine_id: str, workdir: str, simgpu_path: str,
                  env: Callable[[dict], dict[str, str]], prefix: Callable[[], list[str] | None],
-                 emit: Callable[[dict], None]):
+                 emit: Callable[[dict], None], forks: ForkServers | None = None):
         self.machine_id, self.workdir, self.simgpu_path = machine_id, workdir, simgpu_path
         self.env, self.prefix, self.emit = env, prefix, emit
+        self.forks = forks if forks is not None and forks.enabled else None
         self._warm: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     # -- the warm checker ---------------------------------------------------------------------
     def prewarm(self) -> None:
-        """Start the warm checker if none is alive. Call from a long-lived thread (the agent's
-        command thread): the process dies with the thread that forked it."""
+        """Start the warm checker if none is alive (not with a fork server: it forks the checkers).
+        Call from a long-lived thread (the agent's command thread): the process dies with the
+        thread that forked it."""
+        if self.forks is not None:
+            return
         with self._lock:
             if self._warm is not None and self._warm.poll() is None:
                 return
@@ -109,7 +115,8 @@ class Diagnoser:
             except OSError:      # it died just now: start cold
                 warm = None
         if warm is None:
-            procs = [self._cold(plan_path, out, log_path, cmd) for plan_path, out, log_path in files]
+            procs = [self._forked(plan_path, out, log_path, cmd) or self._cold(plan_path, out, log_path, cmd)
+                     for plan_path, out, log_path in files]
         rounds = max(1, len(cmd.get("inter", [])))
         deadline = t0 + START_GRACE_S + bound * (2 + rounds)
         killed = []
@@ -129,7 +136,14 @@ class Diagnoser:
                     except ValueError:
                         pass    # the line a killed process was writing
         self.emit({"type": "diag_result", "id": cmd["id"], "results": results, "killed": killed,
-                   "warm": warm is not None, "seconds": round(time.time() - t0, 3)})
+                   "warm": warm is not None or any(isinstance(p, ForkedProcess) for p in procs),
+                   "seconds": round(time.time() - t0, 3)})
+
+    def _forked(self, plan_path: str, out: str, log_path: str, cmd: dict) -> ForkedProcess | None:
+        if self.forks is None:
+            return None
+        return self.forks.spawn(CHECKER + [plan_path, out], self.env(cmd), self.workdir, log_path, log_path,
+                                self.prefix())
 
     def _cold(self, plan_path: str, out: str, log_path: str, cmd: dict) -> subprocess.Popen:
         argv = (self.prefix() or []) + CHECKER + [plan_path, out]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import threading
@@ -201,6 +202,9 @@ class ForkServers:
         self.enabled = os.environ.get(DISABLE_ENV, "1") != "0" if enabled is None else enabled
         self._lock = threading.Lock()
         self._servers: dict[tuple, _Server] = {}
+        self._starts: queue.Queue = queue.Queue()
+        self._starter: threading.Thread | None = None
+        self._starter_lock = threading.Lock()
         self.preload_wait_s = 0.0       # time spawns waited for a server's preload, in all (see Started)
 
     def key_of(self, command: list[str], env: dict[str, str], prefix: list[str] | None) -> tuple | None:
@@ -224,12 +228,6 @@ class ForkServers:
         """The modules the server preloads (STALWART_FORK_PRELOAD of the worker, else of the agent;
         None: the server's default)."""
         return env.get(PRELOAD_ENV, os.environ.get(PRELOAD_ENV))
-
-    def prepare(self, command: list[str], env: dict[str, str], prefix: list[str] | None, cwd: str | None) -> None:
-        """Start the server this command needs, if it is not there (its preload takes seconds:
-        start it early). Call from a long-lived thread: the server dies with the thread that
-        started it."""
-        self._server_for(command, env, prefix, cwd)
 
     def _server_for(self, command, env, prefix, cwd) -> _Server | None:
         key = self.key_of(command, env, prefix)
@@ -262,12 +260,38 @@ class ForkServers:
                 if p and os.path.abspath(p) not in self.hide_paths]
         if path:                  # (stalwart itself may be there)
             server_env["PYTHONPATH"] = os.pathsep.join(path)
+        argv = list(prefix or []) + [command[0], SERVER]
         try:
-            return _Server(key, list(prefix or []) + [command[0], SERVER], server_env, cwd or os.getcwd(),
-                           os.path.join(self.log_dir, "forkserver.log"), self.preexec)
+            return self._in_starter(lambda: _Server(key, argv, server_env, cwd or os.getcwd(),
+                                                    os.path.join(self.log_dir, "forkserver.log"), self.preexec))
         except OSError as e:
             log.warning("fork server did not start (%s): workers start the usual way", e)
             return None
+
+    def _in_starter(self, make: Callable[[], _Server]) -> _Server:
+        """Run `make` on this object's own thread, which lives as long as the object: a server dies
+        with the thread that started it (its death signal), and callers may be short-lived threads
+        (the stop-time checks run on one per command)."""
+        with self._starter_lock:
+            if self._starter is None:
+                self._starter = threading.Thread(target=self._start_loop, name="forkserver-starter", daemon=True)
+                self._starter.start()
+        done: list = []
+        ev = threading.Event()
+        self._starts.put((make, done, ev))
+        ev.wait()
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    def _start_loop(self) -> None:
+        while True:
+            make, done, ev = self._starts.get()
+            try:
+                done.append(make())
+            except BaseException as e:     # noqa: BLE001 - handed to the caller
+                done.append(e)
+            ev.set()
 
     def spawn(self, command: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str,
               prefix: list[str] | None = None, nice: int = 0) -> ForkedProcess | None:
