@@ -308,3 +308,75 @@ def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
         assert torch.equal(memckpt.load(durable, 0, 3)[1]["w"], torch.full((64,), 13.0))
     finally:
         mgr.close()
+
+
+@pytest.mark.timeout(120)
+def test_backups_arrive_in_recycled_files_and_a_torn_send_is_dropped(tmp_shm, monkeypatch):
+    """The receiver keeps pruned steps' data files for the next ones (their pages exist: no new
+    file per step), a push whose slot changed while it was sent is dropped by the peer, and a
+    client speaking the older `push` op (a header object) is still served."""
+    import socket
+
+    from stalwart.agent import peerxfer
+    from stalwart.agent.peerxfer import PeerServer
+
+    own = os.path.join(tmp_shm, "own")
+    store = ShardStore(os.path.join(tmp_shm, "srv-own"), os.path.join(tmp_shm, "srv-backup"), keep_backup=2)
+    srv = PeerServer("127.0.0.1", 0, store).start()
+    try:
+        with MemCheckpointer(own, rank=1, slots=2) as ck, PeerClient(timeout_s=30) as client:
+            w = torch.zeros(1 << 18)
+            inodes = []
+            for step in range(8):
+                w.add_(1.0)
+                ck.snapshot({"w": w}, step)
+                ck.wait()
+                assert client.push(srv.address, 1, step, memckpt.latest(own, 1)[1]).result(timeout=60) == "sent"
+                inodes.append(os.stat(memckpt.step_base(store.backup_dir, 1, step) + ".data").st_ino)
+            assert client.list(srv.address)["backup"][1] == [6, 7]
+            data_files = [n for n in os.listdir(store.backup_dir) if n.endswith(".data") or ".spare." in n]
+            assert len(data_files) <= 3, data_files            # two held, one recycled for the next
+            assert len(set(inodes)) <= 3, inodes               # the same files, again and again
+            _, state = memckpt.load(store.fetch(1, 7, "backup"), 1)
+            assert torch.equal(state["w"], w)
+
+            # the worker overwrote the slot while it went out: the peer drops it
+            w.add_(1.0)
+            ck.snapshot({"w": w}, 8)
+            ck.wait()
+            monkeypatch.setattr(peerxfer.memckpt, "still_current_raw", lambda path, raw: False)
+            assert client.push(srv.address, 1, 8, memckpt.latest(own, 1)[1]).result(timeout=60) == "stale"
+            monkeypatch.undo()
+            assert client.list(srv.address)["backup"][1] == [6, 7]
+
+            # the older op: the header as an object, then the bytes
+            path = memckpt.latest(own, 1)[1]
+            hdr = memckpt.read_header(path)
+            with socket.create_connection(srv.address, timeout=30) as sock:
+                peerxfer._send_frame(sock, {"op": "push", "header": hdr})
+                with open(memckpt.base_of(path) + ".data", "rb") as f:
+                    sock.sendall(f.read(hdr["nbytes"]))
+                assert peerxfer._recv_frame(sock)["ok"]
+            assert client.list(srv.address)["backup"][1] == [7, 8]
+    finally:
+        srv.stop()
+        store.close()
+
+
+def test_header_fields_without_parsing_agree_with_json(tmp_shm):
+    import json
+
+    with MemCheckpointer(tmp_shm, rank=2) as ck:
+        ck.snapshot({"a": torch.arange(10.0), "b": [1, "x"]}, 41)
+    path = memckpt.latest(tmp_shm, 2)[1]
+    raw = memckpt.read_header_bytes(path)
+    hdr = json.loads(raw)
+    fields = memckpt.header_fields(raw)
+    assert {k: fields[k] for k in ("step", "rank", "nbytes", "checksum", "hash")} == \
+        {k: hdr[k] for k in ("step", "rank", "nbytes", "checksum", "hash")}
+    assert fields["meta"] == memckpt.meta_bytes(hdr) and hdr["hash"] == memckpt.HASH
+    # a header laid out otherwise (written by hand, or before `hash`: CRC32) is parsed instead
+    other = json.dumps({k: hdr[k] for k in reversed(list(hdr))}).encode()
+    assert memckpt.header_fields(other)["checksum"] == hdr["checksum"]
+    with pytest.raises(CorruptShard):
+        memckpt.header_fields(b'{"format": "x"}')

@@ -301,3 +301,27 @@ def test_a_shard_whose_metadata_uses_persistent_ids_still_loads(shm_dir):
                                 "checksum": zlib.crc32(meta, zlib.crc32(data))})
     step, state = load(base + ".hdr", 0)
     assert step == 4 and state["step"] == 4 and torch.equal(state["w"], w)
+
+
+def test_a_shard_summed_with_crc32_before_xxh3_still_loads_and_verifies(shm_dir):
+    import zlib
+
+    import torch
+    state = {"w": torch.arange(100.0), "n": 3}
+    with memckpt.MemCheckpointer(shm_dir, 0) as ck:
+        ck.snapshot(state, 5)
+    path = memckpt.latest(shm_dir, 0)[1]
+    hdr = memckpt.read_header(path)
+    assert hdr["hash"] == memckpt.HASH
+    with open(memckpt.base_of(path) + ".data", "rb") as f:
+        data = f.read(hdr["nbytes"])
+    del hdr["hash"]                                   # as written before the hash was named
+    hdr["checksum"] = zlib.crc32(memckpt.meta_bytes(hdr), zlib.crc32(data))
+    memckpt.write_header(memckpt.base_of(path), hdr)
+    memckpt.verify_shard(path)
+    step, got = memckpt.load(path, 0)
+    assert step == 5 and torch.equal(got["w"], state["w"]) and got["n"] == 3
+    hdr["checksum"] ^= 1
+    memckpt.write_header(memckpt.base_of(path), hdr)
+    with pytest.raises(memckpt.CorruptShard):
+        memckpt.load(path, 0)

@@ -2,9 +2,14 @@
 
 Every message starts with a frame: 4-byte big-endian length + a JSON object. Operations:
 
-* ``{"op": "push", "header": H}`` then exactly ``H["nbytes"]`` raw bytes. The server writes them
-  to its backup tier while computing the CRC and answers ``{"ok": true, "path": ...}`` or
-  ``{"ok": false, "error": ...}`` (a corrupted shard is rejected and nothing is kept).
+* ``{"op": "put", "hlen": L, "run": R}`` then the shard's header as its owner wrote it (L bytes),
+  its data (the header's ``nbytes``, straight from the owner's slot file by sendfile) and one
+  commit byte: 1 keep, 0 drop (the owner's slot changed while it was sent). The server receives
+  the data in place (`backups.BackupReceiver`), checks the CRC and answers ``{"ok": true, "path":
+  ...}``, ``{"ok": true, "dropped": true}`` or ``{"ok": false, "error": ...}`` (a corrupted shard
+  is rejected and nothing is kept). What the agents use.
+* ``{"op": "push", "header": H}`` then exactly ``H["nbytes"]`` raw bytes: the same from any
+  client that has the header as a JSON object (written to a new file while the CRC is computed).
 * ``{"op": "fetch", "rank": r, "step": s | null, "tier": "backup"}`` — the server answers
   ``{"ok": true, "header": H}`` then ``H["nbytes"]`` raw bytes (``step`` null = newest).
 * ``{"op": "list"}`` — ``{"ok": true, "steps": {tier: {rank: [steps]}}}``.
@@ -12,21 +17,22 @@ Every message starts with a frame: 4-byte big-endian length + a JSON object. Ope
 Push policy (newest step wins): each (peer, rank) lane sends one shard at a time. A push that is
 in flight is always finished — a half-sent shard is worthless, and dropping it whenever a newer
 step appears would starve a slow link of any complete backup. Pushes queued behind it are
-coalesced: only the newest waits, older ones resolve as ``"superseded"``. Before sending, the
-shard is copied into a per-lane staging buffer and the slot's header re-checked, so a worker
-overwriting its slot a few steps later cannot tear the copy (such a push resolves as ``"stale"``).
+coalesced: only the newest waits, older ones resolve as ``"superseded"``. The slot's header is
+re-read after the data went out: a worker that overwrote its slot meanwhile (a few steps later)
+tore the copy, the peer is told to drop it, and the push resolves as ``"stale"``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import signal
 import socket
 import socketserver
 import struct
 import sys
 import threading
-import zlib
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
@@ -116,7 +122,7 @@ class _Handler(socketserver.BaseRequestHandler):
             except Exception as e:                # noqa: BLE001 — reported to the peer
                 _reply_error(sock, e)
                 return
-            keep = req.get("keep") is True and req.get("op") == "push"
+            keep = req.get("keep") is True and req.get("op") in ("push", "put")
             try:
                 self._one(srv, sock, req)
             except (ConnectionError, TimeoutError):
@@ -127,7 +133,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _one(self, srv: "PeerServer", sock: socket.socket, req: dict) -> None:
         op = req.get("op")
-        if op == "push":
+        if op == "put":
+            self._put(srv, sock, req)
+        elif op == "push":
             self._push(srv, sock, req)
         elif op == "fetch":
             self._fetch(srv, sock, req)
@@ -155,6 +163,29 @@ class _Handler(socketserver.BaseRequestHandler):
         srv.received += 1
         if srv.on_stored is not None:
             srv.on_stored(hdr, req.get("run"))
+        _send_frame(sock, {"ok": True, "path": path})
+
+    @staticmethod
+    def _put(srv: "PeerServer", sock: socket.socket, req: dict) -> None:
+        hlen = req.get("hlen")
+        if not isinstance(hlen, int) or not 0 < hlen <= MAX_FRAME:
+            raise ValueError("put without a valid header length")
+        raw = _recv_exact(sock, hlen)
+        fields = memckpt.header_fields(raw)
+        if fields["nbytes"] > srv.max_shard_bytes:
+            raise ValueError(f"shard of {fields['nbytes']} bytes refused (limit {srv.max_shard_bytes})")
+        try:
+            path = srv.store.receiver.receive(raw, fields, sock)
+        except CorruptShard as e:
+            srv.rejected += 1
+            _reply_error(sock, e)
+            return
+        if path is None:
+            _send_frame(sock, {"ok": True, "dropped": True})
+            return
+        srv.received += 1
+        if srv.on_stored is not None:
+            srv.on_stored({"rank": fields["rank"], "step": fields["step"]}, req.get("run"))
         _send_frame(sock, {"ok": True, "path": path})
 
     @staticmethod
@@ -236,9 +267,41 @@ class _Lane:
     def __init__(self):
         self.pending: tuple[int, str, Future, int | None] | None = None
         self.busy = False
-        self.staging = bytearray()
         self.sock: socket.socket | None = None    # kept for the next push (one per step)
+        self.maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}   # slot data path -> its mapping
         self.active = False                        # a push is being sent
+
+    def view(self, path: str, n: int) -> memoryview | None:
+        """The first `n` bytes of the slot file at `path`, from a mapping kept while the file is the
+        same (a slot is rewritten in place: mapping it again each step cost page faults); None
+        when the file is gone or shorter."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        if st.st_size < n:
+            return None
+        if n == 0:
+            return memoryview(b"")
+        kept = self.maps.get(path)
+        if kept is None or kept[0] != (st.st_ino, st.st_size):
+            if kept is not None:
+                kept[1].close()
+            try:
+                with open(path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
+            except (FileNotFoundError, ValueError):
+                return None
+            kept = self.maps[path] = ((st.st_ino, st.st_size), mm)
+        return memoryview(kept[1])[:n]
+
+    def unmap(self) -> None:
+        for _, mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:          # (a view still out: the mapping goes with it)
+                pass
+        self.maps.clear()
 
     def drop(self) -> None:
         if self.sock is not None:
@@ -307,6 +370,7 @@ class PeerClient:
                     self._cv.wait_for(lambda: lane.pending is not None or self._closed, LANE_IDLE_S)
                 if lane.pending is None:
                     lane.drop()                   # (under the lock: a new lane thread may start next)
+                    lane.unmap()
                     lane.busy = False
                     self._cv.notify_all()
                     return
@@ -325,42 +389,49 @@ class PeerClient:
                     self._cv.notify_all()         # (flush: nothing queued, nothing in flight)
 
     def _send(self, addr, rank: int, step: int, path: str, lane: _Lane, run: int | None = None) -> str:
-        # the header travels as read (not parsed and written again) and the seqlock check compares
-        # its bytes: a shard's header is tens of KB of JSON for a small model's optimizer state
-        hdr, raw, view = memckpt.encode_shard_raw(path)
-        try:
-            if hdr["rank"] != rank or hdr["step"] != step:
-                return "stale"
-            n = len(view)
-            if len(lane.staging) < n:
-                lane.staging = bytearray(n)
-            lane.staging[:n] = view
-        finally:
-            view.release()
-        if not memckpt.still_current_raw(path, raw):
+        # The header travels as read (not parsed: tens of KB of JSON for a small model's optimizer
+        # state) and the data straight from the slot's file (sendfile: no copy through this
+        # process); the header's bytes re-read after the send say whether the worker overwrote
+        # the slot meanwhile (a seqlock), and the last byte tells the peer to keep or drop it.
+        raw = memckpt.read_header_bytes(path)
+        if raw is None:
             return "stale"
-        frame = b'{"op":"push","keep":true,"run":' + json.dumps(run).encode() + b',"header":' + raw + b"}"
-        for attempt in (0, 1):
-            reused = lane.sock is not None
-            if lane.sock is None:
-                lane.sock = self._connect(addr)
-            try:
-                lane.sock.sendall(struct.pack(">I", len(frame)) + frame)
-                _send_view(lane.sock, memoryview(lane.staging)[:n], self.chunk_bytes)
-                reply = _recv_frame(lane.sock)
-                break
-            except TimeoutError:
-                lane.drop()
-                raise                             # a stalled peer: not twice the wait
-            except OSError:
-                lane.drop()
-                if not reused or attempt:
-                    raise
-                # the peer closed the kept connection meanwhile (it idled out, or restarted): once more
+        try:
+            fields = memckpt.header_fields(raw)
+        except CorruptShard:
+            return "stale"
+        if fields["rank"] != rank or fields["step"] != step:
+            return "stale"
+        n = fields["nbytes"]
+        view = lane.view(memckpt.base_of(path) + ".data", n)
+        if view is None:
+            return "stale"
+        with view:
+            frame = b'{"op":"put","keep":true,"run":%s,"hlen":%d}' % (json.dumps(run).encode(), len(raw))
+            for attempt in (0, 1):
+                reused = lane.sock is not None
+                if lane.sock is None:
+                    lane.sock = self._connect(addr)
+                try:
+                    lane.sock.sendall(struct.pack(">I", len(frame)) + frame + raw)
+                    if n:
+                        lane.sock.sendall(view)
+                    current = memckpt.still_current_raw(path, raw)
+                    lane.sock.sendall(b"\x01" if current else b"\x00")
+                    reply = _recv_frame(lane.sock)
+                    break
+                except TimeoutError:
+                    lane.drop()
+                    raise                         # a stalled peer: not twice the wait
+                except OSError:
+                    lane.drop()
+                    if not reused or attempt:
+                        raise
+                    # the peer closed the kept connection meanwhile (it idled out, or restarted): once more
         if not reply.get("ok"):
             lane.drop()
             raise PeerError(f"peer {addr[0]}:{addr[1]} rejected rank {rank} step {step}: {reply.get('error')}")
-        return "sent"
+        return "stale" if reply.get("dropped") else "sent"
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until no push is queued or in flight; False on timeout."""
@@ -397,8 +468,7 @@ class PeerClient:
             for chunk in _recv_chunks(sock, hdr["nbytes"], self.chunk_bytes):
                 data[pos:pos + len(chunk)] = chunk
                 pos += len(chunk)
-        crc = zlib.crc32(memckpt.meta_bytes(hdr), memckpt.crc_of(data))
-        if crc != hdr["checksum"]:
+        if memckpt.checksum(hdr, data) != hdr["checksum"]:
             raise CorruptShard(f"rank {rank} step {hdr['step']} from {addr}: checksum mismatch")
         return hdr, data
 

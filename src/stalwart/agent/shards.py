@@ -14,12 +14,12 @@ import json
 import os
 import threading
 import uuid
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 import fsspec
 
+from stalwart.agent.backups import BackupReceiver
 from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
@@ -51,20 +51,20 @@ def receive_shard(dir: str, hdr: dict, chunks: Iterable, keep: int | None = None
     os.makedirs(dir, exist_ok=True)
     base = memckpt.step_base(dir, rank, step)
     tmp = f"{base}.data.tmp.{uuid.uuid4().hex}"
-    crc, got = 0, 0
+    s, got = memckpt.summer(hdr.get("hash")), 0
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 if got + len(chunk) > n:
                     raise CorruptShard(f"rank {rank} step {step}: more than {n} bytes received")
-                crc = memckpt.crc_of(chunk, crc)
+                s.update(chunk)
                 f.write(chunk)
                 got += len(chunk)
         if got != n:
             raise CorruptShard(f"rank {rank} step {step}: {got} of {n} bytes received")
-        crc = zlib.crc32(memckpt.meta_bytes(hdr), crc)
-        if crc != hdr["checksum"]:
-            raise CorruptShard(f"rank {rank} step {step}: checksum {crc:08x} != {hdr['checksum']:08x}")
+        s.update(memckpt.meta_bytes(hdr))
+        if s.intdigest() != hdr["checksum"]:
+            raise CorruptShard(f"rank {rank} step {step}: checksum {s.intdigest():x} != {hdr['checksum']:x}")
         try:
             os.unlink(base + ".hdr")
         except FileNotFoundError:
@@ -115,6 +115,7 @@ class ShardStore:
         self._fs, self._root = (fsspec.core.url_to_fs(durable_dir) if durable_dir else (None, None))
         if self._fs is not None:
             self._fs.makedirs(self._root, exist_ok=True)
+        self.receiver = BackupReceiver(backup_dir, keep_backup)
         self._valid: dict[tuple, bool] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-persist")
@@ -179,15 +180,17 @@ class ShardStore:
         with self._lock:
             hit = self._valid.get(key)
         if hit is None:
-            crc = 0
+            s = memckpt.summer(hdr.get("hash"))
             with self._fs.open(data, "rb") as f:
                 left = hdr["nbytes"]
                 while left:
                     chunk = f.read(min(_CHUNK, left))
                     if not chunk:
                         break
-                    crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-            hit = left == 0 and zlib.crc32(memckpt.meta_bytes(hdr), crc) == hdr["checksum"]
+                    s.update(chunk)
+                    left -= len(chunk)
+            s.update(memckpt.meta_bytes(hdr))
+            hit = left == 0 and s.intdigest() == hdr["checksum"]
             with self._lock:
                 self._valid[key] = hit
         return hit
@@ -306,7 +309,7 @@ class ShardStore:
                     view.release()
                 if not memckpt.still_current(path, hdr):
                     continue
-                if zlib.crc32(memckpt.meta_bytes(hdr), memckpt.crc_of(data)) != hdr["checksum"]:
+                if memckpt.checksum(hdr, data) != hdr["checksum"]:
                     raise CorruptShard(f"{path}: checksum mismatch, not persisting it")
                 return hdr, data
         raise FileNotFoundError(f"rank {rank} step {step} is in neither the own nor the backup tier")
@@ -339,6 +342,7 @@ class ShardStore:
     def close(self) -> None:
         """Wait for pending persists and stop the background thread."""
         self._pool.shutdown(wait=True)
+        self.receiver.close()
 
     def __enter__(self):
         return self
