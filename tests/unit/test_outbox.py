@@ -102,3 +102,22 @@ def test_retry_delay_doubles_to_a_cap_with_jitter():
     # agents that failed together spread over half the interval
     spread = {round(retry_delay(10, 1.0, r / 10), 2) for r in range(10)}
     assert len(spread) == 10 and min(spread) >= RETRY_CAP_S / 2
+
+
+def test_a_step_report_waits_briefly_for_the_other_local_ranks_of_its_step():
+    box = Outbox()
+    box.put({"type": "step", "run": 1, "step": 7, "rank": 0})
+    threading.Timer(0.05, lambda: box.put({"type": "step", "run": 1, "step": 7, "rank": 1})).start()
+    t0 = time.monotonic()
+    out = box.take(timeout=1.0, gather=5.0, ranks=2)          # the second rank's report ends the wait
+    assert [e["rank"] for e in out] == [0, 1] and time.monotonic() - t0 < 4.0
+    box.put({"type": "step", "run": 1, "step": 8, "rank": 0})  # the other rank never comes: bounded
+    t0 = time.monotonic()
+    assert [e["rank"] for e in box.take(timeout=1.0, gather=0.1, ranks=2)] == [0]
+    assert 0.08 <= time.monotonic() - t0 < 2.0
+    box.put({"type": "step", "run": 1, "step": 9, "rank": 0})  # evidence behind it: no wait
+    box.put({"type": "worker_exit", "rank": 1})
+    assert len(box.take(timeout=1.0, gather=30.0, ranks=2)) == 2
+    box.put({"type": "step", "run": 1, "step": 10, "rank": 0})  # one rank here: nothing to wait for
+    t0 = time.monotonic()
+    assert len(box.take(timeout=1.0, gather=30.0, ranks=1)) == 1 and time.monotonic() - t0 < 5.0

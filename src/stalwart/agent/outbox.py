@@ -65,14 +65,36 @@ class Outbox:
                     return True
         return False
 
-    def take(self, timeout: float | None = None, max_batch: int = 500, linger: float = 0.0) -> list[dict]:
+    def _steps_incomplete(self, ranks: int) -> bool:
+        """Are step reports all that is prompt here, and has some step fewer than `ranks` of them?"""
+        counts: dict[tuple, int] = {}
+        for ev in self._q:
+            if ev.get("type") == "step":
+                key = (ev.get("run"), ev.get("step"))
+                counts[key] = counts.get(key, 0) + 1
+            elif not routine(ev):
+                return False
+        return any(c < ranks for c in counts.values())
+
+    def take(self, timeout: float | None = None, max_batch: int = 500, linger: float = 0.0,
+             gather: float = 0.0, ranks: int = 1) -> list[dict]:
         """Up to `max_batch` events, oldest first; waits up to `timeout` for the first one. With
-        `linger`, a batch of routine events only (steps, metrics) waits that much longer for more,
-        so a job's every step is not a request of its own; anything else (evidence of a failure, a
-        restored rank) goes at once."""
+        `gather`, step reports wait up to that long for the other ranks' reports of their step
+        (`ranks` on this machine: they train in lockstep, their reports come within a moment, and
+        together they are one request, not one each). With `linger`, a batch of routine events
+        only (metrics, copies held here) waits that much longer for more, so a job's every step
+        is not a request of its own; anything else (evidence of a failure, a restored rank) goes
+        at once."""
         with self._cond:
             if not self._q:
                 self._cond.wait(timeout)
+            if self._q and gather > 0 and ranks > 1:
+                end = time.monotonic() + gather
+                while len(self._q) < max_batch and self._steps_incomplete(ranks):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             if self._q and linger > 0:
                 end = time.monotonic() + linger
                 while not self._prompt and len(self._q) < max_batch:
