@@ -61,7 +61,7 @@ def test_a_nic_that_stays_down_is_one_occurrence_until_the_job_fails_with_it():
     acts = h.stopped() + h.advance(2.0)
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     upd = [x.fields for x in of(acts, a.UpdateIncident) if "cause" in x.fields][0]
-    assert upd["symptom"] == "nic_down" and "still standing when the job failed" in upd["cause"]
+    assert upd["symptom"] == "nic_down" and "still standing when the run stopped making progress" in upd["cause"]
 
 
 def test_a_flap_that_healed_before_localization_is_not_standing():
@@ -116,7 +116,9 @@ def test_stack_outliers_sharing_only_the_whole_job_go_to_the_pair_test():
         h.agent(f"m{r}", p.Stacks(run=1, records=[{"rank": r, "role": "worker", "pid": 100 + r,
                                                    "threads": stack[r], "status": "running"}]))
     assert h.st.incident is not None and h.st.incident.implicit_evict == []
-    assert "narrow nothing" in h.st.incident.reason
+    # (two ranks in the allreduce are no majority: the stacks call nobody healthy, and so narrow
+    # nothing either way)
+    assert "ambiguous" in h.st.incident.reason or "narrow nothing" in h.st.incident.reason
     checks = of(h.stopped() + h.advance(2.0), a.RunChecks)[0]
     assert checks.checks == ["selftest", "intra", "inter"]
     acts = answer(h, checks, slow="m1")

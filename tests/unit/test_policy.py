@@ -146,7 +146,7 @@ def test_a_network_condition_still_standing_when_the_job_failed_names_the_machin
                     standing=("m1",))
     r = policy.resolve(snap(), hang, now=20.0)
     assert (r.mechanism, r.evict, r.symptom, r.certain) == ("evict_restart", ["m1"], "nic_down", False)
-    assert "nic_down on m1 still standing when the job failed" in r.cause
+    assert "nic_down on m1 still standing when the run stopped making progress" in r.cause
     # ... but not when something certain explains the failure
     gpu = Alert("m2", "gpu_lost", "fatal", machine_certain=True, t=9.0)
     r = policy.resolve(snap(), Evidence(alerts=(gpu, down), standing=("m1",)), now=20.0)

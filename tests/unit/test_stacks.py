@@ -240,10 +240,27 @@ def test_outliers_on_several_machines_without_a_narrow_group_narrow_nothing():
 def test_outliers_on_two_machines_of_a_data_parallel_job_are_not_a_localization():
     """The issue's case: a slow link on m1 of a 4-machine DP job left ranks on m2 and m3 caught
     mid-step; their only shared group is the whole job: evict nothing (stop-time checks decide)."""
-    topo = Topology(machines=4, gpus_per_machine=1, pp=1, dp=4)
+    topo = Topology(machines=8, gpus_per_machine=1, pp=1, dp=8)
     agg = aggregate(job_stacks(topo, lambda r: {2: RECV_BWD, 3: SEND_BWD}.get(r, GRAD_SYNC)))
     d = decide_eviction(agg, topo)
-    assert agg.outliers == [2, 3] and (d.kind, d.machines) == (None, []) and "dp group of 4 of 4 machines" in d.reason
+    assert agg.outliers == [2, 3] and (d.kind, d.machines) == (None, []) and "dp group of 8 of 8 machines" in d.reason
+    # on 4 machines the two in the all-reduce are no majority: nobody is called healthy
+    topo = Topology(machines=4, gpus_per_machine=1, pp=1, dp=4)
+    agg = aggregate(job_stacks(topo, lambda r: {2: RECV_BWD, 3: SEND_BWD}.get(r, GRAD_SYNC)))
+    assert agg.ambiguous and decide_eviction(agg, topo).machines == []
+
+
+def test_a_plurality_that_is_no_majority_is_not_healthy():
+    """The matrix's partition between the two machines of pipeline stage 0 (tp 2, pp 2, dp 2):
+    stage 0's four ranks block in their data-parallel all-reduce (one stack), stage 1's four wait
+    for them in two stacks of two. The four were taken for the healthy ones and stage 1's
+    machines were over-evicted; half the ranks is no majority: ambiguous, and the flight recorder
+    (which names the ranks that never entered the collective the others wait in) decides."""
+    topo = Topology(machines=4, gpus_per_machine=2, tp=2, pp=2, dp=2)
+    agg = aggregate(job_stacks(topo, lambda r: GRAD_SYNC if r < 4 else (RECV_BWD if r % 2 else SEND_BWD)))
+    assert [len(g) for _, g in agg.groups] == [4, 2, 2] and agg.ambiguous and agg.healthy == []
+    d = decide_eviction(agg, topo)
+    assert d.machines == [] and "ambiguous" in d.reason
 
 
 def test_shared_group_larger_than_half_the_job_falls_back_to_outlier_machines():

@@ -167,9 +167,11 @@ def rank_keys(stacks: Iterable[ProcessStack]) -> dict[int, str]:
 def aggregate(stacks: Iterable[ProcessStack]) -> Aggregation:
     """Group ranks by canonical stack; the dominant group(s) are healthy, the rest outliers.
 
-    One largest group is healthy.  Several groups tied for largest are all
-    healthy only if together they cover more than half of the ranks; otherwise
-    the result is ``ambiguous`` (no group can be called healthy).
+    The largest group (several tied for largest: all of them) is healthy only if it covers
+    more than half of the ranks; otherwise the result is ``ambiguous`` (no group can be called
+    healthy). A plurality is no evidence of health in a hang: a partition between the two
+    machines of a pipeline stage left that stage's four ranks in one stack and the other
+    stage's four, waiting for them, split over two; the waiting ones were taken for outliers.
     """
     keys = rank_keys(stacks)
     if not keys:
@@ -181,7 +183,7 @@ def aggregate(stacks: Iterable[ProcessStack]) -> Aggregation:
     top = len(groups[0][1])
     tied = [g for g in groups if len(g[1]) == top]
     covered = sum(len(r) for _, r in tied)
-    ambiguous = len(tied) > 1 and covered * 2 <= len(keys)
+    ambiguous = covered * 2 <= len(keys)
     healthy = sorted(r for _, rs in tied for r in rs)
     outliers = sorted(r for _, rs in groups[len(tied):] for r in rs)
     if ambiguous:

@@ -278,7 +278,7 @@ def _network_verdicts(snap: Snapshot, ev: Evidence, now: float,
                                           f"{snap.network_alert_window_s:.0f}s"))
         elif m in ev.standing and not explained:
             kind = next(a.kind for a in reversed(mine) if a.standing)
-            out.append((m, kind, f"{kind} on {m} still standing when the job failed"))
+            out.append((m, kind, f"{kind} on {m} still standing when the run stopped making progress"))
     return out
 
 
