@@ -35,7 +35,7 @@ fixed), side by side with wrong and right evictions.
 `--quick` runs a subset in a few minutes (DP layout, middle machine: the two classes of issue 17
 and one of each other mechanism, 2 fault-free runs, and one fault-free run on a busy host in the
 TP x DP layout, where a round's stacks can flag a single machine's TP group). The full matrix
-(171 cases) runs two cases at a time by default (`--parallel 2`: about 1.6 hours on a quiet 2-core
+(171 cases) runs two cases at a time by default (`--parallel 2`: 52 minutes on a quiet 2-core
 host, measured: both cores busy throughout; one at a time, for undisturbed timings, takes longer).
 `--json FILE` writes every case and the summary.
 Timings are noisy on a busy host; the correctness figures are not allowed to be.
@@ -87,10 +87,11 @@ class Kind:
 # detector's baseline): slow faults land at step SLOW_AT, and the job still runs when the rounds end.
 SLOW_AT, SLOW_STEPS = 30, 250
 # Fail-slow rounds every 3 s, not 10 (the default): five rounds fit in a short job, and the matrix
-# in an hour. No warm spare workers: on this host every simulated machine's spares import torch on
-# the same two cores as the training (a fifth of a case's CPU time), a fault at step 12 finds them
-# still importing, and what they speed up (a restart) is not what this bench measures; the
-# standbys stay warm. Everything else is the default policy (heartbeats every 0.5 s, as in the tests).
+# in an hour. No warm spare workers: on this host every simulated machine's spares (and warm
+# checkers) start on the same two cores as the training, a fault at step 12 finds them still
+# starting (measured with the fork server: a 3D case's failover took 3.3 s with them, 2.4 s
+# without), and what they speed up (a restart) is not what this bench measures; the standbys stay
+# warm. Everything else is the default policy (heartbeats every 0.5 s, as in the tests).
 POLICY = {"failslow_period_s": 3.0, "warm_spares": False}
 # Each step's forward and backward take at least 50 ms, as a GPU job's compute-bound steps do; the
 # 2-layer model alone computes ~20 ms, within a busy host's scheduling noise, where a throttled
