@@ -56,6 +56,8 @@ def cmd_controller(a) -> int:
                      abandon_running=a.abandon_running, backend=load_backend(a.backend) if a.backend else None)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
+    from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
+    threading.Thread(target=settle_when, args=(ctl.rendezvous.imported,), name="gc-settle", daemon=True).start()
     # where this host's CLI, a local cluster's agents and its supervisor find it (written before
     # the port file, which says the controller is up)
     local_host = a.advertise or ("127.0.0.1" if host in ("", "0.0.0.0") else host)
