@@ -161,10 +161,13 @@ def test_commands_are_pushed_only_to_their_agent(api):
         assert links["m1"].commands(1.0) == []
         # nothing waits in m1's queue for a long poll either
         assert ctl.command_queues.pending("m1") == 0 and ctl.command_queues.pending("m0") == 0
-        # commands queued while an agent has no channel are pushed when it opens one
+        # commands queued while an agent has no channel wait (nothing is pushed into its closed
+        # socket, nothing spins) and are pushed when it opens one
         links["m1"].close()
         assert wait_for(lambda: "m1" not in srv.channels.open, timeout=10)
+        assert "m1" not in ctl.command_queues._pushers
         ctl.send("m1", protocol.Trace(run=7, timeout_s=1.0))
+        assert ctl.command_queues.pending("m1") == 1
         again = Link(Client(url, token=TOKEN), "m1")
         links["m1"] = again
         again.register(REG)

@@ -273,6 +273,8 @@ class ChannelConn(asyncio.Protocol):
 
     def push(self) -> None:
         """Write the machine's waiting commands (a job thread's `send` woke this, on the loop)."""
+        if self.transport.is_closing():
+            return                          # (they wait for the machine's next channel or poll)
         queues = self.channels.ctl.command_queues
         cmds = queues.take_now(self.machine)
         if cmds and not self.send(self.channels.encode(protocol.CommandPush(commands=cmds))):

@@ -42,7 +42,7 @@ class CommandQueues:
     def detach(self, machine: str, wake: Callable[[], None]) -> None:
         with self._lock:
             pusher = self._pushers.get(machine)
-            if pusher is not None and pusher[1] is wake:
+            if pusher is not None and pusher[1] == wake:      # (==: a bound method is made anew each time)
                 del self._pushers[machine]
 
     def take_now(self, machine: str) -> list[dict]:
