@@ -460,6 +460,7 @@ class Registration(msgspec.Struct, kw_only=True):
 
 CHANNEL_PATH = "/api/agents/{machine}/channel"
 MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
+MAX_MESSAGE = 8 << 20        # one message of a channel (and an HTTP request's body)
 
 
 class _Chan(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):

@@ -148,6 +148,30 @@ def test_invalid_messages_are_answered_and_an_oversized_one_closes_cleanly(api):
 
 
 @pytest.mark.timeout(60)
+def test_an_agents_batch_over_the_bound_goes_in_halves_and_a_single_huge_event_is_refused(api):
+    ctl, _, url = api
+    heard: list[int] = []
+    taken = ctl.agent_events_typed
+
+    def recording(machine, events):
+        heard.extend(int(e.values["i"]) for e in events if isinstance(e, protocol.Metrics))
+        return taken(machine, events)
+    ctl.agent_events_typed = recording              # type: ignore[method-assign]
+    link = Link(Client(url, token=TOKEN), "m0")
+    try:
+        link.register(REG)
+        blob = "x" * (3 << 20)
+        reply = link.events([{"type": "metrics", "values": {"i": i, "blob": blob}} for i in range(4)])
+        assert reply["type"] == "ack" and heard == [0, 1, 2, 3]          # every one, in order
+        with pytest.raises(ApiError) as e:
+            link.events([{"type": "stacks", "records": [{"x": "y" * (9 << 20)}]}])
+        assert e.value.status == 413 and "stacks" in str(e.value)
+        assert link.beat({"t": time.time()}, timeout=5)["type"] == "ack"    # the channel stayed up
+    finally:
+        link.close()
+
+
+@pytest.mark.timeout(60)
 def test_commands_are_pushed_only_to_their_agent(api):
     ctl, srv, url = api
     links = {m: Link(Client(url, token=TOKEN), m) for m in ("m0", "m1")}

@@ -43,6 +43,12 @@ def _enc_hook(obj: Any) -> Any:
     return str(obj)
 
 
+class _TooBig(Exception):
+    def __init__(self, size: int):
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
 class Link:
     def __init__(self, client: Client, machine_id: str, channel: bool = True):
         """`channel`: try the WebSocket channel (False: HTTP requests only)."""
@@ -111,13 +117,25 @@ class Link:
         return self.client.post(self._prefix + "heartbeat", body, timeout=timeout)
 
     def events(self, batch: list[dict], timeout: float = 10.0) -> dict:
-        """Deliver a batch; it is the controller's once this returns (ack or HTTP 200)."""
-        if self.over_channel:
+        """Deliver a batch; it is the controller's once this returns (ack or HTTP 200). Over the
+        channel a batch over the message bound goes in halves, in order (a single event over it
+        is refused here with 413, as the HTTP route refuses such a body)."""
+        if not self.over_channel:
+            return self.client.post(self._prefix + "events", {"events": batch}, timeout=timeout)
+        try:
             reply = self._call({"type": "events", "events": batch}, timeout)
-            if reply.get("ignored"):
-                log.warning("the controller left events out: %s", reply["ignored"])
-            return reply
-        return self.client.post(self._prefix + "events", {"events": batch}, timeout=timeout)
+        except _TooBig as e:
+            if len(batch) == 1:
+                raise ApiError(413, f"an event of {e.size} bytes is over the channel's bound "
+                                    f"({protocol.MAX_MESSAGE}): {str(batch[0].get('type'))[:40]}") from None
+            first = self.events(batch[:len(batch) // 2], timeout)
+            if first.get("taken") is False:
+                return first
+            second = self.events(batch[len(batch) // 2:], timeout)
+            return dict(second, reregister=True) if first.get("reregister") else second
+        if reply.get("ignored"):
+            log.warning("the controller left events out: %s", reply["ignored"])
+        return reply
 
     def commands(self, wait: float) -> list[dict]:
         """Commands for this machine, waiting up to `wait` seconds for the first."""
@@ -180,6 +198,8 @@ class Link:
             raise ControllerUnreachable(f"the channel to the controller at {self.client.url} is closed")
         seq = msg["seq"] = next(self._seq)
         data = self._encode(msg)
+        if len(data) > protocol.MAX_MESSAGE:
+            raise _TooBig(len(data))
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._waiting[seq] = (ws, fut)
         try:

@@ -22,7 +22,7 @@ from msgspec import Meta
 
 from stalwart import auth, protocol
 
-MAX_BODY = 8 << 20           # a request's body, and one message of an agent's channel
+MAX_BODY = protocol.MAX_MESSAGE      # a request's body, and one message of an agent's channel
 MAX_EVENTS = protocol.MAX_EVENTS
 Text = Annotated[str, Meta(max_length=1000)]
 Path_ = Annotated[str, Meta(min_length=1, max_length=4096)]
