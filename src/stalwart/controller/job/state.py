@@ -115,6 +115,7 @@ class RunState:
     restore_step: int
     machines: list[str]
     committed: int = 0                           # steps this run completed
+    last_committed: int = -1                     # the highest of them (a report of one is a duplicate)
     pending: dict[int, PendingStep] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
     restore_tiers: dict[int, str] = field(default_factory=dict)
