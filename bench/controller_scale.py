@@ -1,22 +1,22 @@
 """How many agents one controller holds: heartbeat latency, false losses and CPU at N agents.
 
 A real controller (`stalwart controller`, its own process, SQLite) and N simulated agents that
-speak the real protocol over real sockets: each registers, beats once a second, long-polls its
-commands and posts its events (its ranks' reports of a step, at one step a second, merged into one
-message as the real agent merges them for a controller that takes it, and one metrics sample a
-second) for one running job of N machines. The agents are asyncio tasks (uvloop where installed)
-spread over a few processes, each with its three keep-alive HTTP/1.1 connections (beats, long
-poll, events) on a minimal client (`Conn`: the least bytes and objects per request, so that the
-generator, which shares the host's cores, costs little); they start no workers (a `start` command
-makes them report steps, a `stop` makes them report stopped).
+speak the real protocol over real sockets (bench/scale_agents.py): each opens its channel (one
+WebSocket, the real agent's client code), registers, beats once a second, gets its commands pushed
+and sends its events (its ranks' reports of a step, at one step a second, merged into one message
+as the real agent merges them, and one metrics sample a second) for one running job of N
+machines; against a controller without channels (the "before" column) they fall back to HTTP
+requests as the real agent does. The agents are asyncio tasks (uvloop where installed) spread
+over a few processes; they start no workers (a `start` command makes them report steps, a `stop`
+makes them report stopped).
 
 Printed: heartbeat round-trip p50/p99 over the measurement window (the round trip of each
-request that carried a machine's beat: as the real agent, a simulated one whose batch of events
-went through skips its heartbeat, so while the job trains the beat rides on the events), machines the controller
-called lost although their agents kept beating (false losses), and the controller's CPU per
-agent; the same for the controller as it was before issue 12 (from git, `--before REF`), side by
-side; and the load generator's own figures: its lag (how late it sent, p99) and its CPU per
-agent. `--json FILE` writes the current controller's figures:
+message or request that carried a machine's beat, to its answer: as the real agent, a simulated
+one whose batch of events went through skips its heartbeat, so while the job trains the beat
+rides on the events), machines the controller called lost although their agents kept beating
+(false losses), and the controller's CPU per agent; the same for the controller as it was
+before issue 12 (from git, `--before REF`), side by side; and the load generator's own figures:
+its lag (how late it sent, p99) and its CPU per agent. `--json FILE` writes the current controller's figures:
 {"agents", "heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent"}
 (`controller_cpu_per_agent`: CPU-seconds per second per agent, i.e. the share of a core).
 
@@ -28,11 +28,9 @@ A benchmark, not a test: run it on an idle host (the load generator shares the c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -40,242 +38,15 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.parse
 
-import msgspec
 import psutil
 
+from scale_agents import load_process
 from stalwart.client import ApiError, Client, ControllerUnreachable
-from stalwart.protocol import merge_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the last commit before issue 12 (auth, typed API, several jobs, agents' backoff)
 BEFORE_ISSUE_12 = "9740bb6"
-
-
-# -- one load process: its share of the simulated agents -----------------------------------------
-
-class HttpError(Exception):
-    pass
-
-
-class Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to the controller, one request at a time: the least a
-    client needs (a request line, a few headers, a Content-Length body back), so that the load
-    generator spends its CPU on the agents' traffic, not on a client library's per-request objects.
-    Real sockets, the real protocol: the controller cannot tell it from the agent's client."""
-
-    def __init__(self, host: str, port: int, head: bytes):
-        self.host, self.port, self.head = host, port, head
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def connection_lost(self, exc) -> None:
-        self.transport = None
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("the controller closed the connection"))
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = bytes(self.buf[:end]).lower()
-        i = head.find(b"content-length:")
-        length = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None]) if i >= 0 else 0
-        if len(self.buf) < end + 4 + length:
-            return
-        body = bytes(self.buf[end + 4:end + 4 + length])
-        del self.buf[:end + 4 + length]
-        if b"connection: close" in head and self.transport is not None:
-            self.transport.close()
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result((int(head[9:12]), body))
-
-    async def request(self, method: str, path: str, body: bytes = b"", timeout: float = 10.0) -> bytes:
-        loop = asyncio.get_running_loop()
-        if self.transport is None or self.transport.is_closing():
-            self.buf.clear()
-            await loop.create_connection(lambda: self, self.host, self.port)
-        assert self.transport is not None
-        self.waiter = fut = loop.create_future()
-        self.transport.write(b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
-                             % (method.encode(), path.encode(), self.head, len(body), body))
-        timer = loop.call_later(timeout, lambda: fut.done() or fut.set_exception(TimeoutError()))
-        try:
-            status, data = await fut
-        except BaseException:
-            if self.transport is not None:      # a late answer must not be read as the next one's
-                self.transport.close()
-            raise
-        finally:
-            timer.cancel()
-        if status >= 400:
-            raise HttpError(f"{path}: HTTP {status}: {data[:200]!r}")
-        return data
-
-
-class SimAgent:
-    def __init__(self, mid: str, addr: tuple[str, int], head: bytes, gpus: int, hb_s: float, rtts: list,
-                 lags: list, errors: dict, measuring):
-        self.mid, self.addr, self.head, self.gpus, self.hb_s = mid, addr, head, gpus, hb_s
-        self.rtts, self.lags, self.errors, self.measuring = rtts, lags, errors, measuring
-        self.prefix = f"/api/agents/{mid}/"
-        # as the real agent: its beats, its long poll and its events on their own connections
-        self.beat_conn, self.poll_conn, self.event_conn = (Conn(*addr, head) for _ in range(3))
-        self.run: int | None = None
-        self.ranks: list[int] = []
-        self.step = 0
-        self.outbox: list[dict] = []
-        self.registered = asyncio.Event()
-        self.delivered_at = float("-inf")
-        self.merge_steps = False
-
-    def failed(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
-
-    async def register(self) -> None:
-        body = msgspec.json.encode({"address": "127.0.0.1", "gpus": self.gpus, "hostname": self.mid,
-                                    "pid": os.getpid(), "workdir": "/nonexistent"})
-        while True:
-            conn = Conn(*self.addr, self.head)     # (its own: a beat or a batch may be in flight)
-            try:
-                reply = json.loads(await conn.request("POST", self.prefix + "register", body))
-                self.merge_steps = bool(reply.get("steps_batch"))   # as the real agent
-                self.registered.set()
-                return
-            except Exception:
-                self.failed("register")
-                await asyncio.sleep(1.0 + random.random())
-            finally:
-                if conn.transport is not None:
-                    conn.transport.close()
-
-    def beat_sent(self, t0: float, due: float) -> None:
-        """A request that carried the machine's beat (a heartbeat, or a batch of events) came back."""
-        self.delivered_at = time.perf_counter()
-        if self.measuring.is_set():
-            self.rtts.append((self.delivered_at - t0) * 1000.0)
-            # the load generator's own lateness: an overloaded generator sends late, not the controller
-            self.lags.append(max(0.0, t0 - due) * 1000.0)
-
-    async def heartbeats(self, stop: asyncio.Event) -> None:
-        """As the real agent: a heartbeat only when no batch of events went through within the
-        last half interval (a delivered batch counts as the beat)."""
-        await asyncio.sleep(random.random() * self.hb_s)        # agents do not beat in step
-        while not stop.is_set():
-            if time.perf_counter() - self.delivered_at < self.hb_s / 2:
-                await asyncio.sleep(self.hb_s)
-                continue
-            t0 = time.perf_counter()
-            try:
-                reply = await self.beat_conn.request("POST", self.prefix + "heartbeat",
-                                                     b'{"t":%.3f,"workers":[]}' % time.time())
-                self.beat_sent(t0, self.delivered_at + self.hb_s)
-                if b"reregister" in reply:
-                    self.failed("reregister")
-                    await self.register()
-            except Exception:
-                self.failed("heartbeat")
-            await asyncio.sleep(max(0.0, t0 + self.hb_s - time.perf_counter()))
-
-    async def commands(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                reply = json.loads(await self.poll_conn.request("GET", self.prefix + "commands?wait=5",
-                                                                timeout=15))
-            except Exception:
-                self.failed("commands")
-                await asyncio.sleep(0.5)
-                continue
-            for cmd in reply.get("commands", []):
-                kind = cmd.get("type")
-                if kind == "start":
-                    self.run = cmd["spec"]["run"]
-                    self.ranks = [w["rank"] for w in cmd["workers"]]
-                    self.step = int(cmd["spec"].get("restore_step", -1)) + 1
-                    self.outbox.append({"type": "started", "run": self.run, "pids": [], "t": time.time()})
-                    self.outbox += [{"type": "hello", "run": self.run, "rank": r, "pid": 0, "t": time.time()}
-                                    for r in self.ranks]
-                elif kind in ("stop", "shutdown"):
-                    self.run = None
-                    self.outbox.append({"type": "stopped", "run": cmd.get("run"), "inventory": {},
-                                        "t": time.time()})
-
-    async def events(self, stop: asyncio.Event) -> None:
-        await asyncio.sleep(random.random())
-        due = time.perf_counter()
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            now = time.time()
-            if self.run is not None:
-                self.outbox += [{"type": "step", "run": self.run, "rank": r, "step": self.step, "t": now,
-                                 "dur": 1.0, "compute_s": 0.8, "loss": 2.0, "grad_norm": 1.0,
-                                 "tokens": 4096} for r in self.ranks]
-                self.step += 1
-            self.outbox.append({"type": "metrics", "t": now,
-                                "values": {"cpu_percent": 12.5, "mem_percent": 40.0, "gpu_util": 95.0}})
-            batch, self.outbox = self.outbox, []
-            if self.merge_steps:
-                batch = merge_steps(batch)
-            try:
-                reply = await self.event_conn.request("POST", self.prefix + "events",
-                                                      msgspec.json.encode({"events": batch}))
-                self.beat_sent(t0, due)
-                if b"reregister" in reply:
-                    self.failed("reregister")
-                    await self.register()
-            except Exception:
-                self.failed("events")
-            due = t0 + 1.0
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-
-    async def live(self, stop: asyncio.Event) -> None:
-        await self.register()
-        await asyncio.gather(self.heartbeats(stop), self.commands(stop), self.events(stop))
-
-
-def load_process(ids: list[str], base: str, token: str | None, gpus: int, ramp_s: float,
-                 measuring, stopping, out) -> None:
-    """Run the agents `ids` until `stopping` is set; put (rtts, lags, errors) on `out`."""
-
-    async def main() -> tuple[list, list, dict]:
-        rtts: list[float] = []
-        lags: list[float] = []
-        errors: dict[str, int] = {}
-        url = urllib.parse.urlsplit(base)
-        head = b"Host: %s\r\nContent-Type: application/json\r\n" % url.netloc.encode()
-        if token:
-            head += b"Authorization: Bearer %s\r\n" % token.encode()
-        stop = asyncio.Event()
-        agents = [SimAgent(m, (url.hostname or "127.0.0.1", url.port or 80), head, gpus, 1.0, rtts, lags,
-                           errors, measuring) for m in ids]
-        tasks = []
-        for a in agents:       # a ramp: the agents of a new cluster do not all start at once
-            tasks.append(asyncio.create_task(a.live(stop)))
-            await asyncio.sleep(ramp_s / max(1, len(agents)))
-        while not stopping.is_set():
-            await asyncio.sleep(0.2)
-        stop.set()
-        await asyncio.wait(tasks, timeout=20)
-        for t in tasks:
-            t.cancel()
-        for a in agents:
-            for c in (a.beat_conn, a.poll_conn, a.event_conn):
-                if c.transport is not None:
-                    c.transport.close()
-        return rtts, lags, errors
-
-    try:
-        import uvloop
-    except ImportError:
-        out.put(asyncio.run(main()))
-    else:
-        out.put(uvloop.run(main()))
 
 
 # -- the controller under test --------------------------------------------------------------------
@@ -381,7 +152,7 @@ def measure(n: int, src: str | None, args, label: str = "this controller") -> di
         if args.profile and not src:
             pyspy = os.path.join(os.path.dirname(sys.executable), "py-spy")
             spy = subprocess.Popen([pyspy, "record", "-p", str(proc.pid), "-d", str(int(args.duration) + 60),
-                                    "-r", "50", "--nonblocking", "--gil", "--format", "raw", "-o", args.profile],
+                                    "-r", "200", "--nonblocking", "--gil", "--format", "raw", "-o", args.profile],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         measuring.set()
         lost: set[str] = set()
@@ -491,13 +262,13 @@ def main(argv=None) -> int:
     if len(rows) == 2:
         now, before = rows[0][1], rows[1][1]
         if before["heartbeat_p99_ms"] and now["heartbeat_p99_ms"]:
-            print(f"heartbeat p99: {now['heartbeat_p99_ms'] / before['heartbeat_p99_ms']:.2f}x of before")
+            print(f"heartbeat p99: {now['heartbeat_p99_ms'] / before['heartbeat_p99_ms']:.3g}x of before")
         if before["controller_cpu_per_agent"] and now["controller_cpu_per_agent"]:
             print(f"controller CPU per agent: "
-                  f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.2f}x of before")
+                  f"{now['controller_cpu_per_agent'] / before['controller_cpu_per_agent']:.3g}x of before")
         if before["_controller_cpu_per_beat_us"] and now["_controller_cpu_per_beat_us"]:
             print(f"controller CPU per delivered beat: "
-                  f"{now['_controller_cpu_per_beat_us'] / before['_controller_cpu_per_beat_us']:.2f}x of before")
+                  f"{now['_controller_cpu_per_beat_us'] / before['_controller_cpu_per_beat_us']:.3g}x of before")
     if args.json:
         mine = rows[0][1]
         with open(args.json, "w") as f:

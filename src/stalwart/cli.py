@@ -32,6 +32,20 @@ def _chaos_help() -> str:
 
 
 # -- controller / agent services -----------------------------------------------------------------
+def _raise_open_files() -> None:
+    """Every agent holds one connection to the controller (its channel): the soft limit of open
+    files (often 1,024) goes up to the hard one, so a cluster of thousands is not refused."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            logging.getLogger("stalwart").warning("cannot raise the open-files limit from %d: at most about "
+                                                  "that many agents can connect", soft)
+
+
 def cmd_controller(a) -> int:
     from stalwart.controller.api import ApiServer
     from stalwart.controller.service import Controller
@@ -51,10 +65,13 @@ def cmd_controller(a) -> int:
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
     from stalwart.backends.base import load as load_backend
+    _raise_open_files()
     ctl = Controller(a.db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat, missed_beats=a.missed_beats,
                      abandon_running=a.abandon_running, backend=load_backend(a.backend) if a.backend else None)
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
+    from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
+    threading.Thread(target=settle_when, args=(ctl.rendezvous.imported,), name="gc-settle", daemon=True).start()
     # where this host's CLI, a local cluster's agents and its supervisor find it (written before
     # the port file, which says the controller is up)
     local_host = a.advertise or ("127.0.0.1" if host in ("", "0.0.0.0") else host)

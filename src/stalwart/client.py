@@ -40,6 +40,11 @@ class Client:
         # each have theirs): no TCP handshake per event batch, on either side
         self._local = threading.local()
 
+    @property
+    def tls(self):
+        """The TLS context of an https controller (None for http)."""
+        return self._tls
+
     def with_url(self, url: str) -> "Client":
         """The same credentials for a controller that moved."""
         return Client(url, timeout=self.timeout, token=self.token, ca=self.ca)

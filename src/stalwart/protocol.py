@@ -9,7 +9,7 @@ environment; the environment a worker sees is built here, once, from the command
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -457,6 +457,73 @@ class Registration(msgspec.Struct, kw_only=True):
     inventory: dict[str, dict[int, list[int]]] = {}
     warm: int = 0                          # warm spare workers waiting at the barrier
     labels: dict[str, str] = {}
+
+
+# -- the agent's channel: one WebSocket per agent (controller/channel.py, agent/link.py) ---------
+# Binary frames, one MessagePack message each (a NaN loss stays a NaN, rank maps keep int keys).
+# Every message an agent sends carries a `seq` its answer names: a beat and a batch get an `Ack`
+# (a batch is taken only once acked: the agent keeps it until then), a registration gets
+# `Registered`, a message the controller cannot read gets `ChannelError` naming the field. The
+# controller pushes commands (`CommandPush`) to the one agent they are for.
+
+CHANNEL_PATH = "/api/agents/{machine}/channel"
+MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
+MAX_MESSAGE = 8 << 20        # one message of a channel (and an HTTP request's body)
+
+
+class _Chan(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
+    """A channel message, tagged by `type`; unknown fields are ignored (rolling upgrades)."""
+
+
+class Register(_Chan, tag="register", kw_only=True):
+    seq: int
+    reg: Registration
+
+
+class Beat(_Chan, tag="beat", kw_only=True):
+    seq: int
+    t: float = 0.0
+    workers: Any = None
+
+
+class EventBatch(_Chan, tag="events", kw_only=True):
+    seq: int
+    events: Annotated[list[Event], msgspec.Meta(max_length=MAX_EVENTS)] = []
+
+
+class LooseBatch(_Chan, tag="events", kw_only=True):
+    """A batch read event by event (one holds a kind this controller does not know, or a bad field)."""
+    seq: int
+    events: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_EVENTS)] = []
+
+
+AgentMessage = Union[Register, Beat, EventBatch]
+
+
+class Ack(_Chan, tag="ack", kw_only=True):
+    seq: int
+    reregister: bool = False         # the controller does not know this machine as alive: register
+    taken: bool = True               # False: a batch from a machine the controller does not know
+                                     # (it restarted): keep it, register, send it again
+    ignored: str | None = None       # events of the batch that were left out, and why
+
+
+class Registered(_Chan, tag="registered", kw_only=True):
+    seq: int
+    heartbeat_s: float
+    missed_beats: int
+    role: str
+    steps_batch: bool = False
+
+
+class CommandPush(_Chan, tag="commands", kw_only=True):
+    commands: list[dict[str, Any]]
+
+
+class ChannelError(_Chan, tag="error", kw_only=True):
+    seq: int | None = None
+    error: str
+    status: int = 400                # as HTTP's: 4xx the message's fault (sending it again cannot help)
 
 
 # -- encode / decode ---------------------------------------------------------------------------

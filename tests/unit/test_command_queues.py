@@ -63,3 +63,54 @@ def test_a_cancelled_poll_leaves_nothing_behind():
 
     assert asyncio.run(main()) == [{"type": "x"}]
     assert q._waiters == {}
+
+
+def test_a_channels_pusher_is_woken_for_its_machine_only_and_commands_can_come_back():
+    """An agent with a channel (controller/channel.py) has a pusher attached: a command for its
+    machine wakes it on the loop (from a job's thread); a write that failed gives the commands
+    back, first in line, for the machine's next channel or poll."""
+    q = CommandQueues()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        woke: list[str] = []
+        done = asyncio.Event()
+
+        def pusher(machine: str):
+            def wake():
+                woke.append(machine)
+                done.set()
+            return wake
+        w0, w1 = pusher("m0"), pusher("m1")
+        q.attach("m0", loop, w0)
+        q.attach("m1", loop, w1)
+        threading.Thread(target=q.put, args=("m0", {"type": "stop"})).start()
+        await asyncio.wait_for(done.wait(), 5)
+        first = q.take_now("m0")
+        q.put("m0", {"type": "later"})
+        q.give_back("m0", first)                 # (the socket went away before the write)
+        again = q.take_now("m0")
+        q.detach("m0", w1)                       # (not its pusher: kept)
+        q.detach("m0", w0)
+        q.put("m0", {"type": "unheard"})
+        await asyncio.sleep(0.05)
+        return woke, first, again
+
+    woke, first, again = asyncio.run(main())
+    assert woke[0] == "m0" and "m1" not in woke
+    assert first == [{"type": "stop"}]
+    assert [c["type"] for c in again] == ["stop", "later"]
+    assert q.pending("m0") == 1 and q.pending("m1") == 0
+
+
+def test_a_pusher_attached_after_commands_were_queued_is_woken_at_once():
+    q = CommandQueues()
+    q.put("m0", {"type": "start"})
+
+    async def main():
+        done = asyncio.Event()
+        q.attach("m0", asyncio.get_running_loop(), done.set)
+        await asyncio.wait_for(done.wait(), 5)
+        return q.take_now("m0")
+
+    assert asyncio.run(main()) == [{"type": "start"}]

@@ -153,7 +153,8 @@ def test_repeated_or_old_steps_are_not_progress_and_bad_input_is_refused():
     hw.on_step(0, 5, 50.0)                  # same step again: not progress
     assert hw.check(101.5) is not None
     with pytest.raises(ValueError, match="before its previous"):
-        hw.on_step(0, 6, 0.5)
+        hw.on_step(0, 6, 0.5)               # a new step earlier than the last: refused
+    hw.on_step(0, 4, 0.5)                   # an old report sent again: ignored, whatever its time
     for bad in (lambda: hw.on_step(-1, 0, 1.0), lambda: hw.on_step(0, "1", 1.0),
                 lambda: hw.on_step(0, 1, float("nan")), lambda: hw.check(None),
                 lambda: HangWatch(object()), lambda: HangWatch(Policy(), warmup_factor=0.5)):

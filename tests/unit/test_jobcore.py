@@ -70,6 +70,30 @@ def test_steps_commit_when_every_rank_reported_and_the_job_ends():
     assert kinds(acts)[-3:] == ["UpdateRun", "Record:job_finished", "FinishJob"]
 
 
+def test_step_reports_sent_again_after_newer_ones_are_ignored_not_a_failure():
+    """An agent resends the batches it had no ack for after a reconnect (agent/link.py): a step
+    report may come twice, even behind the same rank's newer steps. It is no new step (no second
+    commit, no pending step that never completes) and no time running backwards (the hang timer
+    refused that: the job failed with an internal error)."""
+    h = started(Harness(steps=50))
+    old = [p.Step(run=1, rank=r, step=0, t=h.now + 0.1, dur=0.1, loss=1.0) for r in range(4)]
+    h.step()
+    h.steps(3)
+    assert h.st.steps_done == 4 and h.st.run.last_committed == 3
+    acts = []
+    for ev in old:                                   # step 0 again, after steps 1-3
+        acts += h.agent(h.machine_of(ev.rank), ev)
+    assert records(acts, "step") == [] and h.st.phase == JobPhase.RUNNING
+    assert h.st.run.pending == {} and h.st.steps_done == 4
+    # a step still pending (rank 3 is behind) sent again by rank 0 after rank 0's next one
+    h.step(skip={3})
+    h.agent("m0", p.Step(run=1, rank=0, step=5, t=h.now + 1.0, dur=0.1, loss=1.0))
+    acts = h.agent("m0", p.Step(run=1, rank=0, step=4, t=h.now, dur=0.1, loss=1.0))
+    assert h.st.phase == JobPhase.RUNNING and records(acts, "step") == []
+    h.agent("m1", p.Step(run=1, rank=3, step=4, t=h.now + 0.5, dur=0.1, loss=1.0))
+    assert h.st.steps_done == 5
+
+
 def test_a_machines_merged_step_reports_commit_like_its_ranks_reports():
     """An agent sends its ranks' reports of a step as one `steps` message (protocol.merge_steps):
     the job counts each rank, exactly as from separate reports."""

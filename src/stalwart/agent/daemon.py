@@ -1,8 +1,10 @@
 """The agent: owns one machine. Registers, heartbeats, obeys commands, reports everything.
 
-Threads: heartbeat (every `heartbeat_s`), command long-poll, event sender, the local socket server
-for the workers (one reader per worker), and one exit watcher per worker. The agent makes no
-job-level decision; it reports and obeys, and it re-registers when the controller comes back.
+Threads: heartbeat (every `heartbeat_s`), commands (pushed over the agent's channel, else a long
+poll), event sender, the local socket server for the workers (one reader per worker), and one exit
+watcher per worker; the line to the controller is `agent/link.py` (one WebSocket, HTTP requests
+where the controller has none). The agent makes no job-level decision; it reports and obeys, and
+it re-registers when the controller comes back.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import msgspec
 
 from stalwart import protocol as p
 from stalwart.agent.ckpt import CkptManager
+from stalwart.agent.link import Link
 from stalwart.agent.paths import claim
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
@@ -63,7 +66,8 @@ class Agent:
         interfaces to watch (None: the default route's and every RDMA port); `shared_host`: other
         agents share this host (host-wide probes off; see agent/probeset.py). A probe option that
         cannot work here raises probeset.ProbeSetupError."""
-        self.client = client        # the controller's address and credentials (token, CA)
+        # the line to the controller (its address and credentials: token, CA): a channel, or HTTP
+        self.link = Link(client, machine_id)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
         self.machine_id = machine_id
@@ -186,6 +190,7 @@ class Agent:
         self.forks.close()
         self.diagnoser.stop()
         self.ckpt.close()
+        self.link.close()
         import shutil
         shutil.rmtree(self.ckpt.root, ignore_errors=True)
 
@@ -210,7 +215,7 @@ class Agent:
                               inventory=self.ckpt.inventory(), warm=warm, labels=self.labels)
 
     def _register(self) -> None:
-        reply = self.client.post(f"/api/agents/{self.machine_id}/register", p.encode(self.registration()))
+        reply = self.link.register(p.encode(self.registration()))
         self.heartbeat_s = float(reply.get("heartbeat_s", self.heartbeat_s))
         self.progress.period_s = self.heartbeat_s
         # beats may ride on events when the controller allows 3 missed beats or more (a
@@ -218,7 +223,8 @@ class Agent:
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
         self._merge_steps = bool(reply.get("steps_batch"))      # one step message per machine
         self.registered.set()
-        log.info("registered with the controller as %s (%s)", self.machine_id, reply.get("role"))
+        log.info("registered with the controller as %s (%s, %s)", self.machine_id, reply.get("role"),
+                 "over its channel" if self.link.over_channel else "HTTP requests")
 
     def _ensure_registered(self) -> bool:
         if self.registered.is_set():
@@ -226,7 +232,7 @@ class Agent:
         if self._failures:
             # where it is published, the controller may have come back on another address: knock
             # there now, not one more backoff after a failure at the old one
-            self._find_controller()
+            self.link.find_controller(self.controller_file)
         try:
             self._register()
         except (ControllerUnreachable, ApiError) as e:
@@ -239,20 +245,6 @@ class Agent:
             log.info("controller back after %d failed attempt(s)", self._failures)
         self._failures = 0
         return True
-
-    def _find_controller(self) -> None:
-        """Re-read the controller's address where it is published (it may have restarted on
-        another port)."""
-        if not self.controller_file:
-            return
-        try:
-            with open(self.controller_file) as f:
-                url = json.load(f)["url"]
-        except (OSError, ValueError, KeyError):
-            return
-        if url != self.client.url:
-            log.info("controller moved to %s", url)
-            self.client = self.client.with_url(url)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -268,9 +260,8 @@ class Agent:
                 self._stop.wait(self.heartbeat_s)
                 continue
             try:
-                reply = self.client.post(f"/api/agents/{self.machine_id}/heartbeat",
-                                         {"t": time.time(), "workers": self.workers.pids()},
-                                         timeout=max(2.0, 3 * self.heartbeat_s))
+                reply = self.link.beat({"t": time.time(), "workers": self.workers.pids()},
+                                       timeout=max(2.0, 3 * self.heartbeat_s))
                 if reply.get("reregister"):
                     self.registered.clear()
             except ControllerUnreachable:
@@ -288,8 +279,7 @@ class Agent:
             if self._refill_at is not None:   # spares due: until a rank here reports a step, look each second
                 wait = 0.0 if self._last_step else 1.0
             try:
-                reply = self.client.get(f"/api/agents/{self.machine_id}/commands?wait={wait:.2f}",
-                                        timeout=15)
+                cmds = self.link.commands(wait)     # (pushed over the channel, else a long poll)
             except (ControllerUnreachable, ApiError):
                 self.registered.clear()
                 self._stop.wait(0.2)
@@ -298,7 +288,7 @@ class Agent:
                 log.exception("polling the controller for commands failed; retrying")
                 self._stop.wait(0.5)
                 continue
-            for raw in reply.get("commands", []):
+            for raw in cmds:
                 try:
                     self._execute(p.decode_command(raw))
                 except Exception as e:  # report, never die on one bad command
@@ -323,7 +313,11 @@ class Agent:
             if self._merge_steps:
                 batch = p.merge_steps(batch)
             try:
-                reply = self.client.post(f"/api/agents/{self.machine_id}/events", {"events": batch})
+                reply = self.link.events(batch)
+                if reply.get("taken", True) is False:       # a restarted controller: after registering
+                    self._events.give_back(batch)
+                    self.registered.clear()
+                    continue
                 self._delivered_at = time.monotonic()        # a delivered batch is a heartbeat
                 if reply.get("reregister"):
                     self.registered.clear()

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from stalwart import __version__, auth, protocol
 from stalwart.controller import api_models as models
+from stalwart.controller.channel import Channels, FrontDoor
 from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.metrics import ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, newest_status
@@ -67,6 +68,11 @@ class Api:
         if not math.isfinite(wait):
             raise InvalidRequest("wait must be a number of seconds")
         return {"commands": await self.ctl.commands(m, wait)}
+
+    def agent_channel(self, m, q, body):
+        # (an upgrade request is served by ApiServer._handle before it gets here)
+        raise InvalidRequest("an agent's channel is a WebSocket: send the upgrade request "
+                             "(Upgrade: websocket, Connection: Upgrade, Sec-WebSocket-Key, -Version: 13)")
 
     def job_submit(self, q, body: models.SubmitJob):
         return {"job": self.ctl.submit(body.spec)}
@@ -178,6 +184,7 @@ class ApiServer:
         self.sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.port = self.sock.getsockname()[1]
         self.pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="api")
+        self.channels = Channels(ctl, self.pool, token, models.MAX_BODY, self.api.prom.observe_request)
         self.loop = new_loop()
         self.thread = threading.Thread(target=self._serve, name="api", daemon=True)
         self._ready = threading.Event()
@@ -214,8 +221,12 @@ class ApiServer:
             runner = web.ServerRunner(self.loop.run_until_complete(server()), handle_signals=False,
                                       shutdown_timeout=1.0)
             self.loop.run_until_complete(runner.setup())
-            self.loop.run_until_complete(web.SockSite(runner, self.sock, ssl_context=self.tls,
-                                                      backlog=LISTEN_BACKLOG).start())
+            http = runner.server
+            assert http is not None
+            # every connection starts at the front door: agents' channels are served there
+            # (controller/channel.py), any other request goes on to aiohttp
+            listening = self.loop.run_until_complete(self.loop.create_server(
+                lambda: FrontDoor(http, self.channels), sock=self.sock, ssl=self.tls, backlog=LISTEN_BACKLOG))
         except BaseException as e:       # (reported by start)
             self._failed = e
             self._ready.set()
@@ -224,6 +235,8 @@ class ApiServer:
         try:
             self.loop.run_forever()
         finally:
+            listening.close()
+            self.channels.close_all()
             self.loop.run_until_complete(runner.cleanup())
             self.loop.close()
 

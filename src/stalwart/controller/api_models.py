@@ -22,8 +22,8 @@ from msgspec import Meta
 
 from stalwart import auth, protocol
 
-MAX_BODY = 8 << 20
-MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
+MAX_BODY = protocol.MAX_MESSAGE      # a request's body, and one message of an agent's channel
+MAX_EVENTS = protocol.MAX_EVENTS
 Text = Annotated[str, Meta(max_length=1000)]
 Path_ = Annotated[str, Meta(min_length=1, max_length=4096)]
 
@@ -141,6 +141,9 @@ ROUTES: list[Route] = [
     Route.of("POST", "/api/agents/{machine}/events", "agent_events", AgentEvents, "a batch of an agent's events"),
     Route.of("GET", "/api/agents/{machine}/commands", "agent_commands", None,
              "an agent's commands (long poll: ?wait=SECONDS)"),
+    Route.of("GET", protocol.CHANNEL_PATH, "agent_channel", None,
+             "an agent's channel: a WebSocket (upgrade) carrying its registration, beats and events in "
+             "and its commands out, binary frames of MessagePack (stalwart.protocol; 400 without the upgrade)"),
     Route.of("POST", "/api/jobs", "job_submit", SubmitJob, "submit a job"),
     Route.of("GET", "/api/jobs/{job}", "job_status", None, "a job's status and report (job: ID or 'latest')"),
     Route.of("GET", "/api/jobs/{job}/report", "job_status", None, "the same"),

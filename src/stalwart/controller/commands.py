@@ -1,15 +1,17 @@
-"""Commands waiting for their agents, and the agents' long polls for them.
+"""Commands waiting for their agents: pushed on an agent's channel, or taken by its long poll.
 
-Job threads put commands (any thread); each agent long-polls for its own on the API's event loop
-(`take`), so thousands of idle agents cost no thread each. A command wakes only the agent it is
-for: its poll's future, resolved through the loop (`call_soon_threadsafe`); a poll that times out
-is answered by a timer on the loop (no task, no cancellation: thousands of polls end every few
-seconds).
+Job threads put commands (any thread). An agent with a channel (controller/channel.py) has a
+pusher attached here: a command wakes only that pusher, on the API's event loop
+(`call_soon_threadsafe`), which takes the machine's commands and writes them to its socket. An
+agent without one (HTTP: an older agent) long-polls for its own (`take`), so thousands of idle
+agents cost no thread each; a poll that times out is answered by a timer on the loop (no task, no
+cancellation: thousands of polls end every few seconds).
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 MAX_WAIT_S = 30.0
 
@@ -19,6 +21,7 @@ class CommandQueues:
         self._lock = threading.Lock()
         self._queues: dict[str, list[dict]] = {}
         self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._pushers: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -26,6 +29,37 @@ class CommandQueues:
         with self._lock:
             self._queues.setdefault(machine, []).append(cmd)
             self._wake(machine)
+
+    # -- channels: commands pushed -------------------------------------------------------------------
+    def attach(self, machine: str, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
+        """`wake()` runs on `loop` whenever a command for `machine` is put (and at once when some
+        wait already); it replaces the machine's previous pusher (a reconnected agent)."""
+        with self._lock:
+            self._pushers[machine] = (loop, wake)
+            if self._queues.get(machine):
+                loop.call_soon_threadsafe(wake)
+
+    def detach(self, machine: str, wake: Callable[[], None]) -> None:
+        with self._lock:
+            pusher = self._pushers.get(machine)
+            if pusher is not None and pusher[1] == wake:      # (==: a bound method is made anew each time)
+                del self._pushers[machine]
+
+    def take_now(self, machine: str) -> list[dict]:
+        """The machine's waiting commands, taken (none: an empty list)."""
+        with self._lock:
+            cmds = self._queues.get(machine)
+            if not cmds:
+                return []
+            self._queues[machine] = []
+            return cmds
+
+    def give_back(self, machine: str, cmds: list[dict]) -> None:
+        """Commands that could not be written (the socket went away): first in line again."""
+        if cmds:
+            with self._lock:
+                self._queues[machine] = cmds + self._queues.get(machine, [])
+                self._wake(machine)         # (a newer channel of the machine, or its poll)
 
     def pending(self, machine: str) -> int:
         with self._lock:
@@ -36,6 +70,9 @@ class CommandQueues:
         if waiters and loop is not None and not loop.is_closed():
             for w in waiters:
                 loop.call_soon_threadsafe(_resolve, w)
+        pusher = self._pushers.get(machine)
+        if pusher is not None and not pusher[0].is_closed():
+            pusher[0].call_soon_threadsafe(pusher[1])
 
     async def take(self, machine: str, wait: float) -> list[dict]:
         """The machine's commands; when there are none, wait up to `wait` seconds (at most

@@ -181,18 +181,20 @@ class HangWatch:
     def on_step(self, rank: int, step: int, t: float) -> None:
         """Rank ``rank`` finished ``step`` at time ``t``.
 
-        A step not higher than the rank's last one is not progress and is ignored; time
-        running backwards for a rank is refused.
+        A step not higher than the rank's last one is not progress and is ignored (an older
+        report sent again after a reconnect among them, whatever its time); time running
+        backwards for a rank's new step is refused.
         """
         rank, t = _rank(rank), _time("t", t)
         if type(step) is not int or step < 0:       # (an int subclass such as bool is refused)
             raise ValueError(f"step must be a non-negative integer (got {step!r})")
+        st = self._state.get(rank)
+        if st is not None and st.step is not None and step <= st.step:
+            return
         st = self._touch(rank, t)
         if st.step_t is not None and t < st.step_t:
             raise ValueError(f"rank {rank} reported step {step} at {t}, before its previous "
                              f"report at {st.step_t}")
-        if st.step is not None and step <= st.step:
-            return
         if st.step_t is not None:
             st.reports += 1
             self._interval(rank, st.reports, t - st.step_t)

@@ -26,7 +26,14 @@ class Rendezvous:
         self._stores: dict[tuple[int, int], Any] = {}        # torch TCPStores
         self._scratch: dict[tuple[int, str], Any] = {}       # diagnostics, replays
         self._lock = threading.Lock()
-        threading.Thread(target=_import_dist, name="import-torch", daemon=True).start()
+        self.imported = threading.Event()       # torch is in (or failed to import)
+        threading.Thread(target=self._import, name="import-torch", daemon=True).start()
+
+    def _import(self) -> None:
+        try:
+            _import_dist()
+        finally:
+            self.imported.set()
 
     def _new_store(self) -> Any:
         dist = _import_dist()

@@ -217,13 +217,17 @@ class Controller:
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats, "role": state,
                 "steps_batch": True}     # this controller takes merged step reports (protocol.Steps)
 
+    _OK = {"ok": True}                      # (constant answers: never changed by a caller)
+    _REREGISTER = {"ok": True, "reregister": True}
+    _NOT_TAKEN = {"ok": False, "reregister": True, "taken": False}
+
     def heartbeat(self, machine: str) -> dict:
         with self._lock:
             m = self._machines.get(machine)
             if m is None or not m["alive"]:
                 return {"reregister": True}
             self._heard(m)
-        return {"ok": True}
+        return self._OK
 
     def _heard(self, m: dict) -> None:
         """A live machine sent something (a beat or events): note when, and how late (under the lock)."""
@@ -424,17 +428,10 @@ class Controller:
         return await self.command_queues.take(machine, wait)
 
     def agent_events(self, machine: str, events: list[dict]) -> dict:
-        """A batch of the machine's events; it counts as a heartbeat (an agent whose events flow
-        skips its heartbeats). The reply says when the agent must register again."""
-        with self._lock:
-            m = self._machines.get(machine)
-            job_id = m.get("job_id") if m else None
-            if m is not None and m["alive"]:
-                self._heard(m)
-            reply = {"ok": True} if m is not None and m["alive"] else {"ok": True, "reregister": True}
-        runner = self._runner_of(job_id)
-        if runner is None:
-            return reply
+        """A batch of the machine's events as JSON objects (HTTP), typed one by one: one that
+        does not fit its kind is left out (logged), one of a kind this controller does not know
+        too (a newer agent). See `agent_events_typed`."""
+        typed: list[protocol.Event] = []
         for raw in events:
             try:
                 ev = protocol.decode_event(raw)
@@ -442,7 +439,25 @@ class Controller:
                 log.warning("event from %s ignored: %s", machine, e)
                 continue
             if ev is not None:
-                runner.post(AgentEvent(machine=machine, event=ev))
+                typed.append(ev)
+        return self.agent_events_typed(machine, typed)
+
+    def agent_events_typed(self, machine: str, events: list[protocol.Event]) -> dict:
+        """A batch of the machine's events; it counts as a heartbeat (an agent whose events flow
+        skips its heartbeats). The reply says when the agent must register again, and when the
+        batch was not taken (a machine this controller does not know: it restarted; the agent
+        keeps the batch and sends it after its registration, so no event is lost)."""
+        with self._lock:
+            m = self._machines.get(machine)
+            job_id = m.get("job_id") if m else None
+            if m is not None and m["alive"]:
+                self._heard(m)
+            if m is None:       # (a restarted controller): not taken, the agent sends it again
+                return self._NOT_TAKEN
+            reply = self._OK if m["alive"] else self._REREGISTER
+        runner = self._runner_of(job_id)
+        if runner is not None and events:
+            runner.post_many([AgentEvent(machine=machine, event=ev) for ev in events])
         return reply
 
     # -- jobs ---------------------------------------------------------------------------------------

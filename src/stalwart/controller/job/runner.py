@@ -35,7 +35,7 @@ class JobRunner:
         self.job_id, self.spec, self.state = state.job_id, spec, state
         self.core = JobCore(spec, ctl.view(state.job_id))
         self.executor = Executor(ctl, state.job_id, spec)
-        self.inbox: queue.Queue[JobEvent] = queue.Queue()
+        self.inbox: queue.Queue[JobEvent | list[JobEvent]] = queue.Queue()
         self._saved_key: tuple | None = None
         self._saved_at = 0.0
         self._save_cost = 0.0          # seconds the last save took to encode
@@ -47,6 +47,10 @@ class JobRunner:
 
     def post(self, ev: JobEvent) -> None:
         self.inbox.put(ev)
+
+    def post_many(self, evs: list[JobEvent]) -> None:
+        """Several events in order, one wake-up of the job's thread (an agent's batch)."""
+        self.inbox.put(evs)
 
     @property
     def terminal(self) -> bool:
@@ -70,10 +74,14 @@ class JobRunner:
         next_tick = time.monotonic()
         while not self.state.terminal:
             try:
-                ev: JobEvent = self.inbox.get(timeout=max(0.0, next_tick - time.monotonic()))
+                got = self.inbox.get(timeout=max(0.0, next_tick - time.monotonic()))
             except queue.Empty:
-                ev = Tick()
-            self.dispatch(ev)
+                got = Tick()
+            batch = got if isinstance(got, list) else [got]
+            for ev in batch:
+                self.dispatch(ev)
+            if not batch:
+                continue
             if time.monotonic() >= next_tick and not self.state.terminal:
                 if not isinstance(ev, Tick):
                     self.dispatch(Tick())       # timers run even while events keep flowing

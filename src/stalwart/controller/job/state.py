@@ -115,6 +115,7 @@ class RunState:
     restore_step: int
     machines: list[str]
     committed: int = 0                           # steps this run completed
+    last_committed: int = -1                     # the highest of them (a report of one is a duplicate)
     pending: dict[int, PendingStep] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
     restore_tiers: dict[int, str] = field(default_factory=dict)
@@ -373,12 +374,53 @@ class JobState:
 
 # -- JSON ----------------------------------------------------------------------------------------
 
+CHUNK = 64          # entries of a large dict or list encoded per call (see `dumps`)
+
+
 def dumps(state: JobState) -> bytes:
     """The state as JSON, exactly: `dumps(loads(dumps(s))) == dumps(s)`. A NaN loss or an infinite
     gradient norm is evidence, so non-finite floats are kept (as Python's json writes them: NaN,
-    Infinity), not turned into null."""
-    return json.dumps(msgspec.to_builtins(state, order="deterministic"), separators=(",", ":"),
-                      allow_nan=True).encode()
+    Infinity), not turned into null.
+
+    The text is exactly `json.dumps` of the whole, but written in pieces: a job of 2,048 machines
+    has a state of megabytes (its peers' metric windows, the ranks' hang timers), and one call of
+    the C encoder holds the GIL for all of it (~0.2 s), stalling the API's event loop, which
+    answers every agent's beat, for as long. In pieces of at most CHUNK entries the GIL passes
+    between them (every few ms), so a save delays a beat by little more than `to_builtins`."""
+    out: list[str] = []
+    _encode(msgspec.to_builtins(state, order="deterministic"), out)
+    return "".join(out).encode()
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=True)
+
+
+def _encode(obj: Any, out: list[str]) -> None:
+    """Append `_json(obj)` to `out` in pieces: a small dict or list is walked into, a large one
+    is written CHUNK entries per call; anything else in one call."""
+    if type(obj) is dict and obj:
+        items = list(obj.items())
+        out.append("{")
+        if len(items) <= CHUNK:
+            for i, (k, v) in enumerate(items):
+                out.append(("," if i else "") + _json({k: None})[1:-5])       # '"key":'
+                _encode(v, out)
+        else:
+            out.append(",".join(_json(dict(items[i:i + CHUNK]))[1:-1] for i in range(0, len(items), CHUNK)))
+        out.append("}")
+    elif type(obj) is list and obj:
+        out.append("[")
+        if len(obj) <= CHUNK:
+            for i, v in enumerate(obj):
+                if i:
+                    out.append(",")
+                _encode(v, out)
+        else:
+            out.append(",".join(_json(obj[i:i + CHUNK])[1:-1] for i in range(0, len(obj), CHUNK)))
+        out.append("]")
+    else:
+        out.append(_json(obj))
 
 
 def loads(data: bytes | str) -> JobState:

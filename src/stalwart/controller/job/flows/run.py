@@ -105,6 +105,11 @@ class RunFlow:
         run = st.run
         if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
             return []
+        if ev.step <= run.last_committed:
+            # a step this run committed already: a report sent again (an agent resends what it
+            # had no ack for after a reconnect), not a new one. (Steps commit in order: a rank
+            # reports a step before the next, so a step completes before any later one.)
+            return []
         acc = run.pending.get(ev.step)
         if acc is None:
             acc = run.pending[ev.step] = PendingStep()
@@ -138,6 +143,7 @@ class RunFlow:
         if st.bad_steps:
             self._lapse_bad_steps(st)
         st.run.committed += 1
+        st.run.last_committed = max(st.run.last_committed, s)
         if st.run.committed % RANK_TIMES_EVERY == 0 and acc.times:
             times = [acc.times.get(r, (None, None)) for r in range(self.ctx.world)]
             acts.append(record("rank_times", acc.t, run=st.run_seq, step=s, step_s=[x[0] for x in times],
