@@ -113,6 +113,22 @@ def test_odd_tensors_dtypes_views_and_shared_tensors(shm_dir):
 
 
 @pytest.mark.timeout(30)
+def test_a_state_that_gains_a_sparse_tensor_later_is_still_copied_right(shm_dir):
+    # the snapshot takes every tensor without testing its layout while its plan holds, and tests
+    # them when the state changes shape: a tensor that is not dense goes into the pickle instead
+    dense = {"w": torch.randn(4, 4), "n": 3}
+    with MemCheckpointer(shm_dir, rank=0, slots=2) as ck:
+        ck.snapshot(dense, 0)
+        ck.snapshot(dense, 1)
+        later = {"w": torch.randn(4, 4), "n": 4, "s": torch.eye(4).to_sparse()}
+        ck.snapshot(later, 2)
+        ck.snapshot(later, 3)
+    step, out = load(shm_dir, 0)
+    assert step == 3 and out["n"] == 4 and torch.equal(out["w"], later["w"])
+    assert out["s"].is_sparse and torch.equal(out["s"].to_dense(), torch.eye(4))
+
+
+@pytest.mark.timeout(30)
 def test_double_buffering_alternates_slots(shm_dir):
     with MemCheckpointer(shm_dir, rank=2) as ck:
         for step in range(3):

@@ -359,28 +359,36 @@ class _Pickler(pickle.Pickler):
     `reducer_override` is consulted only for objects that are not of a basic type (ints, floats,
     strings, dicts, lists...): for a model's and optimizer's state that is the tensors alone,
     where a `persistent_id` would be a Python call for every object (a third of the training
-    thread's snapshot time). The test of a tensor is the fewest attribute reads that decide it
-    (`_eligible`'s, with torch's classes looked up once per pickler): it runs for every tensor
-    of every step."""
+    thread's snapshot time). A tensor seen twice is the pickler's memo's, not ours.
 
-    def __init__(self, buf):
+    With `strict=False` every plain tensor or parameter is taken without reading its layout,
+    quantization or device (one type test: half the time of the strict test, for every tensor
+    of every step); the snapshot then checks them with `_eligible` once per new plan, and pickles
+    again strictly where one is not a dense tensor (`MemCheckpointer.snapshot`)."""
+
+    def __init__(self, buf, strict: bool = True):
         import torch
         super().__init__(buf, protocol=5)
         self.tensors: list = []
-        self._ids: dict[int, int] = {}
         self._types = (torch.Tensor, torch.nn.Parameter)
         self._strided = torch.strided
+        if not strict:
+            self.reducer_override = self._any_tensor     # type: ignore[method-assign]
 
     def reducer_override(self, obj):
         t = type(obj)
         if (t is not self._types[0] and t is not self._types[1]) or obj.layout is not self._strided \
                 or obj.is_quantized or obj.is_meta:
             return NotImplemented
-        idx = self._ids.get(id(obj))
-        if idx is None:
-            idx = self._ids[id(obj)] = len(self.tensors)
-            self.tensors.append(obj)
-        return _tensor_ref, (idx,)
+        self.tensors.append(obj)
+        return _tensor_ref, (len(self.tensors) - 1,)
+
+    def _any_tensor(self, obj):
+        t = type(obj)
+        if t is not self._types[0] and t is not self._types[1]:
+            return NotImplemented
+        self.tensors.append(obj)
+        return _tensor_ref, (len(self.tensors) - 1,)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -402,6 +410,16 @@ class _Unpickler(pickle.Unpickler):
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _pickle_state(state: Any, strict: bool) -> tuple[_Pickler, bytes]:
+    buf = io.BytesIO()
+    p = _Pickler(buf, strict=strict)
+    try:
+        p.dump(state)
+    except Exception as e:
+        raise ValueError(f"checkpoint state is not picklable: {e}") from e
+    return p, buf.getvalue()
 
 
 def _plan(tensors) -> tuple[list[dict], int]:
@@ -482,15 +500,12 @@ class MemCheckpointer:
         if slot.pending is not None:
             fut, slot.pending = slot.pending, None
             fut.result()          # previous write of this slot must be finished (re-raises its error)
-        buf = io.BytesIO()
-        p = _Pickler(buf)
-        try:
-            p.dump(state)
-        except Exception as e:
-            raise ValueError(f"checkpoint state is not picklable: {e}") from e
-        meta = buf.getvalue()
+        p, meta = _pickle_state(state, strict=False)
         shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
         if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
+            if not all(map(_eligible, p.tensors)):          # a sparse, quantized or meta tensor
+                p, meta = _pickle_state(state, strict=True)
+                shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
             slot.plan, slot.views, slot.shapes = _plan(p.tensors), None, None
             slot.table_json = json.dumps(slot.plan[0], separators=(",", ":"))
         table, nbytes = slot.plan
