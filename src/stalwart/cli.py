@@ -47,6 +47,8 @@ def _raise_open_files() -> None:
 
 
 def cmd_controller(a) -> int:
+    from sqlalchemy import exc as sa_exc
+
     from stalwart.controller.api import ApiServer
     from stalwart.controller.service import Controller
     _setup_logging(a.log_level)
@@ -66,8 +68,15 @@ def cmd_controller(a) -> int:
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
     from stalwart.backends.base import load as load_backend
     _raise_open_files()
-    ctl = Controller(a.db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat, missed_beats=a.missed_beats,
-                     abandon_running=a.abandon_running, backend=load_backend(a.backend) if a.backend else None)
+    # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
+    # whatever --state-dir said, and a controller started elsewhere died on a traceback)
+    db = a.db or f"sqlite:///{os.path.abspath(os.path.join(a.state_dir, 'stalwart.db'))}"
+    try:
+        ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
+                         missed_beats=a.missed_beats, abandon_running=a.abandon_running,
+                         backend=load_backend(a.backend) if a.backend else None)
+    except sa_exc.OperationalError as e:
+        raise UserError(f"cannot open the database {db}: {e.orig}") from None
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
     srv.start()
     from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
@@ -432,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)
 
     c = sub.add_parser("controller", help="run the controller service")
-    c.add_argument("--db", default=f"sqlite:///{DEFAULT_STATE}/stalwart.db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…)")
+    c.add_argument("--db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…; default: "
+                                "<state-dir>/stalwart.db)")
     c.add_argument("--listen", default="127.0.0.1:7420",
                    help="HOST:PORT for the HTTP API (port 0 = any; default: this host only; 0.0.0.0:7420 for all)")
     c.add_argument("--token-file", help=f"the API's bearer token (default: <state-dir>/{auth.TOKEN_FILE}, made "

@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,10 +32,12 @@ def free_port():
     (["run", "--config", "/nonexistent.yaml", "--", "python", "x.py"], "does not exist"),
     (["inject", "explode", "--machine", "0", "--controller", "http://127.0.0.1:1"], "unknown chaos kind"),
     (["status", "--watch", "--interval", "0", "--controller", "http://127.0.0.1:1"], "--interval must be > 0"),
+    (["controller", "--listen", "127.0.0.1:0", "--db", "sqlite:////nonexistent/dir/x.db"],
+     "cannot open the database sqlite:////nonexistent/dir/x.db"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_input_is_one_clear_line(args, msg, tmp_path):
-    if args[0] == "run":
+    if args[0] in ("run", "controller"):
         args = [args[0], "--state-dir", str(tmp_path), *args[1:]]
     r = stalwart(*args)
     assert r.returncode != 0
@@ -80,7 +83,6 @@ def test_a_second_run_on_a_live_state_dir_is_refused_and_the_first_finishes(tmp_
     """One `stalwart run` per state dir: a second one (with --fresh, which would delete the first
     one's state under it) is refused in one line, `cleanup` leaves a live run alone, and the first
     job trains on to the end."""
-    import time
 
     sd = str(tmp_path / "sd")
     run = ["run", "--state-dir", sd, "--machines", "1", "--gpus-per-machine", "1", "--steps", "60", "--",
@@ -110,3 +112,21 @@ def test_a_second_run_on_a_live_state_dir_is_refused_and_the_first_finishes(tmp_
     # once it ended, the state dir is free again
     again = stalwart("cleanup", "--state-dir", sd)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_keeps_its_database_in_its_state_dir(tmp_path):
+    # (its default database was ./.stalwart/stalwart.db whatever --state-dir said: started from
+    # a directory without one, it died on a traceback)
+    sd = tmp_path / "sd"
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart.cli", "controller", "--state-dir", str(sd),
+                             "--listen", "127.0.0.1:0"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not (sd / "controller.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (sd / "controller.json").exists(), proc.stderr.read() if proc.poll() is not None else "no start"
+        assert (sd / "stalwart.db").exists() and not (tmp_path / ".stalwart").exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
