@@ -380,3 +380,34 @@ def test_header_fields_without_parsing_agree_with_json(tmp_shm):
     assert memckpt.header_fields(other)["checksum"] == hdr["checksum"]
     with pytest.raises(CorruptShard):
         memckpt.header_fields(b'{"format": "x"}')
+
+
+@pytest.mark.timeout(60)
+def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(tmp_shm):
+    """The agent reports a rank's memory copies to the controller at most once a period (the
+    controller plans restores from the stopped machines' inventories); durable copies are all
+    reported; a new run's first copy is reported at once."""
+    from stalwart.agent.ckpt import CkptManager
+    events = []
+    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append, announce_every_s=3600.0)
+    try:
+        mgr._stop.set()
+        mgr._thread.join(timeout=5)
+        durable = os.path.join(tmp_shm, "durable")
+        mgr.configure(durable, every=2, backup=None)
+        with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
+            for step in range(4):
+                ck.snapshot({"w": torch.full((64,), float(step))}, step)
+                ck.wait()
+                mgr._scan()
+            mgr.store.drain()
+            assert [e["step"] for e in events if e["tier"] == "own"] == [0]
+            assert sorted(e["step"] for e in events if e["tier"] == "durable") == [1, 3]
+            assert mgr.inventory()["own"] == {0: [2, 3]}            # what a `stopped` report lists
+            mgr.configure(durable, every=2, backup=None)           # the next run
+            ck.snapshot({"w": torch.full((64,), 4.0)}, 4)
+            ck.wait()
+            mgr._scan()
+        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 4]
+    finally:
+        mgr.close()

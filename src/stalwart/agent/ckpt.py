@@ -14,9 +14,11 @@ This manager, off the training processes:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import threading
+import time
 from typing import Callable
 
 import msgspec
@@ -27,6 +29,12 @@ from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt
 
 SCAN_EVERY_S = 1.0      # the fallback scan of the shared memory (announcements do the rest)
+# A rank's memory copies (own, a peer's backup) are reported to the controller at most this often
+# (the agent's default; 0 reports every one). The controller plans a restore from what each
+# stopped machine lists in its `stopped` report; these reports keep its view fresh between
+# failures (status, and a machine that never says it stopped), a second old at most. Every step
+# reported was two thirds of the events a training job sent, and of the controller's work on them.
+ANNOUNCE_EVERY_S = 1.0
 log = logging.getLogger("stalwart.agent")
 
 
@@ -35,8 +43,11 @@ class RestoreFailed(RuntimeError):
 
 
 class CkptManager:
-    def __init__(self, machine_id: str, root: str, emit: Callable[[dict], None], peer_host: str = "127.0.0.1"):
+    def __init__(self, machine_id: str, root: str, emit: Callable[[dict], None], peer_host: str = "127.0.0.1",
+                 announce_every_s: float = 0.0):
         self.machine_id = machine_id
+        self.announce_every_s = announce_every_s
+        self._announced: dict[tuple[int, str], float] = {}    # (rank, tier) -> when last reported
         self.root = root
         self.shm_dir = os.path.join(root, "own")
         self.backup_dir = os.path.join(root, "backup")
@@ -72,6 +83,7 @@ class CkptManager:
                 old.close()
             self._every = max(1, int(every))
             self._backup = backup
+            self._announced.clear()     # a run's first copies are reported at once
 
     def clear_own(self) -> None:
         """Forget this machine's own shards (a new job, or ranks handed to another machine)."""
@@ -116,7 +128,9 @@ class CkptManager:
             step, path = new[-1]
             self._seen[rank] = step
             run = self._run
-        self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own", "holder": self.machine_id})
+        if self._due(rank, "own"):
+            self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own",
+                       "holder": self.machine_id})
         if backup is not None:       # only the newest step goes to the peer
             fut = self.client.push(tuple(backup["addr"]), rank, step, path, run=run)
             fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
@@ -131,8 +145,21 @@ class CkptManager:
 
     def _stored(self, hdr: dict, run: int | None) -> None:
         """A peer's shard is stored and verified here: this machine holds its backup."""
+        if not self._due(int(hdr["rank"]), "backup"):
+            return
         self.emit({"type": "ckpt", "run": run, "rank": hdr["rank"], "step": hdr["step"], "tier": "backup",
                    "holder": self.machine_id})
+
+    def _due(self, rank: int, tier: str) -> bool:
+        """Whether a new copy of (rank, tier) is to be reported now (see ANNOUNCE_EVERY_S)."""
+        if self.announce_every_s <= 0:
+            return True
+        now = time.monotonic()
+        with self._cfg_lock:
+            if now - self._announced.get((rank, tier), -math.inf) < self.announce_every_s:
+                return False
+            self._announced[(rank, tier)] = now
+            return True
 
     def _pushed(self, fut, rank: int, step: int, backup: dict, run: int | None = None) -> None:
         try:

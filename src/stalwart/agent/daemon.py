@@ -19,7 +19,7 @@ import time
 import msgspec
 
 from stalwart import protocol as p
-from stalwart.agent.ckpt import CkptManager
+from stalwart.agent.ckpt import ANNOUNCE_EVERY_S, CkptManager
 from stalwart.agent.link import Link
 from stalwart.agent.paths import claim
 from stalwart.agent.diagnose import Diagnoser
@@ -130,7 +130,8 @@ class Agent:
         # peers fetch backups at this machine's address (a local namespace machine's agent stays
         # in the root namespace: loopback there)
         self.ckpt = CkptManager(machine_id, claim(self.workdir), self.emit,
-                                peer_host=self.address if self.netns is None else "127.0.0.1")
+                                peer_host=self.address if self.netns is None else "127.0.0.1",
+                                announce_every_s=ANNOUNCE_EVERY_S)
         self.metrics = MetricsSampler(self.workers.all_pids, make_gpu_source(self.simgpu_path, gpus).read,
                                       self.netns.host_ifname if self.netns is not None else None,
                                       self.emit, period_s=heartbeat_s)
