@@ -5,9 +5,8 @@ often; a report is built from the job's whole event log (the ledger sweeps it), 
 from the database each time cost the controller time in proportion to the job's length (20 ms
 for 400 steps, seconds for 100,000). Here each job's log is read once and then only its new rows
 (:class:`EventLog`), and a report that took long to build is reused for a while after it was built
-while the job runs (forty times its build time, at most 30 s: the controller spends at most a
-fortieth of its time on reports however often they are asked for: a tenth was as much as
-the whole job's handling of its events while training). A report of a short job is rebuilt
+while the job runs (ten times its build time, at most 30 s: the controller spends at most a tenth
+of its time on reports however often they are asked for). A report of a short job is rebuilt
 each time, as before; a job whose state changed gets a fresh one, and an ended job's report is
 rebuilt whenever its log grew (it is exact, not a while old).
 """
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stalwart.controller.store import Store
 
-REUSE_FACTOR = 40.0     # a report is reused for this many times what it took to build...
+REUSE_FACTOR = 10.0     # a report is reused for this many times what it took to build...
 MAX_REUSE_S = 30.0      # ...but never longer than this
 MAX_JOBS = 32           # jobs whose logs are kept (the least recently asked for go first)
 LOOKBACK_IDS = 500      # rows re-read behind the newest seen: a writer may commit ids out of order
