@@ -386,7 +386,8 @@ def test_header_fields_without_parsing_agree_with_json(tmp_shm):
 def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(tmp_shm):
     """The agent reports a rank's memory copies to the controller at most once a period (the
     controller plans restores from the stopped machines' inventories); durable copies are all
-    reported; a new run's first copy is reported at once."""
+    reported; the newest report held back goes when the workers stop; a new run's first copy is
+    reported at once."""
     from stalwart.agent.ckpt import CkptManager
     events = []
     mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append, announce_every_s=3600.0)
@@ -404,10 +405,15 @@ def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(
             assert [e["step"] for e in events if e["tier"] == "own"] == [0]
             assert sorted(e["step"] for e in events if e["tier"] == "durable") == [1, 3]
             assert mgr.inventory()["own"] == {0: [2, 3]}            # what a `stopped` report lists
+            mgr.workers_stopped()                                  # the newest held back goes now
+            assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3]
             mgr.configure(durable, every=2, backup=None)           # the next run
-            ck.snapshot({"w": torch.full((64,), 4.0)}, 4)
-            ck.wait()
-            mgr._scan()
-        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 4]
+            for step in (4, 5):
+                ck.snapshot({"w": torch.full((64,), float(step))}, step)
+                ck.wait()
+                mgr._scan()
+        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4]
+        mgr.workers_stopped()
+        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4, 5]
     finally:
         mgr.close()

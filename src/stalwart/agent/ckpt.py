@@ -48,6 +48,8 @@ class CkptManager:
         self.machine_id = machine_id
         self.announce_every_s = announce_every_s
         self._announced: dict[tuple[int, str], float] = {}    # (rank, tier) -> when last reported
+        self._held: dict[tuple[int, str], dict] = {}          # (rank, tier) -> newest report not sent
+        self._limiting = True                                 # a run trains (see workers_stopped)
         self.root = root
         self.shm_dir = os.path.join(root, "own")
         self.backup_dir = os.path.join(root, "backup")
@@ -84,6 +86,8 @@ class CkptManager:
             self._every = max(1, int(every))
             self._backup = backup
             self._announced.clear()     # a run's first copies are reported at once
+            self._held.clear()
+            self._limiting = True
 
     def clear_own(self) -> None:
         """Forget this machine's own shards (a new job, or ranks handed to another machine)."""
@@ -128,9 +132,9 @@ class CkptManager:
             step, path = new[-1]
             self._seen[rank] = step
             run = self._run
-        if self._due(rank, "own"):
-            self.emit({"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own",
-                       "holder": self.machine_id})
+        ev = {"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own", "holder": self.machine_id}
+        if self._due(ev):
+            self.emit(ev)
         if backup is not None:       # only the newest step goes to the peer
             fut = self.client.push(tuple(backup["addr"]), rank, step, path, run=run)
             fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
@@ -145,21 +149,35 @@ class CkptManager:
 
     def _stored(self, hdr: dict, run: int | None) -> None:
         """A peer's shard is stored and verified here: this machine holds its backup."""
-        if not self._due(int(hdr["rank"]), "backup"):
-            return
-        self.emit({"type": "ckpt", "run": run, "rank": hdr["rank"], "step": hdr["step"], "tier": "backup",
-                   "holder": self.machine_id})
+        ev = {"type": "ckpt", "run": run, "rank": hdr["rank"], "step": hdr["step"], "tier": "backup",
+              "holder": self.machine_id}
+        if self._due(ev):
+            self.emit(ev)
 
-    def _due(self, rank: int, tier: str) -> bool:
-        """Whether a new copy of (rank, tier) is to be reported now (see ANNOUNCE_EVERY_S)."""
+    def _due(self, ev: dict) -> bool:
+        """Whether to send the report `ev` of a new copy now (see ANNOUNCE_EVERY_S); one held back
+        waits, the newest of its rank and tier, for `workers_stopped`."""
         if self.announce_every_s <= 0:
             return True
-        now = time.monotonic()
+        key, now = (int(ev["rank"]), str(ev["tier"])), time.monotonic()
         with self._cfg_lock:
-            if now - self._announced.get((rank, tier), -math.inf) < self.announce_every_s:
+            if self._limiting and now - self._announced.get(key, -math.inf) < self.announce_every_s:
+                if ev["step"] >= self._held.get(key, ev)["step"]:
+                    self._held[key] = ev
                 return False
-            self._announced[(rank, tier)] = now
+            self._announced[key] = now
+            self._held.pop(key, None)
             return True
+
+    def workers_stopped(self) -> None:
+        """The run's workers are gone: send the reports held back, and every report at once until
+        the next run (the controller plans the restore now: a backup still arriving from a peer,
+        newer than this machine's inventory, must not wait a second)."""
+        with self._cfg_lock:
+            self._limiting = False
+            held, self._held = list(self._held.values()), {}
+        for ev in held:
+            self.emit(ev)
 
     def _pushed(self, fut, rank: int, step: int, backup: dict, run: int | None = None) -> None:
         try:

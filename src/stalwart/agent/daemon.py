@@ -563,6 +563,7 @@ class Agent:
             self.warm.stop()
             self.diagnoser.stop()
             self._warm_key = None
+        self.ckpt.workers_stopped()
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
     def _trace(self, cmd: p.Trace) -> None:
