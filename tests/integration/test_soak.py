@@ -165,7 +165,11 @@ def test_a_hundred_faults_in_a_row(tmp_path):
             continue
         fault = fault_of_run.get(a["id"])
         if fault is not None and fault["kind"] == "nan":
-            lowest = (fault["step"] - 3) // spec.ckpt_every * spec.ckpt_every
+            # (one interval further back when the newest durable step's copies were still being
+            # written when the run stopped: its persist runs in the background and a loaded host
+            # finished it after the restore was planned, a CI run: NaN counted at 1864, restart
+            # from 1840 with 1859's durable copy not yet reported)
+            lowest = ((fault["step"] - 3) // spec.ckpt_every - 1) * spec.ckpt_every
         else:
             lowest = a["end_step"] - 2 * spec.ckpt_every
         if b["start_step"] < lowest:
