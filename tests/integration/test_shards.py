@@ -1,6 +1,7 @@
 """Shard store tiers, peer streaming between two processes, and crash safety of the shm slots."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -244,16 +245,33 @@ def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held
             store.persist(0, 4, or_newer=True).result(timeout=30)
 
 
+@contextlib.contextmanager
+def hand_scanned(tmp_shm, **kw):
+    """A CkptManager whose background watcher is stopped (the test scans by hand), its events."""
+    from stalwart.agent.ckpt import CkptManager
+    events: list[dict] = []
+    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append, **kw)
+    try:
+        mgr._stop.set()
+        mgr._thread.join(timeout=5)
+        yield mgr, events
+    finally:
+        mgr.close()
+
+
+def snapshot_and_scan(ck, mgr, steps) -> None:
+    """Commit each step's snapshot, then let the manager see it, one step at a time."""
+    for step in steps:
+        ck.snapshot({"w": torch.full((64,), float(step))}, step)
+        ck.wait()
+        mgr._scan()
+
+
 @pytest.mark.timeout(60)
 def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
     """Steps 0-3 land in the slots between two scans: step 1 and 3 (every=2) must both be made
     durable, not only the newest step; only the newest goes to the backup peer."""
-    from stalwart.agent.ckpt import CkptManager
-    events = []
-    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append)
-    try:
-        mgr._stop.set()                  # no background scans: this test scans by hand
-        mgr._thread.join(timeout=5)
+    with hand_scanned(tmp_shm) as (mgr, events):
         durable = os.path.join(tmp_shm, "durable")
         mgr.configure(durable, every=2, backup=None)
         with MemCheckpointer(mgr.shm_dir, rank=0, slots=4) as ck:
@@ -267,8 +285,6 @@ def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
         assert durable_steps == [1, 3], events
         assert [e["step"] for e in events if e["tier"] == "own"] == [3]
         assert [s for _, s, _ in memckpt.list_shards(durable, 0)] == [1, 3]
-    finally:
-        mgr.close()
 
 
 @pytest.mark.timeout(60)
@@ -276,19 +292,11 @@ def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
     """A run restored from step 1 after a run that reached step 5: the old run's slots of steps
     2-5 go (stale copies), and the new run's steps 2, 3... are announced and persisted although
     the manager had seen 5 (they were silently ignored, so every restore fell back to durable)."""
-    from stalwart.agent.ckpt import CkptManager
-    events = []
-    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append)
-    try:
-        mgr._stop.set()
-        mgr._thread.join(timeout=5)
+    with hand_scanned(tmp_shm) as (mgr, events):
         durable = os.path.join(tmp_shm, "durable")
         mgr.configure(durable, every=2, backup=None)
         with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
-            for step in range(6):
-                ck.snapshot({"w": torch.full((64,), float(step))}, step)
-                ck.wait()
-                mgr._scan()
+            snapshot_and_scan(ck, mgr, range(6))
         assert [s for _, s, _ in memckpt.list_shards(mgr.shm_dir, 0)] == [4, 5]
         mgr.store.drain()       # the first run's durable copies are reported before we look away
         events.clear()
@@ -306,8 +314,6 @@ def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
         assert [(e["tier"], e["step"]) for e in events if e["tier"] == "own"] == [("own", 2), ("own", 3)]
         assert [e["step"] for e in events if e["tier"] == "durable"] == [3]
         assert torch.equal(memckpt.load(durable, 0, 3)[1]["w"], torch.full((64,), 13.0))
-    finally:
-        mgr.close()
 
 
 @pytest.mark.timeout(120)
@@ -388,19 +394,11 @@ def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(
     controller plans restores from the stopped machines' inventories); durable copies are all
     reported; the newest report held back goes when the workers stop; a new run's first copy is
     reported at once."""
-    from stalwart.agent.ckpt import CkptManager
-    events = []
-    mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append, announce_every_s=3600.0)
-    try:
-        mgr._stop.set()
-        mgr._thread.join(timeout=5)
+    with hand_scanned(tmp_shm, announce_every_s=3600.0) as (mgr, events):
         durable = os.path.join(tmp_shm, "durable")
         mgr.configure(durable, every=2, backup=None)
         with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
-            for step in range(4):
-                ck.snapshot({"w": torch.full((64,), float(step))}, step)
-                ck.wait()
-                mgr._scan()
+            snapshot_and_scan(ck, mgr, range(4))
             mgr.store.drain()
             assert [e["step"] for e in events if e["tier"] == "own"] == [0]
             assert sorted(e["step"] for e in events if e["tier"] == "durable") == [1, 3]
@@ -408,12 +406,7 @@ def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(
             mgr.workers_stopped()                                  # the newest held back goes now
             assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3]
             mgr.configure(durable, every=2, backup=None)           # the next run
-            for step in (4, 5):
-                ck.snapshot({"w": torch.full((64,), float(step))}, step)
-                ck.wait()
-                mgr._scan()
+            snapshot_and_scan(ck, mgr, (4, 5))
         assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4]
         mgr.workers_stopped()
         assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4, 5]
-    finally:
-        mgr.close()
