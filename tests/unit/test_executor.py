@@ -1,0 +1,48 @@
+"""The executor's transactions: routine progress records wait for the next one, in order."""
+from types import SimpleNamespace
+
+from stalwart.controller.job import actions as a
+from stalwart.controller.job.executor import MAX_DEFERRED, Executor
+from stalwart.spec import JobSpec
+
+
+class _Store:
+    def __init__(self):
+        self.commits: list[tuple[list, bytes | None]] = []
+
+    def commit(self, job_id, ops, state):
+        self.commits.append(([(k, v.get("kind"), (v.get("data") or {}).get("step")) for k, v in ops], state))
+
+
+def _executor():
+    store = _Store()
+    ex = Executor(SimpleNamespace(store=store), 1, JobSpec(machines=2, gpus_per_machine=1, command=["x"]))
+    return ex, store
+
+
+def step(s: int) -> a.Record:
+    return a.Record(kind="step", data={"run": 1, "step": s}, t=float(s))
+
+
+def test_step_records_wait_for_the_state_save_and_keep_their_order():
+    ex, store = _executor()
+    ex.perform(None, [step(0)], None)
+    ex.perform(None, [step(1), a.Record(kind="rank_times", data={"step": 1}, t=1.0)], None)
+    assert store.commits == []                                   # nothing written per step
+    ex.perform(None, [step(2)], b"{}")                           # the state's save takes them along
+    assert store.commits == [([("event", "step", 0), ("event", "step", 1), ("event", "rank_times", 1),
+                               ("event", "step", 2)], b"{}")]
+    # anything else is written at once, the waiting records first; a routine record behind it
+    # stays behind it
+    ex.perform(None, [step(3)], None)
+    ex.perform(None, [step(4), a.Record(kind="incident_opened", data={}, t=4.0), step(5)], None)
+    assert store.commits[-1] == ([("event", "step", 3), ("event", "step", 4), ("event", "incident_opened", None),
+                                  ("event", "step", 5)], None)
+    assert len(store.commits) == 2
+
+
+def test_deferred_records_are_bounded():
+    ex, store = _executor()
+    for s in range(MAX_DEFERRED + 1):
+        ex.perform(None, [step(s)], None)
+    assert len(store.commits) == 1 and len(store.commits[0][0]) == MAX_DEFERRED
