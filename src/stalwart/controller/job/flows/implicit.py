@@ -322,8 +322,10 @@ class ImplicitFlow:
     def failslow_round(self, st: JobState, now: float) -> Actions:
         fs, p, topo = st.signals.failslow, self.ctx.policy, self.ctx.topo
         assert fs is not None
-        fs.wait = set()
-        stacks, _ = implicit.to_process_stacks(fs.stacks, topo, list(st.slots))
+        # the round's stacks leave the state here (tens of KB of flight records, saved every
+        # second until the next round): an incident this round opens keeps them in its data
+        fs.wait, round_stacks, fs.stacks = set(), fs.stacks, {}
+        stacks, _ = implicit.to_process_stacks(round_stacks, topo, list(st.slots))
         by_stack = set(aggregate(stacks).outliers if stacks else [])
         by_compute = self._slow_by_compute(st)
         outliers = sorted(by_stack | set(by_compute))
@@ -345,7 +347,7 @@ class ImplicitFlow:
             # far slower, round after round, and the time went to communication: no rank's
             # compute explains it, and stacks of a job waiting on a slow link are noise (ranks
             # caught mid-step); more rounds will not help, the pair test will
-            return acts + self._to_checks(st, fs, now)
+            return acts + self._to_checks(st, fs, round_stacks, now)
         if fs.done < p.failslow_rounds:
             return acts
         machines, why = self._failslow_verdict(st, fs)
@@ -369,7 +371,7 @@ class ImplicitFlow:
         assert inc is not None
         inc.implicit_evict = machines
         inc.reason = f"throughput dropped; {', '.join(machines)} {why}"
-        inc.data.update(stacks=fs.stacks, analysis=inc.reason)
+        inc.data.update(stacks=round_stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
     def _unexplained(self, st: JobState, fs: FailSlow) -> float | None:
@@ -385,7 +387,7 @@ class ImplicitFlow:
             return None
         return factor
 
-    def _to_checks(self, st: JobState, fs: FailSlow, now: float) -> Actions:
+    def _to_checks(self, st: JobState, fs: FailSlow, round_stacks: dict, now: float) -> Actions:
         """Stop the run for the stop-time checks: a slowdown this large with nobody to blame is
         a fault the stacks cannot see (a slow link: every rank waits in the same collective)."""
         factor = self._unexplained(st, fs) or FAILSLOW_CHECK_FACTOR
@@ -400,7 +402,7 @@ class ImplicitFlow:
         inc.reason = (f"throughput dropped {factor:.1f}x ({recent:.2f}s a step) and the time went to "
                       f"communication, not to any rank's compute ({fs.comm_rounds} rounds in a row): "
                       f"stop-time checks")
-        inc.data.update(stacks=fs.stacks, analysis=inc.reason)
+        inc.data.update(stacks=round_stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
     def _failslow_verdict(self, st: JobState, fs: FailSlow) -> tuple[list[str], str]:
