@@ -210,6 +210,26 @@ def test_lost_machine_is_replaced_without_checks():
     assert {c.tier for r in (2, 3) for c in run.restore[r]} == {"backup"}     # m1's own copies are gone
 
 
+def test_a_step_whose_reports_died_with_a_machine_is_done_when_every_rank_restores_after_it():
+    """m1's reports of step 3 never came (they died with it, or waited in its agent's outbox), but
+    every rank holds a copy of step 3: the run restarts after it, and step 3 is recorded with what
+    the reports that came say, not lost nor trained again."""
+    h = started(Harness())
+    h.steps(3)
+    h.step(loss=1.5, skip={2, 3})
+    h.ckpt(3)
+    h.cluster.dead.add("m1")
+    h.event(MachineLost(machine="m1"))
+    acts = h.stopped(["m0"])
+    run = of(acts, a.StartRun)[0]
+    assert run.restore_step == 3
+    [rec] = [x for x in acts if isinstance(x, a.Record) and x.kind == "step"]
+    assert rec.data["step"] == 3 and rec.data["loss"] == 1.5 and rec.data["run"] == 1
+    assert h.st.steps_done == 4 and h.st.best_steps == 4
+    assert [x.kind for x in acts if isinstance(x, a.Record)].index("step") \
+        < [x.kind for x in acts if isinstance(x, a.Record)].index("run_started")
+
+
 def test_no_standby_fails_the_job_with_the_reason():
     h = started(Harness(standby=0))
     h.steps(2)

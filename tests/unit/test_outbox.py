@@ -121,3 +121,28 @@ def test_a_step_report_waits_briefly_for_the_other_local_ranks_of_its_step():
     box.put({"type": "step", "run": 1, "step": 10, "rank": 0})  # one rank here: nothing to wait for
     t0 = time.monotonic()
     assert len(box.take(timeout=1.0, gather=30.0, ranks=1)) == 1 and time.monotonic() - t0 < 5.0
+
+
+def test_step_reports_are_paced_anything_else_prompt_goes_at_once():
+    """A fast job's step reports go a few per request (at most one request with steps per `pace`);
+    the first goes at once, and evidence behind step reports ends the wait."""
+    box = Outbox()
+    box.put({"type": "step", "step": 0})
+    t0 = time.monotonic()
+    assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 5.0   # none went before
+    box.put({"type": "step", "step": 1})
+    threading.Timer(0.05, lambda: box.put({"type": "step", "step": 2})).start()
+    t0 = time.monotonic()
+    assert [e["step"] for e in box.take(timeout=1.0, pace=0.3)] == [1, 2]   # waited out the pace
+    assert time.monotonic() - t0 >= 0.25
+    box.put({"type": "step", "step": 3})
+    threading.Timer(0.05, lambda: box.put({"type": "worker_exit", "rank": 0})).start()
+    t0 = time.monotonic()
+    out = box.take(timeout=1.0, pace=30.0)                          # the exit ends the wait
+    assert [e["type"] for e in out] == ["step", "worker_exit"] and time.monotonic() - t0 < 20
+    box.put({"type": "restored", "rank": 0})                        # no step report: no pace at all
+    t0 = time.monotonic()
+    assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20
+    box.put({"type": "step", "step": 4})                            # a dropped evidence count stays right
+    box.give_back([{"type": "health"}])
+    assert len(box.take(timeout=1.0, pace=30.0)) == 2

@@ -45,6 +45,7 @@ FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
 
 EVENT_LINGER_S = 0.2   # metrics wait this long for company (steps go at once: see outbox.routine)
 STEP_GATHER_S = 0.02   # a rank's step report waits at most this long for the other local ranks' of its step
+STEP_PACE_S = 0.25     # step reports go at most this often (a fast job's few steps in one request: Outbox.PACED)
 SKIP_BEATS_FROM = 3    # missed beats the controller allows before an agent's batches stand in for beats
 RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 
@@ -308,7 +309,7 @@ class Agent:
             if not self.registered.wait(0.5):       # away: keep the events, the heartbeat loop
                 continue                            # knocks (with backoff) for everyone
             batch = self._events.take(timeout=0.5, linger=EVENT_LINGER_S, gather=STEP_GATHER_S,
-                                      ranks=len(self.workers.workers))
+                                      ranks=len(self.workers.workers), pace=STEP_PACE_S)
             if not batch:
                 continue
             if self._merge_steps:

@@ -23,6 +23,11 @@ DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored
 # "backup", holder: itself), may wait: if the machine dies the copy dies with it, and while it
 # lives anything prompt behind it (a step report, a worker's exit) takes it along, in order.
 ROUTINE = frozenset(("metrics", "activity"))
+# Step reports are prompt, but a job stepping many times a second need not be one request per
+# step: with `take(pace=)` a batch whose prompt events are all step reports waits until `pace`
+# has passed since the last batch that carried some (a job of one step a second is not delayed;
+# one of ten a second sends a few steps per request). Anything else prompt ends the wait at once.
+PACED = frozenset(("step",))
 
 
 def routine(event: dict) -> bool:
@@ -44,12 +49,16 @@ class Outbox:
         self._cond = threading.Condition()
         self.dropped: dict[str, int] = {}
         self._prompt = 0            # queued events that may not linger
+        self._urgent = 0            # ...of which not step reports either (see PACED)
+        self._paced_at = float("-inf")   # when the last batch with step reports was taken
 
     def put(self, event: dict) -> None:
         with self._cond:
             self._q.append(event)
             if not routine(event):
                 self._prompt += 1
+                if event.get("type") not in PACED:
+                    self._urgent += 1
             if len(self._q) > self.limit:
                 self._make_room()
             self._cond.notify()
@@ -61,6 +70,7 @@ class Outbox:
             for i, ev in enumerate(self._q):
                 if ev.get("type") == kind:
                     del self._q[i]
+                    self._count_out([ev], -1)
                     self.dropped[kind] = self.dropped.get(kind, 0) + 1
                     return True
         return False
@@ -77,17 +87,24 @@ class Outbox:
         return any(c < ranks for c in counts.values())
 
     def take(self, timeout: float | None = None, max_batch: int = 500, linger: float = 0.0,
-             gather: float = 0.0, ranks: int = 1) -> list[dict]:
+             gather: float = 0.0, ranks: int = 1, pace: float = 0.0) -> list[dict]:
         """Up to `max_batch` events, oldest first; waits up to `timeout` for the first one. With
         `gather`, step reports wait up to that long for the other ranks' reports of their step
         (`ranks` on this machine: they train in lockstep, their reports come within a moment, and
         together they are one request, not one each). With `linger`, a batch of routine events
         only (metrics, copies held here) waits that much longer for more, so a job's every step
         is not a request of its own; anything else (evidence of a failure, a restored rank) goes
-        at once."""
+        at once. With `pace`, step reports go at most once per `pace` seconds (PACED)."""
         with self._cond:
             if not self._q:
                 self._cond.wait(timeout)
+            if self._q and pace > 0 and not self._urgent:
+                end = self._paced_at + pace
+                while not self._urgent and len(self._q) < max_batch:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             if self._q and gather > 0 and ranks > 1:
                 end = time.monotonic() + gather
                 while len(self._q) < max_batch and self._steps_incomplete(ranks):
@@ -104,14 +121,23 @@ class Outbox:
                     self._cond.wait(left)
             n = min(max_batch, len(self._q))
             batch = [self._q.popleft() for _ in range(n)]
-            self._prompt -= sum(1 for ev in batch if not routine(ev))
+            self._count_out(batch, -1)
+            if any(ev.get("type") in PACED for ev in batch):
+                self._paced_at = time.monotonic()
             return batch
+
+    def _count_out(self, batch: list[dict], sign: int) -> None:
+        for ev in batch:
+            if not routine(ev):
+                self._prompt += sign
+                if ev.get("type") not in PACED:
+                    self._urgent += sign
 
     def give_back(self, batch: list[dict]) -> None:
         """A batch that could not be delivered goes back to the front, in order."""
         with self._cond:
             self._q.extendleft(reversed(batch))
-            self._prompt += sum(1 for ev in batch if not routine(ev))
+            self._count_out(batch, +1)
             while len(self._q) > self.limit and self._make_room():
                 pass
 

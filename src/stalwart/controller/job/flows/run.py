@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from stalwart import protocol
 from stalwart.controller import restore
 from stalwart.controller.hangwatch import HangWatch
-from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, RestoreCopy,
+from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
@@ -50,6 +50,7 @@ class RunFlow:
 
     # -- runs -------------------------------------------------------------------------------------
     def start_run(self, st: JobState, restore_step: int, cands: dict[int, list[dict]], now: float) -> Actions:
+        settled = self._settle(st, restore_step)
         st.run_seq += 1
         start_step = restore_step + 1
         warm = [m for m in st.slots if m in st.pool.warm]
@@ -77,7 +78,28 @@ class RunFlow:
         st.progress_at_run_start = st.best_steps
         self._close_bad_steps(st)
         st.avail.forget_after(restore_step)
+        return settled + acts
+
+    def _settle(self, st: JobState, restore_step: int) -> Actions:
+        """The steps up to the restore step that some rank's report is missing for are done: every
+        rank holds a copy of the restore step, made after them. (A lost machine's last reports
+        die with it, or with its agent's outbox, where a fast job's wait a moment: `Outbox.PACED`.)
+        They are recorded as the reports that came have them; a step nobody reported is not."""
+        run = st.run
+        if run is None or restore_step < 0:
+            return []
+        acts: Actions = []
+        for s in sorted(x for x in run.pending if run.last_committed < x <= restore_step):
+            acts.append(self._step_record(st, s, run.pending.pop(s)))
+            st.steps_done = max(st.steps_done, s + 1)
+            st.best_steps = max(st.best_steps, st.steps_done)
+            run.last_committed = s
         return acts
+
+    @staticmethod
+    def _step_record(st: JobState, s: int, acc: PendingStep) -> Record:
+        return record("step", acc.t, run=st.run_seq, step=s, dur=acc.dur, loss=acc.loss,
+                      grad_norm=acc.grad_norm, tokens=acc.tokens)
 
     def _close_bad_steps(self, st: JobState) -> None:
         """A run starts from before every bad range: an open range ends at the newest copy held
@@ -133,8 +155,7 @@ class RunFlow:
 
     def commit(self, st: JobState, s: int, acc: PendingStep, now: float) -> Actions:
         assert st.run is not None
-        acts: Actions = [record("step", acc.t, run=st.run_seq, step=s, dur=acc.dur, loss=acc.loss,
-                                grad_norm=acc.grad_norm, tokens=acc.tokens)]
+        acts: Actions = [self._step_record(st, s, acc)]
         first = st.best_steps == 0
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
