@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from stalwart.worker.shardfmt import (  # noqa: F401  (the format's helpers, re-exported)
     ALIGN, FORMAT, HASH, CorruptShard, _encode_header, base_of, checksum, encode_shard, encode_shard_raw,
-    header_fields, header_step_rank, list_shards, meta_bytes, parse_name, read_header, read_header_bytes,
+    header_fields, header_step_rank, list_shards, map_data, meta_bytes, parse_name, read_header, read_header_bytes,
     slot_base, step_base, step_shards, still_current, still_current_raw, summer, verify_shard, write_header,
 )
 

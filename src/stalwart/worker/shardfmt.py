@@ -284,11 +284,11 @@ def encode_shard(path: str) -> tuple[dict, memoryview]:
     hdr = read_header(path)
     if hdr is None:
         raise CorruptShard(f"{base_of(path)}: no complete header")
-    return hdr, _map_data(path, hdr)
+    return hdr, map_data(path, hdr["nbytes"])
 
 
-def _map_data(path: str, hdr: dict) -> memoryview:
-    n = hdr["nbytes"]
+def map_data(path: str, n: int) -> memoryview:
+    """A read-only view of the first `n` bytes of a shard's data file (release it when done)."""
     if n == 0:
         return memoryview(b"")
     with open(base_of(path) + ".data", "rb") as f:
@@ -305,7 +305,7 @@ def encode_shard_raw(path: str) -> tuple[dict, bytes, memoryview]:
     hdr = _parse_header(raw) if raw is not None else None
     if hdr is None or raw is None:
         raise CorruptShard(f"{base_of(path)}: no complete header")
-    return hdr, raw, _map_data(path, hdr)
+    return hdr, raw, map_data(path, hdr["nbytes"])
 
 
 def still_current_raw(path: str, raw: bytes) -> bool:
