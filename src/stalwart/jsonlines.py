@@ -15,7 +15,10 @@ class JsonLineSocket:
         self._rfile = sock.makefile("rb")
 
     def send(self, obj: dict) -> None:
-        data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        self.send_raw((json.dumps(obj, separators=(",", ":")) + "\n").encode())
+
+    def send_raw(self, data: bytes) -> None:
+        """Lines already encoded (each one JSON object and a newline), in one write."""
         with self._wlock:
             self.sock.sendall(data)
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from stalwart.agent.probes.simgpu import fatal_line, slowdown_factor
 from stalwart.protocol import WARM_TITLE_MARK, Env
 from stalwart.topology import Topology
 from stalwart.worker import durable, memckpt
@@ -235,12 +236,13 @@ class Context:
         t0 = time.perf_counter()
         if self._last_report is None:
             self._step_t0 = time.time()
-        err = self.gpu.fatal()
+        gpu = self.gpu.state()                # (one look at the simulated GPU a step)
+        err = fatal_line(gpu)
         if err is not None:
             raise RuntimeError(err)           # what a CUDA call on a dead GPU raises
         self._blocked("begin", t0)
         self._begin_t = time.time()
-        slow = self.gpu.slowdown()
+        slow = slowdown_factor(gpu)
         self._throttled_s = 0.0
         if slow > 1.0 and self._base_compute_s > 0:
             # a throttled GPU computes slower: the time is the step's compute, as on a real one
@@ -281,7 +283,9 @@ class Context:
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
                "local_grad_norm": self._local_grad_norm, "compute_s": self._compute_s}
         msg.update(extra)
-        self.link.send(msg)
+        # with an every-step checkpoint the step's commit follows in a moment: the report goes
+        # with its message, and no thread is woken while this one trains (link.LAZY_S at most)
+        self.link.send(msg, wake=self.mem is None)
         self._last_report = self._step_t0 = now
         self._blocked("report", t0)
 

@@ -1,25 +1,34 @@
 """The worker's side of the local link to its agent (a Unix socket named by STALWART_AGENT_SOCK).
 
-Metrics go out through a queue drained by a background thread, so `report()` never blocks the
-training thread on I/O. Messages from the agent (activation of a warm standby, chaos) are handed to a
-callback on a reader thread. Without an agent (a plain torchrun job) the link is inert.
+Metrics go out through a buffer drained by a background thread, so `report()` never blocks the
+training thread on I/O. A message sent with `wake=False` (a step report when the step's
+checkpoint commit follows within a millisecond or two) does not wake that thread: it goes with
+the next message, or within LAZY_S, and the two go in one write (one wake-up of the agent's
+reader, not two, and no thread woken while the training thread is still in the SDK). Messages
+from the agent (activation of a warm standby, chaos) are handed to a callback on a reader thread.
+Without an agent (a plain torchrun job) the link is inert.
 """
 from __future__ import annotations
 
+import collections
+import json
 import os
-import queue
 import socket
 import threading
-from typing import Callable
+from typing import Callable, Deque
 
 from stalwart.jsonlines import JsonLineSocket
+
+LAZY_S = 0.05       # the longest a message sent with wake=False waits for company
 
 
 class AgentLink:
     def __init__(self, path: str | None, on_message: Callable[[dict], None]):
         self.path = path
         self._on_message = on_message
-        self._q: queue.Queue = queue.Queue()
+        self._buf: Deque[dict | threading.Event | None] = collections.deque()
+        self._cv = threading.Condition()
+        self._woken = 0                 # queued items that may not wait (see `send`)
         self._conn: JsonLineSocket | None = None
         self._closed = threading.Event()
         if path:
@@ -33,9 +42,17 @@ class AgentLink:
     def connected(self) -> bool:
         return self._conn is not None
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict, wake: bool = True) -> None:
+        """Queue `msg` for the writer; with `wake=False` it waits for the next message (LAZY_S at most)."""
         if self._conn is not None:
-            self._q.put(msg)
+            self._put(msg, wake)
+
+    def _put(self, item, wake: bool) -> None:
+        with self._cv:
+            self._buf.append(item)
+            if wake:
+                self._woken += 1
+                self._cv.notify()
 
     def send_now(self, msg: dict) -> None:
         """Send synchronously (used before blocking on the agent, and before exit)."""
@@ -47,23 +64,42 @@ class AgentLink:
         if self._conn is None:
             return
         done = threading.Event()
-        self._q.put(done)
+        self._put(done, True)
         done.wait(timeout)
 
     def _writer(self) -> None:
         while not self._closed.is_set():
-            msg = self._q.get()
-            if msg is None:
-                return
-            if isinstance(msg, threading.Event):
-                msg.set()
-                continue
-            try:
-                self._conn.send(msg)
-            except OSError:
+            with self._cv:
+                if not self._woken:
+                    self._cv.wait(LAZY_S)       # (a lazy message waits here for company)
+                items = list(self._buf)
+                self._buf.clear()
+                self._woken = 0
+            lines = []
+            for item in items:
+                if isinstance(item, dict):
+                    lines.append(json.dumps(item, separators=(",", ":")) + "\n")
+                    continue
+                if lines:                       # what came before a flush or the end goes first
+                    if not self._write("".join(lines)):
+                        return
+                    lines.clear()
+                if item is None:
+                    return
+                item.set()
+            if lines and not self._write("".join(lines)):
                 return
 
+    def _write(self, text: str) -> bool:
+        assert self._conn is not None
+        try:
+            self._conn.send_raw(text.encode())
+            return True
+        except OSError:
+            return False
+
     def _reader(self) -> None:
+        assert self._conn is not None
         while True:
             try:
                 msg = self._conn.recv()
@@ -81,5 +117,5 @@ class AgentLink:
             return
         self.flush()
         self._closed.set()
-        self._q.put(None)
+        self._put(None, True)
         self._conn.close()
