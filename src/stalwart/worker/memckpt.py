@@ -15,6 +15,7 @@ import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from stalwart.threadprio import background_thread
 from stalwart.worker.shardfmt import (  # noqa: F401  (the format's helpers, re-exported)
     ALIGN, FORMAT, HASH, CorruptShard, _encode_header, base_of, checksum, encode_shard, encode_shard_raw,
     header_fields, header_step_rank, list_shards, map_data, meta_bytes, parse_name, read_header, read_header_bytes,
@@ -164,7 +165,8 @@ class MemCheckpointer:
         self.headroom = headroom
         os.makedirs(dir, exist_ok=True)
         self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}",
+                                        initializer=background_thread)
         self._last_step: int | None = None
 
     # -- allocation
