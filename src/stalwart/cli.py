@@ -11,6 +11,7 @@ import threading
 import time
 
 from stalwart import auth
+from stalwart.backends import statedir
 from stalwart.chaos import catalogue
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.errors import StalwartError
@@ -70,7 +71,7 @@ def cmd_controller(a) -> int:
     _raise_open_files()
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
     # whatever --state-dir said, and a controller started elsewhere died on a traceback)
-    db = a.db or f"sqlite:///{os.path.abspath(os.path.join(a.state_dir, 'stalwart.db'))}"
+    db = a.db or statedir.db_url(a.state_dir)
     try:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
@@ -273,10 +274,9 @@ def _client(a, timeout: float) -> Client:
 def _offline_report(a, job: str = "latest") -> dict:
     from stalwart.controller.report import build_report
     from stalwart.controller.store import Store
-    db = os.path.join(a.state_dir, "stalwart.db")
-    if not os.path.exists(db):
+    if not os.path.exists(statedir.db_path(a.state_dir)):
         raise UserError(f"no stalwart state in {os.path.abspath(a.state_dir)} (run a job first, or pass --state-dir)")
-    store = Store(f"sqlite:///{db}")
+    store = Store(statedir.db_url(a.state_dir))
     try:
         row = store.latest_job() if job == "latest" else store.job(int(job))
         if row is None:
@@ -381,8 +381,8 @@ def cmd_stacks(a) -> int:
     """The stacks captured for an incident, grouped the way the analyzer grouped them."""
     from stalwart.analyzer.stacks import group_records
     from stalwart.controller.store import Store
-    url = a.db or f"sqlite:///{os.path.join(a.state_dir, 'stalwart.db')}"
-    if not a.db and not os.path.exists(os.path.join(a.state_dir, "stalwart.db")):
+    url = a.db or statedir.db_url(a.state_dir)
+    if not a.db and not os.path.exists(statedir.db_path(a.state_dir)):
         raise UserError(f"no stalwart state in {os.path.abspath(a.state_dir)} (pass --state-dir or --db)")
     store = Store(url)
     try:

@@ -12,6 +12,7 @@ import os
 
 from typing import TYPE_CHECKING
 
+from stalwart.backends import statedir
 from stalwart.plots import COLORS, Mark, Series, line_chart, stacked_bars
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | 
             return client.get(f"/api/jobs/{job_id}/series?points=200")
         except (ApiError, ControllerUnreachable):
             pass
-    db = os.path.join(state_dir, "stalwart.db")
+    db = statedir.db_path(state_dir)
     if not os.path.exists(db):
         return None
     import time

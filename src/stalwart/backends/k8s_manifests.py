@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from stalwart.backends.statedir import DB_NAME
 from stalwart.backends.kubernetes import TOKEN_KEY, K8sConfig, agent_pod
 
 CONTROLLER_LABELS = {"app.kubernetes.io/name": "stalwart-controller"}
@@ -93,7 +94,7 @@ def _controller(cfg: K8sConfig, spec: dict[str, Any]) -> list[dict]:
         env.append({"name": "DB_URL", "valueFrom": {"secretKeyRef": {"name": cfg.database_secret, "key": "url"}}})
         db = "$(DB_URL)"
     else:
-        db = f"sqlite:///{cfg.state_dir}/stalwart.db"
+        db = f"sqlite:///{cfg.state_dir}/{DB_NAME}"     # (the pod's path, not this machine's)
     host = f"{name}.{cfg.namespace}.svc"
     container = {
         "name": "controller", "image": cfg.image,

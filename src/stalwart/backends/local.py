@@ -26,6 +26,7 @@ from typing import Callable
 from stalwart import auth
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
+from stalwart.backends.statedir import db_url as statedir_db_url
 from stalwart.client import Client, ControllerUnreachable
 
 log = logging.getLogger("stalwart.local")
@@ -65,7 +66,7 @@ class LocalCluster(Backend):
         self.gpus = gpus_per_machine
         self.heartbeat_s = heartbeat_s
         self.missed_beats = missed_beats
-        self.db_url = db_url or f"sqlite:///{os.path.join(self.state_dir, 'stalwart.db')}"
+        self.db_url = db_url or statedir_db_url(self.state_dir)
         self.log_level = log_level
         self.controller: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}

@@ -17,6 +17,17 @@ import sys
 import time
 
 LOCK_NAME = "run.lock"
+DB_NAME = "stalwart.db"         # the controller's database in a state dir (SQLite unless --db says)
+
+
+def db_path(state_dir: str) -> str:
+    """The absolute path of the state dir's database."""
+    return os.path.abspath(os.path.join(state_dir, DB_NAME))
+
+
+def db_url(state_dir: str) -> str:
+    """The SQLAlchemy URL of the state dir's database."""
+    return f"sqlite:///{db_path(state_dir)}"
 
 
 class StateDirBusy(RuntimeError):

@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from stalwart.backends.statedir import DB_NAME
+
 CACHE_DIRS = frozenset({"__pycache__", ".git", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".tox",
                         "node_modules", ".ipynb_checkpoints", ".hg", ".svn"})
 IGNORED_SUFFIXES = (".pyc",)
@@ -43,7 +45,7 @@ def mark_state_dir(path: str) -> None:
 
 def _skip_dir(full: str) -> str | None:
     """Why a directory is not code, or None."""
-    if os.path.exists(os.path.join(full, STATE_MARKER)) or os.path.exists(os.path.join(full, "stalwart.db")):
+    if os.path.exists(os.path.join(full, STATE_MARKER)) or os.path.exists(os.path.join(full, DB_NAME)):
         return "a stalwart state dir"
     if os.path.exists(os.path.join(full, "pyvenv.cfg")):
         return "a Python virtualenv"

@@ -26,6 +26,7 @@ import os
 import statistics
 from typing import Any, Sequence
 
+from stalwart.backends import statedir
 from stalwart.topology import Topology
 
 
@@ -140,10 +141,9 @@ def main(a: argparse.Namespace) -> int:
     if a.db:
         url = a.db
     else:
-        path = os.path.join(a.state_dir, "stalwart.db")
-        if not os.path.exists(path):
+        if not os.path.exists(statedir.db_path(a.state_dir)):
             raise ValueError(f"no stalwart state in {os.path.abspath(a.state_dir)} (pass --state-dir or --db)")
-        url = f"sqlite:///{path}"
+        url = statedir.db_url(a.state_dir)
     job_id, res = from_store(url, str(a.job), a.microbatches)
     print(render(job_id, res))
     return 0
