@@ -95,7 +95,7 @@ def test_take_waits_for_an_event():
 
 
 def test_retry_delay_doubles_to_a_cap_with_jitter():
-    from stalwart.agent.daemon import RETRY_CAP_S, retry_delay
+    from stalwart.agent.outbox import RETRY_CAP_S, retry_delay
     assert retry_delay(1, 0.5, 0.0) == 0.25 and retry_delay(1, 0.5, 0.999) < 0.5
     assert [retry_delay(n, 0.5, 1.0) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 4.0]
     assert retry_delay(50, 0.5, 1.0) == RETRY_CAP_S and retry_delay(50, 0.5, 0.0) == RETRY_CAP_S / 2

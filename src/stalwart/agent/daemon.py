@@ -25,7 +25,7 @@ from stalwart.agent.paths import claim
 from stalwart.agent.diagnose import Diagnoser
 from stalwart.agent.metrics import MetricsSampler
 from stalwart.agent.monitor import Monitor
-from stalwart.agent.outbox import Outbox
+from stalwart.agent.outbox import EVENT_LINGER_S, STEP_GATHER_S, STEP_PACE_S, Outbox, retry_delay
 from stalwart.agent.armed import ChaosCommands
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
@@ -41,20 +41,7 @@ log = logging.getLogger("stalwart.agent")
 PLAIN_REFILL_AFTER_S = 60.0     # a run without step reports gets its spares this long after its start
 
 FORWARDED = {"step", "ckpt", "restored", "done", "hello", "standby_ready"}
-
-
-EVENT_LINGER_S = 0.2   # metrics wait this long for company (steps go at once: see outbox.routine)
-STEP_GATHER_S = 0.02   # a rank's step report waits at most this long for the other local ranks' of its step
-STEP_PACE_S = 0.25     # step reports go at most this often (a fast job's few steps in one request: Outbox.PACED)
 SKIP_BEATS_FROM = 3    # missed beats the controller allows before an agent's batches stand in for beats
-RETRY_CAP_S = p.AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
-
-
-def retry_delay(failures: int, heartbeat_s: float, rand: float) -> float:
-    """Seconds before the next attempt to reach the controller after `failures` failed ones:
-    doubling from a heartbeat up to RETRY_CAP_S, times a jitter in [0.5, 1) (`rand` in [0, 1))."""
-    base = min(RETRY_CAP_S, heartbeat_s * (2 ** min(max(failures - 1, 0), 16)))
-    return base * (0.5 + rand / 2)
 
 
 class Agent:

@@ -12,7 +12,13 @@ import threading
 import time
 from typing import Deque
 
+from stalwart.protocol import AGENT_RETRY_CAP_S
+
 DEFAULT_LIMIT = 20_000
+EVENT_LINGER_S = 0.2   # metrics wait this long for company (steps go at once: see `routine`)
+STEP_GATHER_S = 0.02   # a rank's step report waits at most this long for the other local ranks' of its step
+STEP_PACE_S = 0.25     # step reports go at most this often (a fast job's few steps in one request: PACED)
+RETRY_CAP_S = AGENT_RETRY_CAP_S    # a restarted controller's reconcile grace allows two of these
 # What may be dropped, first to last; every other kind is evidence (`protocol.EVIDENCE`).
 DROP_ORDER = ("metrics", "activity", "step", "steps", "ckpt", "hello", "restored", "restore_source", "prewarmed",
               "standby_ready")
@@ -144,3 +150,10 @@ class Outbox:
     def __len__(self) -> int:
         with self._cond:
             return len(self._q)
+
+
+def retry_delay(failures: int, heartbeat_s: float, rand: float) -> float:
+    """Seconds before the next attempt to reach the controller after `failures` failed ones:
+    doubling from a heartbeat up to RETRY_CAP_S, times a jitter in [0.5, 1) (`rand` in [0, 1))."""
+    base = min(RETRY_CAP_S, heartbeat_s * (2 ** min(max(failures - 1, 0), 16)))
+    return base * (0.5 + rand / 2)
