@@ -15,11 +15,13 @@ import json
 import os
 import socket
 import threading
+import time
 from typing import Callable, Deque
 
 from stalwart.jsonlines import JsonLineSocket
 
-LAZY_S = 0.05       # the longest a message sent with wake=False waits for company
+LAZY_S = 0.05       # the longest a message sent with wake=False waits for company...
+LAZY_KEEP_S = 10.0  # ...while the writer looks that often for one: until this long after the last
 
 
 class AgentLink:
@@ -29,6 +31,8 @@ class AgentLink:
         self._buf: Deque[dict | threading.Event | None] = collections.deque()
         self._cv = threading.Condition()
         self._woken = 0                 # queued items that may not wait (see `send`)
+        self._lazy_at = float("-inf")   # when the last message that may wait was queued
+        self._untimed = False           # the writer waits without a bound (nothing may be waiting)
         self._conn: JsonLineSocket | None = None
         self._closed = threading.Event()
         if path:
@@ -53,6 +57,10 @@ class AgentLink:
             if wake:
                 self._woken += 1
                 self._cv.notify()
+            else:
+                self._lazy_at = time.monotonic()
+                if self._untimed:               # (a writer idle for long: it must look again)
+                    self._cv.notify()
 
     def send_now(self, msg: dict) -> None:
         """Send synchronously (used before blocking on the agent, and before exit)."""
@@ -71,7 +79,12 @@ class AgentLink:
         while not self._closed.is_set():
             with self._cv:
                 if not self._woken:
-                    self._cv.wait(LAZY_S)       # (a lazy message waits here for company)
+                    # a lazy message waits here for company, LAZY_S at most; a link without any
+                    # for long (a warm spare's) sleeps until something comes
+                    bounded = bool(self._buf) or time.monotonic() - self._lazy_at < LAZY_KEEP_S
+                    self._untimed = not bounded
+                    self._cv.wait(LAZY_S if bounded else None)
+                    self._untimed = False
                 items = list(self._buf)
                 self._buf.clear()
                 self._woken = 0
