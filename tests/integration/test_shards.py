@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -410,3 +411,29 @@ def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(
         assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4]
         mgr.workers_stopped()
         assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_run_leaves_the_jobs_memory_copies_alone(tmp_shm):
+    """The soak found it: a dual-phase replay on this machine started its throw-away rank 0 "from
+    scratch", which removed the job's rank 0 copies here as a new run's later steps; the restart
+    after the replay then failed to restore the step the controller had planned from them."""
+    from stalwart import protocol as p
+    spec = p.RunSpec(job=1, run=7, command=["python", "-m", "job"], cwd=None, user_env={},
+                     layout=p.Layout(machines=1, gpus_per_machine=1, dp=1), steps=30, ckpt_every=10,
+                     ckpt_dir="/ck", mem_slots=2, replay=True)
+    with hand_scanned(tmp_shm) as (mgr, events):
+        ck = MemCheckpointer(mgr.shm_dir, 0)
+        snapshot_and_scan(ck, mgr, [4, 5])
+        ck.close()
+        held = memckpt.list_shards(mgr.shm_dir, 0)
+        assert [s for _, s, _ in held] == [4, 5]
+        extra = mgr.prepare_run(p.Start(spec=spec, workers=[p.WorkerSlot(rank=0, local_rank=0, group_rank=0)]),
+                                events.append)
+        assert extra is not None and extra[0]["RANK"] == "0"
+        assert memckpt.list_shards(mgr.shm_dir, 0) == held
+        # the job's own run from scratch does start over
+        job = msgspec.structs.replace(spec, replay=False, run=8)
+        mgr.prepare_run(p.Start(spec=job, workers=[p.WorkerSlot(rank=0, local_rank=0, group_rank=0)]),
+                        events.append)
+        assert memckpt.list_shards(mgr.shm_dir, 0) == []

@@ -239,7 +239,11 @@ class CkptManager:
 
     def prepare_run(self, cmd: p.Start, emit: Callable[[dict], None]) -> list[dict[str, str]] | None:
         """Checkpoint set-up and restore shards for a run: the extra env of each worker, or None
-        (reported as `restore_failed`) when a rank has no valid copy anywhere."""
+        (reported as `restore_failed`) when a rank has no valid copy anywhere. A replay's run
+        (stop-time diagnostics: a throw-away copy of the job, of its own shape) neither reads nor
+        touches the job's copies: the restart after it restores from them."""
+        if cmd.spec.replay:
+            return [p.rank_env(w) for w in cmd.workers]
         if cmd.ckpt is not None:
             backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
                 if cmd.ckpt.backup is not None else None
