@@ -143,6 +143,9 @@ def test_step_reports_are_paced_anything_else_prompt_goes_at_once():
     box.put({"type": "restored", "rank": 0})                        # no step report: no pace at all
     t0 = time.monotonic()
     assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20
+    box.put({"type": "step", "step": 4, "loss": float("nan")})      # a NaN is evidence: no pace
+    t0 = time.monotonic()
+    assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20
     box.put({"type": "step", "step": 4})                            # a dropped evidence count stays right
     box.give_back([{"type": "health"}])
     assert len(box.take(timeout=1.0, pace=30.0)) == 2

@@ -8,6 +8,7 @@ dropped. What was dropped is counted and reported with the next batch.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from typing import Deque
@@ -33,7 +34,20 @@ ROUTINE = frozenset(("metrics", "activity"))
 # step: with `take(pace=)` a batch whose prompt events are all step reports waits until `pace`
 # has passed since the last batch that carried some (a job of one step a second is not delayed;
 # one of ten a second sends a few steps per request). Anything else prompt ends the wait at once.
+# A report of a non-finite loss or gradient norm is evidence of a failure: it goes at once.
 PACED = frozenset(("step",))
+_CHECKED = ("loss", "grad_norm", "local_grad_norm")
+
+
+def paced(event: dict) -> bool:
+    """May `event` wait for the pace (see PACED)?"""
+    if event.get("type") not in PACED:
+        return False
+    for k in _CHECKED:
+        v = event.get(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+    return True
 
 
 def routine(event: dict) -> bool:
@@ -63,7 +77,7 @@ class Outbox:
             self._q.append(event)
             if not routine(event):
                 self._prompt += 1
-                if event.get("type") not in PACED:
+                if not paced(event):
                     self._urgent += 1
             if len(self._q) > self.limit:
                 self._make_room()
@@ -136,7 +150,7 @@ class Outbox:
         for ev in batch:
             if not routine(ev):
                 self._prompt += sign
-                if ev.get("type") not in PACED:
+                if not paced(ev):
                     self._urgent += sign
 
     def give_back(self, batch: list[dict]) -> None:
