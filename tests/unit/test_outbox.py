@@ -143,6 +143,10 @@ def test_step_reports_are_paced_anything_else_prompt_goes_at_once():
     box.put({"type": "restored", "rank": 0})                        # no step report: no pace at all
     t0 = time.monotonic()
     assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20
+    box.put({"type": "step", "step": 9})                            # a new run's first: at once
+    box.reset_pace()
+    t0 = time.monotonic()
+    assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20
     box.put({"type": "step", "step": 4, "loss": float("nan")})      # a NaN is evidence: no pace
     t0 = time.monotonic()
     assert len(box.take(timeout=1.0, pace=30.0)) == 1 and time.monotonic() - t0 < 20

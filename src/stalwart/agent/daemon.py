@@ -441,6 +441,7 @@ class Agent:
         """Start a run's workers: hand the ranks to warm workers when they are ready, else cold."""
         self.workers.stop()
         self._last_step.clear()
+        self._events.reset_pace()
         self.progress.reset()
         preload_before = self.forks.preload_wait_s
         extra = self._prepare_run(cmd)

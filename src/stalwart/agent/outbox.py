@@ -146,6 +146,12 @@ class Outbox:
                 self._paced_at = time.monotonic()
             return batch
 
+    def reset_pace(self) -> None:
+        """A new run: its first step report goes at once (it ends a recovery)."""
+        with self._cond:
+            self._paced_at = float("-inf")
+            self._cond.notify()
+
     def _count_out(self, batch: list[dict], sign: int) -> None:
         for ev in batch:
             if not routine(ev):
