@@ -33,20 +33,6 @@ def _chaos_help() -> str:
 
 
 # -- controller / agent services -----------------------------------------------------------------
-def _raise_open_files() -> None:
-    """Every agent holds one connection to the controller (its channel): the soft limit of open
-    files (often 1,024) goes up to the hard one, so a cluster of thousands is not refused."""
-    import resource
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            logging.getLogger("stalwart").warning("cannot raise the open-files limit from %d: at most about "
-                                                  "that many agents can connect", soft)
-
-
 def cmd_controller(a) -> int:
     from sqlalchemy import exc as sa_exc
 
@@ -68,7 +54,8 @@ def cmd_controller(a) -> int:
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
     from stalwart.backends.base import load as load_backend
-    _raise_open_files()
+    from stalwart.controller.channel import raise_open_files
+    raise_open_files()
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
     # whatever --state-dir said, and a controller started elsewhere died on a traceback)
     db = a.db or statedir.db_url(a.state_dir)
@@ -580,7 +567,18 @@ def _more_commands(p: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
     add_commands(sub)        # stalwart slurm …, stalwart k8s …
     from stalwart.sim.command import add_commands as add_sim
     add_sim(sub)             # stalwart sim, stalwart whatif
+    _whole_names(p)
     return p
+
+
+def _whole_names(parser: argparse.ArgumentParser) -> None:
+    """Options are given by their whole name, in every (sub)command: `--port 80` is an unknown
+    argument, not `--port-file 80` (argparse takes a unique prefix for the option by default)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _whole_names(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,3 +130,13 @@ def test_a_controller_keeps_its_database_in_its_state_dir(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_an_abbreviated_option_is_refused_not_taken_for_another(tmp_path):
+    """Found as a new user: `stalwart controller --port 18931` was taken for `--port-file 18931`
+    (argparse's prefix matching): the controller listened on its default port and wrote a file."""
+    r = stalwart("controller", "--state-dir", str(tmp_path), "--port", "18931", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "unrecognized arguments: --port 18931" in r.stderr, r.stderr
+    assert not (tmp_path / "18931").exists()

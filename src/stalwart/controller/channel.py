@@ -358,3 +358,17 @@ def _seq_of(data: bytes) -> int | None:
         return None
     seq = obj.get("seq") if isinstance(obj, dict) else None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def raise_open_files() -> None:
+    """Every agent holds one connection to the controller (its channel): the soft limit of open
+    files (often 1,024) goes up to the hard one, so a cluster of thousands is not refused."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            log.warning("cannot raise the open-files limit from %d: at most about that many agents "
+                        "can connect", soft)
