@@ -66,3 +66,77 @@ def test_a_worker_that_ends_well_says_done_not_failing(tmp_path):
     assert p.returncode == 0, p.stderr.read()
     kinds = [m["type"] for m in msgs]
     assert "done" in kinds and "failing" not in kinds, kinds
+
+
+OVERLAP_SCRIPT = textwrap.dedent('''
+    import sys, threading, torch
+    from stalwart import worker
+    ctx = worker.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    model.register_buffer("seen", torch.zeros(()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        for step in range(6):
+            ctx.begin_step(step)
+            if sys.argv[1] == "buffer" and step == 3:
+                model.seen.add_(1)          # a buffer changed in forward, before the fence...
+                gate.set()                  # ...and before step 2's copy (held back till now)
+            loss = model(torch.ones(4, 8)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            ctx.on_gradients(step, model.parameters())
+            opt.step()
+            ctx.report(step, loss=float(loss))
+            if sys.argv[1] == "buffer" and step == 2:
+                gate = threading.Event()
+                ctx.mem._copier.submit(gate.wait)
+            ctx.checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+        torch.save(model.state_dict(), sys.argv[2])
+    finally:
+        ctx.finish()
+''')
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["clean", "buffer"])
+def test_overlapped_snapshots_under_the_sdk_hold_each_steps_state(tmp_path, mode):
+    """STALWART_MEM_OVERLAP=1: each step's copy overlaps the next step until `on_gradients`; the
+    newest shard is the state the script ended with. A buffer changed in forward before the
+    fence is seen: that step's shard is dropped, the copies block from then on, the log says so."""
+    import torch
+
+    from stalwart.worker import memckpt
+    path, shm, final = str(tmp_path / "agent.sock"), tmp_path / "shm", str(tmp_path / "final.pt")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(60)
+    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1",
+               STALWART_SHM_DIR=str(shm), STALWART_MEM_OVERLAP="1")
+    env.pop("MASTER_ADDR", None)
+    p = subprocess.Popen([sys.executable, "-c", OVERLAP_SCRIPT, mode, final], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    msgs = []
+    try:
+        conn, _ = srv.accept()
+        jl = JsonLineSocket(conn)
+        while (m := jl.recv()) is not None:
+            msgs.append(m)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        srv.close()
+    assert p.returncode == 0, err
+    shards = [m["step"] for m in msgs if m["type"] == "shard"]
+    step, state = memckpt.load(str(shm), 0)
+    assert step == 5
+    want = torch.load(final)
+    assert all(torch.equal(state["model"][k], want[k]) for k in want)
+    if mode == "clean":
+        assert shards == list(range(6)) and "in-memory checkpoint" not in err
+    else:
+        assert 2 not in shards and shards == [0, 1, 3, 4, 5], shards   # step 2's copy was torn
+        assert "in-memory checkpoint: tensor" in err and "modified before its copy" in err

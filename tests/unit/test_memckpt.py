@@ -1,11 +1,13 @@
 """MemCheckpointer: bit-exact round trip, double buffering, interrupted writes, corruption."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -341,3 +343,63 @@ def test_a_shard_summed_with_crc32_before_xxh3_still_loads_and_verifies(shm_dir)
     memckpt.write_header(memckpt.base_of(path), hdr)
     with pytest.raises(memckpt.CorruptShard):
         memckpt.load(path, 0)
+
+
+def _held(m: MemCheckpointer) -> threading.Event:
+    """Hold the copier thread (an overlapped copy waits behind this) until the event is set."""
+    gate = threading.Event()
+    m._copier.submit(gate.wait)
+    return gate
+
+
+def test_overlapped_copies_hold_the_state_handed_over_once_fenced(shm_dir):
+    model, opt = _model_and_opt()
+    gen = torch.Generator().manual_seed(1)
+    with MemCheckpointer(shm_dir, rank=0, overlap=True) as m:
+        for step in range(4):
+            _train_step(model, opt, gen)
+            expected = copy.deepcopy(_state(model, opt, gen, step))
+            gate = _held(m)
+            m.snapshot(_state(model, opt, gen, step), step)
+            assert latest(shm_dir, 0) is None or latest(shm_dir, 0)[0] < step   # not copied yet
+            gate.set()
+            m.fence()           # (what on_gradients does before the optimizer step)
+            m.wait()
+            assert m.overlap_off is None
+            got_step, got = load(shm_dir, 0)
+            assert got_step == step
+            _assert_same(expected, got)
+
+
+def test_a_tensor_changed_before_its_overlapped_copy_drops_that_step_and_copies_block_after(shm_dir):
+    model, opt = _model_and_opt()
+    gen = torch.Generator().manual_seed(1)
+    with MemCheckpointer(shm_dir, rank=0, overlap=True) as m:
+        _train_step(model, opt, gen)
+        m.snapshot(_state(model, opt, gen, 0), 0)
+        m.fence()
+        m.wait()
+        gate = _held(m)
+        m.snapshot(_state(model, opt, gen, 1), 1)
+        _train_step(model, opt, gen)      # the optimizer step before the fence: the copy would be torn
+        gate.set()
+        m.wait()
+        assert m.overlap_off is not None and "step 1" in m.overlap_off
+        assert latest(shm_dir, 0)[0] == 0           # step 1 was never committed; step 0 stands
+        expected = copy.deepcopy(_state(model, opt, gen, 2))
+        m.snapshot(_state(model, opt, gen, 2), 2)   # copied in the call now...
+        _train_step(model, opt, gen)                 # ...so no fence is needed before this
+        m.wait()
+        got_step, got = load(shm_dir, 0)
+        assert got_step == 2
+        _assert_same(expected, got)
+
+
+def test_an_inference_tensor_in_the_state_is_copied_on_the_training_thread(shm_dir):
+    with torch.inference_mode():
+        t = torch.arange(8.0)
+    with MemCheckpointer(shm_dir, rank=0, overlap=True) as m:
+        m.snapshot({"t": t}, 0)
+        m.wait()
+        assert m.overlap_off is not None and "version counter" in m.overlap_off
+        assert torch.equal(load(shm_dir, 0)[1]["t"], t)

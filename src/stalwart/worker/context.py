@@ -99,9 +99,14 @@ class Context:
         # ...on fewer layers where the job honours it (0: keep the job's own depth)
         self.replay_layers = _env_int(Env.REPLAY_LAYERS, 0) if self.replay else 0
         shm = None if self.replay else env.get(Env.SHM_DIR)
+        # STALWART_MEM_OVERLAP=1: the snapshot's copy overlaps the next step's forward and backward
+        # and `on_gradients` waits for it before the optimizer step (off by default: on a CPU host
+        # the side thread's hand-offs of the interpreter lock cost the step more than the copy)
         self.mem = memckpt.MemCheckpointer(shm, self.rank, slots=max(2, _env_int(Env.MEM_SLOTS, 2)),
-                                           on_commit=self._shard_committed) \
+                                           on_commit=self._shard_committed,
+                                           overlap=env.get(Env.MEM_OVERLAP, "0") == "1") \
             if shm else None
+        self._overlap_said = False
         self.cuda = torch.cuda.is_available() and env.get(Env.FORCE_CPU) != "1"
         self.device = torch.device(f"cuda:{self.local_rank}" if self.cuda else "cpu")
         if self.cuda:
@@ -250,12 +255,21 @@ class Context:
             time.sleep(self._throttled_s)
 
     def on_gradients(self, step: int, params: Iterable[torch.Tensor], comm_s: float = 0.0) -> None:
-        """Call after backward and before the data-parallel reduction of the gradients.
+        """Call after backward and before the data-parallel reduction of the gradients (and so
+        before the optimizer step: with STALWART_MEM_OVERLAP=1 the previous step's in-memory
+        checkpoint, copied while this step computed, is complete when it returns).
 
         `comm_s`: seconds of this step so far spent communicating (a pipeline's sends and
         receives), left out of the compute time reported: a stage waiting for a slow neighbour
         does not compute slowly, and the fail-slow rounds compare compute times."""
         t0 = time.perf_counter()
+        if self.mem is not None:      # the previous snapshot's copy is done before the state changes
+            self.mem.fence()
+            self._blocked("snapshot", t0)
+            t0 = time.perf_counter()
+            if self.mem.overlap_off is not None and not self._overlap_said:
+                self._overlap_said = True
+                self.log(f"in-memory checkpoint: {self.mem.overlap_off}")
         grads = [p.grad for p in params if p.grad is not None]
         self._compute_s = max(0.0, time.time() - self._begin_t - max(0.0, comm_s))
         self._base_compute_s = max(0.0, self._compute_s - self._throttled_s)   # what a cool GPU takes
@@ -263,8 +277,9 @@ class Context:
             for g in grads:
                 g.fill_(float("nan"))
         if grads:   # one reduction and one sync for every gradient, not one per tensor
-            norms = torch._foreach_norm([g.detach().float() for g in grads])
-            self._local_grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                self._local_grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
         else:
             self._local_grad_norm = 0.0
         if self.gpu.corrupts() and grads:
@@ -292,9 +307,12 @@ class Context:
     def checkpoint(self, state: Any, step: int) -> None:
         """Checkpoint the state reached after `step`.
 
-        Under a stalwart agent: into shared memory, every step (the step blocks only for its own
-        copy; the agent streams it to a backup peer and to the durable tier every `ckpt_every`
-        steps). Without one: a durable file every `ckpt_every` steps.
+        Under a stalwart agent: into shared memory, every step (the step blocks for the copy; the
+        agent streams it to a backup peer and to the durable tier every `ckpt_every` steps). With
+        STALWART_MEM_OVERLAP=1 the copy runs while the next step computes: the state's tensors
+        must not change until the next `on_gradients` returns (a change through torch's in-place
+        ops is seen and the copies go back to blocking this call, said once in the log). Without
+        an agent: a durable file every `ckpt_every` steps.
         """
         if self.mem is not None:
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -117,6 +118,19 @@ def _pickle_state(state: Any, strict: bool) -> tuple[_Pickler, bytes]:
     return p, buf.getvalue()
 
 
+def _finished(fut: Future) -> None:
+    """Wait for a slot's write: its commit, or its copy and then the commit that one handed on."""
+    then = fut.result()
+    if isinstance(then, Future):
+        then.result()
+
+
+def _copy(views: list, src: list) -> None:
+    import torch
+    with torch.no_grad():     # one call for every tensor (it releases the GIL while it copies)
+        torch._foreach_copy_(views, src)
+
+
 def _plan(tensors) -> tuple[list[dict], int]:
     """Tensor table (dtype, shape, offset, nbytes, …) and total data size for a list of tensors."""
     table, off = [], 0
@@ -150,10 +164,19 @@ class MemCheckpointer:
 
     `snapshot` blocks only for the tensor copies; the checksum and header commit run on a
     background thread. Not thread-safe: call it from the training thread.
+
+    With `overlap=True` the copies run on the background thread too, while the training thread
+    goes on with the next step's forward and backward (ByteRobust's every-step checkpoint: the
+    copy overlaps the computation, the optimizer step waits for it): the caller calls `fence()`
+    before anything modifies the state's tensors again (the SDK does in `on_gradients`). A
+    tensor modified before the copy finished (an in-place update in forward, a missed fence) is
+    seen by its version counter: that snapshot is dropped, never committed, and every later one
+    is copied on the training thread (`overlap_off` says why).
     """
 
     def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05,
-                 slots: int = 2, on_commit: Callable[[int, str], None] | None = None):
+                 slots: int = 2, on_commit: Callable[[int, str], None] | None = None,
+                 overlap: bool = False):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         if not isinstance(slots, int) or isinstance(slots, bool) or not 2 <= slots <= 999:
@@ -167,7 +190,14 @@ class MemCheckpointer:
         self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}",
                                         initializer=background_thread)
+        # (overlapped copies: at the training thread's priority, which waits for them in `fence`;
+        # a nice-19 thread there would wait behind every other runnable thread of a busy host)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-copy-r{rank}") \
+            if overlap else None
         self._last_step: int | None = None
+        self.overlap = overlap
+        self.overlap_off: str | None = None   # why snapshots stopped overlapping (a torn copy)
+        self._copied: threading.Event | None = None   # set once the newest overlapped copy is done
 
     # -- allocation
     def _ensure(self, slot: _Slot, nbytes: int) -> None:
@@ -189,13 +219,12 @@ class MemCheckpointer:
     # -- public API
     def snapshot(self, state: Any, step: int) -> None:
         """Copy `state` (nested tensors / picklable values) into slot step % slots; commit in the background."""
-        import torch
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         slot = self._slots[step % len(self._slots)]
         if slot.pending is not None:
             fut, slot.pending = slot.pending, None
-            fut.result()          # previous write of this slot must be finished (re-raises its error)
+            _finished(fut)        # previous write of this slot must be finished (re-raises its error)
         p, meta = _pickle_state(state, strict=False)
         shapes = tuple((t.dtype, t.shape, t.requires_grad, type(t)) for t in p.tensors)
         if shapes != slot.shapes or slot.plan is None:      # the same state as last time: same plan
@@ -217,16 +246,50 @@ class MemCheckpointer:
             slot.shapes = shapes
             slot.pairs = [i for i, e in enumerate(table) if e["nbytes"]]
         views, src = slot.views, p.tensors
-        with torch.no_grad():     # one call for every tensor: the step blocks for the copy alone
-            if len(slot.pairs) == len(src):
-                torch._foreach_copy_(views, src)
-            else:
-                torch._foreach_copy_([views[i] for i in slot.pairs], [src[i] for i in slot.pairs])
+        if len(slot.pairs) != len(src):
+            views, src = [views[i] for i in slot.pairs], [src[i] for i in slot.pairs]
         slot.layout_key = nbytes
-        # the header (the tensor table, the base64 of the metadata), its checksum and its commit
-        # are the background thread's: the training thread only copied
-        slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
+        if self._copier is not None and self.overlap_off is None:
+            # the copy too is the background thread's; what each tensor's version is now tells it
+            # whether the training thread changed one before the copy was done
+            try:
+                versions = [t._version for t in src]
+            except RuntimeError as e:     # (an inference tensor has no version counter)
+                self.overlap_off = f"the state holds a tensor without a version counter ({e})"
+                return self.snapshot(state, step)
+            copied = self._copied = threading.Event()
+            slot.pending = self._copier.submit(self._copy_commit, slot, step, views, src, versions, copied,
+                                               slot.table_json, nbytes, meta)
+        else:
+            _copy(views, src)     # the step blocks for the copy alone
+            # the header (the tensor table, the base64 of the metadata), its checksum and its
+            # commit are the background thread's: the training thread only copied
+            slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
         self._last_step = step
+
+    def fence(self) -> None:
+        """Block until the newest snapshot's copy is done (with `overlap`; else it was done in
+        `snapshot`): call it before the state's tensors are modified again."""
+        copied = self._copied
+        if copied is not None:
+            copied.wait()
+            self._copied = None
+
+    def _copy_commit(self, slot: _Slot, step: int, views: list, src: list, versions: list[int],
+                     copied: threading.Event, table_json: str, nbytes: int, meta: bytes) -> Future | None:
+        """(the copier thread) The copy, then the commit handed to the commit thread: its Future."""
+        try:
+            _copy(views, src)
+            changed = next((i for i, (t, v) in enumerate(zip(src, versions)) if t._version != v), None)
+        finally:
+            copied.set()
+        if changed is not None:
+            # torn: the slot keeps no header (it was removed before the copy), the previous stays
+            self.overlap_off = (f"tensor {changed} of the state of step {step} was modified before its "
+                                "copy was done (an in-place update in forward, or no fence before the "
+                                "optimizer step): snapshots are copied on the training thread from now on")
+            return None
+        return self._pool.submit(self._commit, slot, step, table_json, nbytes, meta)
 
     def _commit(self, slot: _Slot, step: int, table_json: str, nbytes: int, meta: bytes) -> None:
         # (the key order is the format's: "format", "step", "rank" first, see header_step_rank)
@@ -238,17 +301,20 @@ class MemCheckpointer:
             self.on_commit(step, slot.base + ".hdr")
 
     def wait(self) -> None:
-        """Block until every submitted snapshot is committed; re-raises a background failure."""
+        """Block until every submitted snapshot is committed (or dropped, torn); re-raises a
+        background failure."""
         for slot in self._slots:
             if slot.pending is not None:
                 fut, slot.pending = slot.pending, None
-                fut.result()
+                _finished(fut)
 
     def close(self) -> None:
         """Wait for pending commits and stop the background thread (the slots stay on disk)."""
         try:
             self.wait()
         finally:
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             for slot in self._slots:
                 slot.buf = None
