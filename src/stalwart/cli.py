@@ -81,7 +81,7 @@ def cmd_controller(a) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop.wait(0.05):
+        while not stop.wait(1.0):     # (a signal ends the wait at once: its handler sets it)
             pass
     except KeyboardInterrupt:
         pass

@@ -32,6 +32,9 @@ def test_two_jobs_with_faults_on_disjoint_machines_and_a_third_waits_its_turn(tm
         c = client.post("/api/jobs", {"spec": spec(10, 0)})["job"]
         # A holds m0-m2 and B is first in line for m3-m5: nothing can be free for C
         assert client.get(f"/api/jobs/{c}")["live"]["state"] == "waiting"
+        lv = client.get(f"/api/jobs/{c}/live")       # (a progress line's poll: no report built)
+        assert (lv["state"], lv["live"]["state"], lv["steps_target"]) == ("running", "waiting", 10)
+        assert "ettr" not in lv and "incidents" not in lv
         assert wait_for(lambda: (client.get(f"/api/jobs/{b}")["live"] or {}).get("step", 0) >= 10, timeout=120)
         # two jobs run: an action on "latest" must say which job
         with pytest.raises(ApiError, match="say which with --job ID"):
@@ -43,6 +46,7 @@ def test_two_jobs_with_faults_on_disjoint_machines_and_a_third_waits_its_turn(tm
                             timeout=timeout, every=0.5)
             return client.get(f"/api/jobs/{job}")
         ra, rb, rc = done(a), done(b), done(c)
+        assert client.get(f"/api/jobs/{a}/live")["ettr"] == ra["ettr"]     # an ended job's: its report
         for rep in (ra, rb, rc):
             assert rep["state"] == "succeeded", rep.get("reason")
         [ia], [ib] = ra["incidents"], rb["incidents"]

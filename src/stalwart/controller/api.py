@@ -80,6 +80,9 @@ class Api:
     def job_status(self, job, q, body):
         return self.ctl.status(self.ctl.resolve_job(job))
 
+    def job_live(self, job, q, body):
+        return self.ctl.live_status(self.ctl.resolve_job(job))
+
     def job_inject(self, job, q, body: models.InjectChaos):
         return self.ctl.inject(self.ctl.resolve_job(job, acting=True), body.chaos)
 

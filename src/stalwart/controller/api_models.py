@@ -147,6 +147,8 @@ ROUTES: list[Route] = [
     Route.of("POST", "/api/jobs", "job_submit", SubmitJob, "submit a job"),
     Route.of("GET", "/api/jobs/{job}", "job_status", None, "a job's status and report (job: ID or 'latest')"),
     Route.of("GET", "/api/jobs/{job}/report", "job_status", None, "the same"),
+    Route.of("GET", "/api/jobs/{job}/live", "job_live", None,
+             "a running job's live progress without its report (an ended job's: its report)"),
     Route.of("POST", "/api/jobs/{job}/inject", "job_inject", InjectChaos, "inject a fault"),
     Route.of("POST", "/api/jobs/{job}/cancel", "job_cancel", CancelJob, "cancel a job"),
     Route.of("POST", "/api/jobs/{job}/versions", "job_update", UpdateCode, "register a code version (hot update)"),

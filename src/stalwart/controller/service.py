@@ -513,9 +513,20 @@ class Controller:
             job_id = int(job)
         except ValueError:
             raise NotFound(f"no job {job!r}") from None
+        if job_id in self.jobs:          # (a job this controller runs or ran: no database read)
+            return job_id
         if not 0 < job_id < 2**63 or self.store.job(job_id) is None:      # (the store's integers)
             raise NotFound(f"no job {job_id}")
         return job_id
+
+    def live_status(self, job_id: int) -> dict:
+        """A running job's live progress alone (what a progress line shows each second), without
+        its report: no database read, no ledger. An ended job's is its whole report."""
+        runner = self.jobs.get(job_id)
+        if runner is None or runner.terminal:
+            return self.status(job_id)
+        live = runner.live()
+        return {"job": job_id, "state": "running", "steps_target": live["steps_target"], "live": live}
 
     def status(self, job_id: int) -> dict:
         rep = self.reports.report(job_id, now=time.time())
