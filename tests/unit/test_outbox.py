@@ -153,3 +153,42 @@ def test_step_reports_are_paced_anything_else_prompt_goes_at_once():
     box.put({"type": "step", "step": 4})                            # a dropped evidence count stays right
     box.give_back([{"type": "health"}])
     assert len(box.take(timeout=1.0, pace=30.0)) == 2
+
+
+def test_a_pacing_take_is_not_woken_by_more_step_reports_but_is_by_evidence_and_a_new_run():
+    box = Outbox()
+    box.put({"type": "step", "step": 0})
+    box.take(timeout=1.0, pace=30.0)                 # (the pace starts now)
+    notified = []
+    real = box._cond.notify
+    box._cond.notify = lambda n=1: (notified.append(n), real(n))    # type: ignore[method-assign]
+    out: list = []
+    box.put({"type": "step", "step": 1})
+    t = threading.Thread(target=lambda: out.extend(box.take(timeout=1.0, pace=30.0)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not box._pacing:                      # the taker waits out its pace
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        before = len(notified)
+        for s in range(2, 12):
+            box.put({"type": "step", "step": s, "rank": 0})
+        assert len(notified) == before and not out            # nobody woken, nothing taken
+        box.reset_pace()                                      # a new run: the taker looks again
+    finally:
+        t.join(timeout=10)
+    assert [e["step"] for e in out] == list(range(1, 12))
+    box.put({"type": "step", "step": 12})
+    out.clear()
+    t = threading.Thread(target=lambda: out.extend(box.take(timeout=1.0, pace=30.0)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not box._pacing:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        box.put({"type": "worker_exit", "rank": 0})           # evidence wakes it at once
+    finally:
+        t.join(timeout=10)
+    assert [e["type"] for e in out] == ["step", "worker_exit"]

@@ -71,6 +71,10 @@ class Outbox:
         self._prompt = 0            # queued events that may not linger
         self._urgent = 0            # ...of which not step reports either (see PACED)
         self._paced_at = float("-inf")   # when the last batch with step reports was taken
+        # what `take` waits for now: while it paces step reports, another step report does not
+        # wake it (a machine's ranks report 20 times a second: 20 wake-ups for nothing)
+        self._pacing = False
+        self._batch = 500
 
     def put(self, event: dict) -> None:
         with self._cond:
@@ -81,7 +85,8 @@ class Outbox:
                     self._urgent += 1
             if len(self._q) > self.limit:
                 self._make_room()
-            self._cond.notify()
+            if not self._pacing or self._urgent or len(self._q) >= self._batch:
+                self._cond.notify()
 
     def _make_room(self) -> bool:
         """Drop the oldest event of the most expendable kind there is; False when only evidence
@@ -119,12 +124,15 @@ class Outbox:
             if not self._q:
                 self._cond.wait(timeout)
             if self._q and pace > 0 and not self._urgent:
-                end = self._paced_at + pace
-                while not self._urgent and len(self._q) < max_batch:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
+                self._pacing, self._batch = True, max_batch
+                try:
+                    while not self._urgent and len(self._q) < max_batch:
+                        left = self._paced_at + pace - time.monotonic()    # (reset_pace moves it)
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                finally:
+                    self._pacing = False
             if self._q and gather > 0 and ranks > 1:
                 end = time.monotonic() + gather
                 while len(self._q) < max_batch and self._steps_incomplete(ranks):
@@ -150,7 +158,7 @@ class Outbox:
         """A new run: its first step report goes at once (it ends a recovery)."""
         with self._cond:
             self._paced_at = float("-inf")
-            self._cond.notify()
+            self._cond.notify()      # (a pacing `take` looks at its deadline again)
 
     def _count_out(self, batch: list[dict], sign: int) -> None:
         for ev in batch:
