@@ -264,7 +264,8 @@ LANE_IDLE_S = 5.0       # a push lane's thread and connection wait this long for
 
 
 class _Lane:
-    def __init__(self):
+    def __init__(self, lock: threading.Lock):
+        self.cv = threading.Condition(lock)        # its thread waits here for its next push
         self.pending: tuple[int, str, Future, int | None] | None = None
         self.busy = False
         self.sock: socket.socket | None = None    # kept for the next push (one per step)
@@ -321,7 +322,10 @@ class PeerClient:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._lanes: dict[tuple, _Lane] = {}
-        self._cv = threading.Condition()
+        # one lock; each lane's thread waits on its own condition (a push wakes the one lane it
+        # is for, not every lane of the machine), `flush` on this one
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._threads: list[threading.Thread] = []
         self._closed = False
 
@@ -344,7 +348,9 @@ class PeerClient:
         with self._cv:
             if self._closed:
                 raise RuntimeError("PeerClient is closed")
-            lane = self._lanes.setdefault(key, _Lane())
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(self._lock)
             old = lane.pending
             if old is not None and old[0] > step:
                 fut.set_result("superseded")
@@ -358,7 +364,7 @@ class PeerClient:
                                      name=f"peerxfer-push-r{rank}")
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
                 t.start()
-            self._cv.notify_all()
+            lane.cv.notify()
         return fut
 
     def _run_lane(self, key: tuple, lane: _Lane) -> None:
@@ -367,7 +373,7 @@ class PeerClient:
         while True:
             with self._cv:
                 if lane.pending is None and not self._closed:
-                    self._cv.wait_for(lambda: lane.pending is not None or self._closed, LANE_IDLE_S)
+                    lane.cv.wait_for(lambda: lane.pending is not None or self._closed, LANE_IDLE_S)
                 if lane.pending is None:
                     lane.drop()                   # (under the lock: a new lane thread may start next)
                     lane.unmap()
@@ -485,7 +491,8 @@ class PeerClient:
         """Finish queued pushes (bounded by `timeout`) and refuse new ones."""
         with self._cv:
             self._closed = True
-            self._cv.notify_all()                 # idle lanes leave now
+            for lane in self._lanes.values():
+                lane.cv.notify()                  # idle lanes leave now
         self.flush(timeout)
         for t in self._threads:
             t.join(timeout=max(0.0, timeout))
