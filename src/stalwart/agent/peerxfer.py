@@ -48,6 +48,20 @@ class PeerError(RuntimeError):
     """The peer refused or failed a transfer (its message says why)."""
 
 
+# A socket with a Python timeout polls before every send and receive: a dozen poll calls per
+# backup, every step. The backups' sockets block instead and the kernel times them out
+# (SO_RCVTIMEO / SO_SNDTIMEO), which Python reports as BlockingIOError: a stalled peer.
+_STALLED = (TimeoutError, BlockingIOError)
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    sec = int(timeout_s)
+    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 # ----------------------------------------------------------------------------- framing
 
 def _send_frame(sock: socket.socket, obj: dict) -> None:
@@ -110,7 +124,7 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         srv: PeerServer = self.server.peer  # type: ignore[attr-defined]
         sock: socket.socket = self.request
-        sock.settimeout(srv.timeout_s)
+        _kernel_timeouts(sock, srv.timeout_s)
         # A pusher keeps its connection for the next step's push (`keep: true`); any other
         # request, and any failure, ends the connection after its answer.
         keep = True
@@ -125,7 +139,7 @@ class _Handler(socketserver.BaseRequestHandler):
             keep = req.get("keep") is True and req.get("op") in ("push", "put")
             try:
                 self._one(srv, sock, req)
-            except (ConnectionError, TimeoutError):
+            except (ConnectionError, *_STALLED):
                 return                            # the peer went away or stalled: nothing to answer
             except Exception as e:                # noqa: BLE001 — reported to the peer
                 _reply_error(sock, e)
@@ -329,9 +343,11 @@ class PeerClient:
         self._threads: list[threading.Thread] = []
         self._closed = False
 
-    def _connect(self, addr: tuple[str, int]) -> socket.socket:
+    def _connect(self, addr: tuple[str, int], kernel_timeouts: bool = False) -> socket.socket:
         sock = socket.create_connection(tuple(addr), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if kernel_timeouts:
+            _kernel_timeouts(sock, self.timeout_s)
         return sock
 
     # -- push
@@ -417,7 +433,7 @@ class PeerClient:
             for attempt in (0, 1):
                 reused = lane.sock is not None
                 if lane.sock is None:
-                    lane.sock = self._connect(addr)
+                    lane.sock = self._connect(addr, kernel_timeouts=True)
                 try:
                     lane.sock.sendall(struct.pack(">I", len(frame)) + frame + raw)
                     if n:
@@ -426,9 +442,9 @@ class PeerClient:
                     lane.sock.sendall(b"\x01" if current else b"\x00")
                     reply = _recv_frame(lane.sock)
                     break
-                except TimeoutError:
-                    lane.drop()
-                    raise                         # a stalled peer: not twice the wait
+                except _STALLED as e:
+                    lane.drop()                   # a stalled peer: not twice the wait
+                    raise TimeoutError(f"peer {addr[0]}:{addr[1]} stalled: {e}") from None
                 except OSError:
                     lane.drop()
                     if not reused or attempt:
