@@ -43,3 +43,29 @@ def test_pushes_of_successive_steps_share_one_connection_and_survive_its_loss(tm
         assert push(3) == "sent" and len(accepted) == 2           # ...the next push reconnects once
         assert client.list(srv.address)["backup"][0] == [2, 3]
     store.close()
+
+
+def test_a_peer_that_stops_answering_fails_the_push_with_a_timeout_once(tmp_path):
+    """The lanes' sockets block and the kernel times them out: a peer that takes the data and
+    never answers fails the push with TimeoutError after the client's timeout, not twice it."""
+    import time
+
+    import pytest
+    import torch
+    mute = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    try:
+        with PeerClient(timeout_s=0.5) as client, MemCheckpointer(str(tmp_path / "own"), rank=0) as ck:
+            ck.snapshot({"w": torch.ones(1000)}, 0)
+            ck.wait()
+            fut = client.push(mute.getsockname(), 0, 0, memckpt.latest(str(tmp_path / "own"), 0)[1])
+            conns.append(mute.accept()[0])          # accepted, never read from nor answered
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match="stalled"):
+                fut.result(30)
+            assert time.monotonic() - t0 < 5
+            assert len(client._lanes) == 1 and next(iter(client._lanes.values())).sock is None  # dropped
+    finally:
+        for c in conns:
+            c.close()
+        mute.close()
