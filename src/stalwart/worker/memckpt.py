@@ -60,7 +60,11 @@ class _Pickler(pickle.Pickler):
     With `strict=False` every plain tensor or parameter is taken without reading its layout,
     quantization or device (one type test: half the time of the strict test, for every tensor
     of every step); the snapshot then checks them with `_eligible` once per new plan, and pickles
-    again strictly where one is not a dense tensor (`MemCheckpointer.snapshot`)."""
+    again strictly where one is not a dense tensor (`MemCheckpointer.snapshot`). That reduction
+    is a closure over its locals returning reductions made once (`refs`): half the pickling
+    time of a bound method building each (the training thread pickles every step)."""
+
+    refs: tuple = ()        # (_tensor_ref, (i,)) for i = 0, 1, ...: made once, grown by replacement
 
     def __init__(self, buf, strict: bool = True):
         import torch
@@ -69,7 +73,7 @@ class _Pickler(pickle.Pickler):
         self._types = (torch.Tensor, torch.nn.Parameter)
         self._strided = torch.strided
         if not strict:
-            self.reducer_override = self._any_tensor     # type: ignore[method-assign]
+            self.reducer_override = _any_tensor(self.tensors, _Pickler.refs)  # type: ignore[method-assign]
 
     def reducer_override(self, obj):
         t = type(obj)
@@ -79,12 +83,25 @@ class _Pickler(pickle.Pickler):
         self.tensors.append(obj)
         return _tensor_ref, (len(self.tensors) - 1,)
 
-    def _any_tensor(self, obj):
+
+
+def _any_tensor(tensors: list, refs: tuple):
+    """The non-strict reduction (see `_Pickler`): any plain tensor or parameter becomes a
+    reference to its index in `tensors`."""
+    import torch
+    t0, t1, append = torch.Tensor, torch.nn.Parameter, tensors.append
+
+    def reduce(obj):
         t = type(obj)
-        if t is not self._types[0] and t is not self._types[1]:
+        if t is not t0 and t is not t1:
             return NotImplemented
-        self.tensors.append(obj)
-        return _tensor_ref, (len(self.tensors) - 1,)
+        i = len(tensors)
+        append(obj)
+        try:
+            return refs[i]
+        except IndexError:
+            return _tensor_ref, (i,)
+    return reduce
 
 
 class _Unpickler(pickle.Unpickler):
@@ -115,6 +132,8 @@ def _pickle_state(state: Any, strict: bool) -> tuple[_Pickler, bytes]:
         p.dump(state)
     except Exception as e:
         raise ValueError(f"checkpoint state is not picklable: {e}") from e
+    if len(p.tensors) > len(_Pickler.refs):   # (a new tuple, whole: a reader never sees it half made)
+        _Pickler.refs = tuple((_tensor_ref, (i,)) for i in range(2 * len(p.tensors)))
     return p, buf.getvalue()
 
 
