@@ -46,3 +46,19 @@ def test_deferred_records_are_bounded():
     for s in range(MAX_DEFERRED + 1):
         ex.perform(None, [step(s)], None)
     assert len(store.commits) == 1 and len(store.commits[0][0]) == MAX_DEFERRED
+
+
+def test_a_relative_executable_is_the_submit_directorys_where_the_code_snapshot_lacks_it(tmp_path):
+    from stalwart.controller.job.executor import command_in
+    code, snap = tmp_path / "code", tmp_path / "state" / "versions" / "v1"
+    (code / ".venv" / "bin").mkdir(parents=True)
+    (code / ".venv" / "bin" / "python").write_text("")
+    (code / "train.sh").write_text("")
+    snap.mkdir(parents=True)
+    (snap / "train.sh").write_text("")          # (a snapshot holds the code, not the virtualenv)
+    py = [".venv/bin/python", "-m", "stalwart.examples.gpt"]
+    assert command_in(py, str(snap), str(code)) == [str(code / ".venv/bin/python"), "-m", "stalwart.examples.gpt"]
+    assert command_in(["./train.sh", "--x"], str(snap), str(code)) == ["./train.sh", "--x"]   # the version's
+    assert command_in(["python", "t.py"], str(snap), str(code)) == ["python", "t.py"]        # found on PATH
+    assert command_in(["/usr/bin/python3"], str(snap), str(code)) == ["/usr/bin/python3"]
+    assert command_in(py, str(code), str(code)) == py                   # no snapshot: the directory itself

@@ -14,6 +14,7 @@ meanwhile loses both, and its successor's state says which steps it has the reco
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from stalwart import protocol as p
@@ -29,6 +30,21 @@ ROUTINE_RECORDS = frozenset(("step", "rank_times"))    # event kinds that wait f
 MAX_DEFERRED = 2000      # ...but never more of them than this
 WARM_WAIT_S = 30.0       # a machine with warm spares waits this long for them to be ready
 COLD_WAIT_S = 2.0
+
+
+def command_in(command: list[str], cwd: str | None, code_dir: str | None) -> list[str]:
+    """The job's command as run in `cwd`. A relative executable path (`.venv/bin/python`,
+    `./train.sh`) names a file of the directory the job was submitted from (`code_dir`); a run's
+    directory is a code version's snapshot, which holds the job's code but not its virtualenvs
+    (found as a new user: `stalwart run -- .venv/bin/python -m ...` failed on every machine that
+    started its workers without its fork server). Such a path is made absolute where the snapshot
+    lacks the file; one the snapshot has is the version's."""
+    exe = command[0] if command else ""
+    if not exe or os.path.isabs(exe) or "/" not in exe or not code_dir or cwd == code_dir:
+        return list(command)
+    if cwd and os.path.exists(os.path.join(cwd, exe)):
+        return list(command)
+    return [os.path.normpath(os.path.join(code_dir, exe)), *command[1:]]
 
 
 class Executor:
@@ -125,7 +141,8 @@ class Executor:
         s, t = self.spec, self.topo
         layout = p.Layout(machines=s.machines, gpus_per_machine=self.G, tp=t.tp, pp=t.pp, dp=t.dp, cp=t.cp, ep=t.ep)
         values: dict[str, Any] = dict(
-            job=self.job_id, run=run, command=list(s.command), cwd=code_path or s.code_dir,
+            job=self.job_id, run=run, command=command_in(s.command, code_path or s.code_dir, s.code_dir),
+            cwd=code_path or s.code_dir,
             user_env=dict(s.env), layout=layout, steps=s.steps, ckpt_every=s.ckpt_every,
             ckpt_dir=self.ctl.ckpt_dir(self.job_id), mem_slots=s.policy.mem_slots, version=version,
             code_path=code_path, spares=s.policy.warm_spares)
