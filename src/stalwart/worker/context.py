@@ -263,7 +263,7 @@ class Context:
         receives), left out of the compute time reported: a stage waiting for a slow neighbour
         does not compute slowly, and the fail-slow rounds compare compute times."""
         t0 = time.perf_counter()
-        if self.mem is not None:      # the previous snapshot's copy is done before the state changes
+        if self.mem is not None and self.mem.overlap:   # the previous copy is done before the state changes
             self.mem.fence()
             self._blocked("snapshot", t0)
             t0 = time.perf_counter()

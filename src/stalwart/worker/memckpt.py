@@ -84,7 +84,6 @@ class _Pickler(pickle.Pickler):
         return _tensor_ref, (len(self.tensors) - 1,)
 
 
-
 def _any_tensor(tensors: list, refs: tuple):
     """The non-strict reduction (see `_Pickler`): any plain tensor or parameter becomes a
     reference to its index in `tensors`."""
@@ -268,23 +267,29 @@ class MemCheckpointer:
         if len(slot.pairs) != len(src):
             views, src = [views[i] for i in slot.pairs], [src[i] for i in slot.pairs]
         slot.layout_key = nbytes
-        if self._copier is not None and self.overlap_off is None:
+        copier = self._copier if self.overlap_off is None else None
+        versions = self._versions(src) if copier is not None else None
+        if copier is not None and versions is not None:
             # the copy too is the background thread's; what each tensor's version is now tells it
             # whether the training thread changed one before the copy was done
-            try:
-                versions = [t._version for t in src]
-            except RuntimeError as e:     # (an inference tensor has no version counter)
-                self.overlap_off = f"the state holds a tensor without a version counter ({e})"
-                return self.snapshot(state, step)
             copied = self._copied = threading.Event()
-            slot.pending = self._copier.submit(self._copy_commit, slot, step, views, src, versions, copied,
-                                               slot.table_json, nbytes, meta)
+            slot.pending = copier.submit(self._copy_commit, slot, step, views, src, versions, copied,
+                                         slot.table_json, nbytes, meta)
         else:
             _copy(views, src)     # the step blocks for the copy alone
             # the header (the tensor table, the base64 of the metadata), its checksum and its
             # commit are the background thread's: the training thread only copied
             slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
         self._last_step = step
+
+    def _versions(self, src: list) -> list[int] | None:
+        """The tensors' version counters, or None (and copies on the training thread from now on)
+        when one has none (an inference tensor)."""
+        try:
+            return [t._version for t in src]
+        except RuntimeError as e:
+            self.overlap_off = f"the state holds a tensor without a version counter ({e})"
+            return None
 
     def fence(self) -> None:
         """Block until the newest snapshot's copy is done (with `overlap`; else it was done in

@@ -81,11 +81,13 @@ def _read_small(path: str, limit: int = -1) -> bytes:
     seven or more: a terminal check, a seek, reads to the end; per shard, every step)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size if limit < 0 else limit
+        if limit >= 0:
+            return os.read(fd, limit)
+        size = os.fstat(fd).st_size
         data = os.read(fd, size + 1)
-        if limit < 0 and len(data) > size:          # (it grew meanwhile: read the rest)
+        if len(data) > size:                        # (it grew meanwhile: read the rest)
             data += b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
-        return data[:limit] if limit >= 0 else data
+        return data
     finally:
         os.close(fd)
 
