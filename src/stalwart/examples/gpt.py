@@ -31,6 +31,7 @@ from stalwart.examples.model import GPTConfig, GPTStage, TPInfo
 from stalwart.examples.pipeline import StageLinks, gpipe_step
 from stalwart.protocol import Env
 from stalwart.topology import Topology
+from stalwart.worker.teardown import release_process_groups as _release_process_groups
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -182,9 +183,8 @@ class PlainContext:
             os.remove(self._path(old))
 
     def finish(self) -> None:
-        """Leave the process group."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the process groups (see ``stalwart.worker.teardown``)."""
+        _release_process_groups(self.groups)
 
 
 def lr_at(step: int, base_lr: float, warmup: int) -> float:

@@ -18,6 +18,7 @@ from stalwart.topology import Topology
 from stalwart.worker import durable, memckpt
 from stalwart.worker.link import AgentLink
 from stalwart.worker.simgpu_view import SimGpuView
+from stalwart.worker.teardown import release_process_groups
 
 GROUP_KINDS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -339,6 +340,10 @@ class Context:
     def finish(self) -> None:
         """Flush metrics and leave the process groups; call once at the end of training.
 
+        The groups are destroyed and their communication threads joined here (``self.groups``
+        is emptied), not at the interpreter's exit, where a gloo thread's late release can abort
+        a finished run (``stalwart.worker.teardown``): let models that hold a group go first.
+
         Called from a `finally` while an exception propagates, it reports nothing as done: the
         agent sees the non-zero exit instead.
         """
@@ -353,5 +358,4 @@ class Context:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.link.send_now({"type": "failing", "rank": self.rank, "traceback": tb[-8192:]})
         self.link.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_process_groups(self.groups)
