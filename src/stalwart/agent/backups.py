@@ -116,6 +116,49 @@ class BackupReceiver:
             if not published:
                 self._give(rank, spare)
 
+    def fill(self, raw_header: bytes, fields: dict, src: str) -> str | None:
+        """Publish the shard `raw_header` describes with its data copied from the local shard at
+        `src` (identical bytes: `twins.LocalTwins`); its header path, or None when the copy does not
+        match the header's checksum (`src` was overwritten meanwhile): the caller receives it
+        from the peer instead."""
+        rank, step, n = fields["rank"], fields["step"], fields["nbytes"]
+        if rank < 0 or step < 0 or n < 0:
+            raise ValueError(f"bad shard header: rank {rank} step {step} nbytes {n}")
+        spare = self._take(rank)
+        published = False
+        try:
+            view = spare.fit(n)
+            try:
+                try:
+                    fd = os.open(memckpt.base_of(src) + ".data", os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    return None
+                try:          # (one copy, kernel to this file's pages; no mapping of the source)
+                    got = 0
+                    while got < n:
+                        k = os.preadv(fd, [view[got:]], got)
+                        if k == 0:
+                            return None
+                        got += k
+                finally:
+                    os.close(fd)
+                s = memckpt.summer(fields["hash"])
+                if n:
+                    s.update(view)
+                s.update(fields["meta"])
+            finally:
+                view.release()
+            if s.intdigest() != fields["checksum"]:
+                return None
+            base = memckpt.step_base(self.dir, rank, step)
+            self._publish(base, spare, raw_header)
+            published = True
+            self._prune(rank)
+            return base + ".hdr"
+        finally:
+            if not published:
+                self._give(rank, spare)
+
     def _publish(self, base: str, spare: _Spare, raw_header: bytes) -> None:
         try:
             os.unlink(base + ".hdr")           # (the same step again: never its header over other data)

@@ -110,11 +110,13 @@ class CkptManager:
         if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.shm_dir):
             log.warning("rank %s announced a shard outside this machine's memory: %s", rank, path)
             return
+        self.store.twins.changed()                  # (a peer's offer may wait for this shard)
         if memckpt.header_step_rank(path) != (step, rank):
             return                                  # (its slot was reused by a newer step already)
         self._handle(rank, [(step, path)])
 
     def _scan(self) -> None:
+        self.store.twins.changed()
         shards: dict[int, list[tuple[int, str]]] = {}
         for rank, step, path in memckpt.list_shards(self.shm_dir):   # sorted by (rank, step)
             shards.setdefault(rank, []).append((step, path))

@@ -8,6 +8,11 @@ Every message starts with a frame: 4-byte big-endian length + a JSON object. Ope
   the data in place (`backups.BackupReceiver`), checks the CRC and answers ``{"ok": true, "path":
   ...}``, ``{"ok": true, "dropped": true}`` or ``{"ok": false, "error": ...}`` (a corrupted shard
   is rejected and nothing is kept). What the agents use.
+* ``{"op": "offer", "hlen": L, "run": R}`` then the header (L bytes): a put whose data may not
+  have to travel. When this machine holds an identical shard (`twins`: a data-parallel replica's
+  own slot of the same step), the server holds the backup as a reference to it and answers as a
+  put does, with ``"local": true``; otherwise it answers ``{"ok": true, "send": true}`` and the put goes on
+  (data, commit byte, answer). What the agents use; a server without it makes them put.
 * ``{"op": "push", "header": H}`` then exactly ``H["nbytes"]`` raw bytes: the same from any
   client that has the header as a JSON object (written to a new file while the CRC is computed).
 * ``{"op": "fetch", "rank": r, "step": s | null, "tier": "backup"}`` — the server answers
@@ -136,7 +141,7 @@ class _Handler(socketserver.BaseRequestHandler):
             except Exception as e:                # noqa: BLE001 — reported to the peer
                 _reply_error(sock, e)
                 return
-            keep = req.get("keep") is True and req.get("op") in ("push", "put")
+            keep = req.get("keep") is True and req.get("op") in ("push", "put", "offer")
             try:
                 self._one(srv, sock, req)
             except (ConnectionError, *_STALLED):
@@ -147,7 +152,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _one(self, srv: "PeerServer", sock: socket.socket, req: dict) -> None:
         op = req.get("op")
-        if op == "put":
+        if op in ("put", "offer"):
             self._put(srv, sock, req)
         elif op == "push":
             self._push(srv, sock, req)
@@ -188,6 +193,16 @@ class _Handler(socketserver.BaseRequestHandler):
         fields = memckpt.header_fields(raw)
         if fields["nbytes"] > srv.max_shard_bytes:
             raise ValueError(f"shard of {fields['nbytes']} bytes refused (limit {srv.max_shard_bytes})")
+        if req.get("op") == "offer":
+            if srv.store.twins.offer(raw, fields):
+                srv.received += 1
+                srv.filled += 1
+                if srv.on_stored is not None:
+                    srv.on_stored({"rank": fields["rank"], "step": fields["step"]}, req.get("run"))
+                path = memckpt.step_base(srv.store.backup_dir, fields["rank"], fields["step"]) + ".hdr"
+                _send_frame(sock, {"ok": True, "path": path, "local": True})
+                return
+            _send_frame(sock, {"ok": True, "send": True})
         try:
             path = srv.store.receiver.receive(raw, fields, sock)
         except CorruptShard as e:
@@ -238,6 +253,7 @@ class PeerServer:
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
         self.received = 0
+        self.filled = 0            # of them, held as references to identical local shards (twins)
         self.rejected = 0
         self.on_stored = on_stored
         self._srv = _TCPServer((host, port), _Handler)
@@ -285,6 +301,7 @@ class _Lane:
         self.sock: socket.socket | None = None    # kept for the next push (one per step)
         self.maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}   # slot data path -> its mapping
         self.active = False                        # a push is being sent
+        self.offer = True                          # offer each shard first (the peer may hold it)
 
     def view(self, path: str, n: int) -> memoryview | None:
         """The first `n` bytes of the slot file at `path`, from a mapping kept while the file is the
@@ -428,19 +445,24 @@ class PeerClient:
         view = lane.view(memckpt.base_of(path) + ".data", n)
         if view is None:
             return "stale"
+        offer = lane.offer
         with view:
-            frame = b'{"op":"put","keep":true,"run":%s,"hlen":%d}' % (json.dumps(run).encode(), len(raw))
+            frame = b'{"op":"%s","keep":true,"run":%s,"hlen":%d}' % (
+                b"offer" if offer else b"put", json.dumps(run).encode(), len(raw))
             for attempt in (0, 1):
                 reused = lane.sock is not None
                 if lane.sock is None:
                     lane.sock = self._connect(addr, kernel_timeouts=True)
                 try:
                     lane.sock.sendall(struct.pack(">I", len(frame)) + frame + raw)
-                    if n:
-                        lane.sock.sendall(view)
-                    current = memckpt.still_current_raw(path, raw)
-                    lane.sock.sendall(b"\x01" if current else b"\x00")
-                    reply = _recv_frame(lane.sock)
+                    # an offer's answer says whether the data must travel (see `twins`)
+                    reply = _recv_frame(lane.sock) if offer else {"send": True}
+                    if reply.get("send"):
+                        if n:
+                            lane.sock.sendall(view)
+                        current = memckpt.still_current_raw(path, raw)
+                        lane.sock.sendall(b"\x01" if current else b"\x00")
+                        reply = _recv_frame(lane.sock)
                     break
                 except _STALLED as e:
                     lane.drop()                   # a stalled peer: not twice the wait
@@ -450,6 +472,10 @@ class PeerClient:
                     if not reused or attempt:
                         raise
                     # the peer closed the kept connection meanwhile (it idled out, or restarted): once more
+        if not reply.get("ok") and offer and "unknown op" in str(reply.get("error")):
+            lane.drop()                           # a peer of an older version: it takes puts
+            lane.offer = False
+            return self._send(addr, rank, step, path, lane, run)
         if not reply.get("ok"):
             lane.drop()
             raise PeerError(f"peer {addr[0]}:{addr[1]} rejected rank {rank} step {step}: {reply.get('error')}")

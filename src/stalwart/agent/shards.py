@@ -20,6 +20,7 @@ from typing import Iterable
 import fsspec
 
 from stalwart.agent.backups import BackupReceiver
+from stalwart.agent.twins import LocalTwins
 from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
@@ -116,13 +117,19 @@ class ShardStore:
         if self._fs is not None:
             self._fs.makedirs(self._root, exist_ok=True)
         self.receiver = BackupReceiver(backup_dir, keep_backup)
+        # peers' backups held as references to identical own shards (DP replicas): made into
+        # ordinary files before anything reads the backup tier
+        self.twins = LocalTwins(shm_dir, self.receiver)
         self._valid: dict[tuple, bool] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-persist")
 
     # ------------------------------------------------------------------ listing / validation
     def _local_shards(self, tier: str) -> list[tuple[int, int, str]]:
-        return memckpt.list_shards(self.shm_dir if tier == "own" else self.backup_dir)
+        if tier == "own":
+            return memckpt.list_shards(self.shm_dir)
+        self.twins.materialize()
+        return memckpt.list_shards(self.backup_dir)
 
     def _valid_local(self, path: str) -> bool:
         try:

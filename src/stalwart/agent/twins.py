@@ -1,0 +1,135 @@
+"""Backups without a transfer: a peer's shard held as a reference to an identical local one.
+
+Data-parallel replicas hold the same model and optimizer state after every step, so their
+shards of a step are byte-identical (ByteRobust deduplicates model states within the DP group,
+ByteCheckpoint style). With the usual placement a rank's backup lands on a machine that runs
+one of its DP replicas, whose own slot already holds those very bytes. The pusher therefore
+first *offers* the shard's header; the holder looks for a local own shard of the same step with
+the same checksum and size (its *twin*) and, when there is one, keeps only the offered header
+and where the bytes are: no send, no receive, no copy, no checksum pass, every step.
+
+Such a backup is *virtual*: it lives exactly as long as the twin's slot holds that step, which
+is as long as the twin's own copy of it does (a slot is reused `slots` steps later). Anything
+that reads the backup tier (the inventory a machine reports when its workers stop, a peer's
+fetch or listing, a durable copy) first *materializes* the virtual backups: each is copied from
+its twin's slot into an ordinary backup file and checked against the offered checksum; one
+whose slot moved on is dropped. A failure stops the workers before the inventory is taken, so
+the twins' slots are still then: the newest steps' backups are there, as ordinary shards.
+
+Nothing is assumed about the job: identity is decided by the checksums (which cover the data
+and the pickled rest of the state), and each copy is checked again when it is made. The local
+rank that matched last is remembered per offered rank; when it has not yet committed the
+offered step (replicas finish a step within milliseconds of each other), the offer waits for it
+a short while rather than falling back to the network at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from stalwart.agent.backups import BackupReceiver
+from stalwart.worker import memckpt
+from stalwart.worker.memckpt import CorruptShard
+
+TWIN_WAIT_S = 0.5       # how long an offer waits for its twin to commit the offered step
+log = logging.getLogger("stalwart.agent")
+
+
+class LocalTwins:
+    """Finds, among this machine's own shards, one identical to an offered peer's shard."""
+
+    def __init__(self, shm_dir: str, receiver: BackupReceiver, wait_s: float = TWIN_WAIT_S):
+        self.shm_dir = shm_dir
+        self.receiver = receiver
+        self.wait_s = wait_s
+        self._cv = threading.Condition()
+        self._gen = 0                              # bumped by every local commit
+        self._twin: dict[int, int] = {}            # offered rank -> local rank that matched last
+        # (rank, step) -> (offered header bytes, its fields, the twin's header path)
+        self._virtual: dict[tuple[int, int], tuple[bytes, dict, str]] = {}
+        self._materializing = threading.Lock()
+
+    def offer(self, raw: bytes, fields: dict) -> bool:
+        """Hold the offered shard as a virtual backup if a local twin has its bytes."""
+        twin = self.find(fields)
+        if twin is None:
+            return False
+        rank, step = fields["rank"], fields["step"]
+        with self._cv:
+            self._virtual[(rank, step)] = (raw, fields, twin)
+            mine = sorted(s for r, s in self._virtual if r == rank)
+            for old in mine[:-self.receiver.keep]:
+                del self._virtual[(rank, old)]
+        return True
+
+    def virtual(self) -> list[tuple[int, int]]:
+        """The (rank, step) of the backups held as references, not yet materialized."""
+        with self._cv:
+            return sorted(self._virtual)
+
+    def materialize(self) -> int:
+        """Copy every virtual backup from its twin's slot into an ordinary backup file (checked);
+        those whose slot moved on are dropped. Returns how many were made."""
+        made = 0
+        with self._materializing:
+            with self._cv:
+                todo, self._virtual = self._virtual, {}
+            for (rank, step), (raw, fields, twin) in sorted(todo.items()):
+                if self.receiver.fill(raw, fields, twin) is not None:
+                    made += 1
+        return made
+
+    def changed(self) -> None:
+        """A local worker committed a shard (the agent's announcement path calls this)."""
+        with self._cv:
+            self._gen += 1
+            self._cv.notify_all()
+
+    def twin_of(self, rank: int) -> int | None:
+        with self._cv:
+            return self._twin.get(rank)
+
+    def find(self, fields: dict) -> str | None:
+        """The header path of a local own shard holding the same bytes as the offered one
+        (`memckpt.header_fields` of its header), or None."""
+        rank, step = fields["rank"], fields["step"]
+        with self._cv:
+            twin = self._twin.get(rank)
+        deadline = time.monotonic() + (self.wait_s if twin is not None else 0.0)
+        while True:
+            with self._cv:
+                gen = self._gen
+            path, local, newest = self._look(fields, twin)
+            if path is not None:
+                with self._cv:
+                    known = self._twin.get(rank)
+                    self._twin[rank] = local
+                if known != local:
+                    log.info("backups of rank %s are filled from local rank %s's identical shards "
+                             "(a data-parallel replica): no transfer", rank, local)
+                return path
+            left = deadline - time.monotonic()
+            if twin is None or newest >= step or left <= 0:
+                if twin is not None and newest >= step:
+                    with self._cv:               # the twin has the step, with other bytes
+                        self._twin.pop(rank, None)
+                return None
+            with self._cv:
+                self._cv.wait_for(lambda: self._gen != gen, left)
+
+    def _look(self, fields: dict, twin: int | None) -> tuple[str | None, int, int]:
+        """(path, its rank, the twin's newest step) of a local shard matching `fields`."""
+        newest = -1
+        for r, s, path in memckpt.list_shards(self.shm_dir, twin):
+            newest = max(newest, s)
+            if s != fields["step"]:
+                continue
+            raw = memckpt.read_header_bytes(path)
+            try:
+                mine = memckpt.header_fields(raw) if raw is not None else None
+            except CorruptShard:
+                mine = None
+            if mine is not None and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
+                return path, r, newest
+        return None, -1, newest
