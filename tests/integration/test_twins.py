@@ -173,3 +173,22 @@ def test_a_reference_whose_bytes_changed_is_dropped_and_an_older_holder_gets_put
         assert (srv.received, srv.filled) == (3, 1)
         assert client.list(srv.address)["backup"][0] == [6, 7]
         assert torch.equal(_backup(store, 0, 7)["model"]["w"], _state(6)["model"]["w"])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_state_differs_from_its_replicas_stops_being_looked_up(holder):
+    """Per-rank state (a data loader's position, say) makes every shard differ: after a few
+    offers that found the step here with other bytes, the holder answers 'send' unseen."""
+    from stalwart.agent import twins
+    store, srv, own = holder
+    looks = []
+    real_look = store.twins._look
+    store.twins._look = lambda fields, twin: looks.append(fields["step"]) or real_look(fields, twin)
+    with MemCheckpointer(own, rank=0) as pusher, MemCheckpointer(store.shm_dir, rank=2) as twin, \
+            PeerClient(timeout_s=30) as client:
+        for step in range(twins.MISSES + 5):
+            _commit(twin, _state(1000 + step), step)
+            assert client.push(srv.address, 0, step, _commit(pusher, _state(step), step)).result(60) == "sent"
+        assert srv.filled == 0
+        assert looks == list(range(twins.MISSES))        # the later offers were not looked up
+        assert client.list(srv.address)["backup"][0] == [twins.MISSES + 3, twins.MISSES + 4]

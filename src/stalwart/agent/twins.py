@@ -33,6 +33,10 @@ from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
 TWIN_WAIT_S = 0.5       # how long an offer waits for its twin to commit the offered step
+# A rank whose state differs from its replicas' (per-rank data-loader state, say) never matches:
+# after this many offers that found the step here with other bytes, this many are answered
+# "send" without looking (then it looks again: a new run may have other neighbours)
+MISSES, SKIP = 8, 64
 log = logging.getLogger("stalwart.agent")
 
 
@@ -46,6 +50,9 @@ class LocalTwins:
         self._cv = threading.Condition()
         self._gen = 0                              # bumped by every local commit
         self._twin: dict[int, int] = {}            # offered rank -> local rank that matched last
+        self._misses: dict[int, int] = {}          # offered rank -> offers in a row without one
+        self._skip: dict[int, int] = {}            # offered rank -> offers left to answer unseen
+        self._told: set[int] = set()
         # (rank, step) -> (offered header bytes, its fields, the twin's header path)
         self._virtual: dict[tuple[int, int], tuple[bytes, dict, str]] = {}
         self._materializing = threading.Lock()
@@ -96,6 +103,9 @@ class LocalTwins:
         rank, step = fields["rank"], fields["step"]
         with self._cv:
             twin = self._twin.get(rank)
+            if twin is None and self._skip.get(rank, 0) > 0:
+                self._skip[rank] -= 1
+                return None
         deadline = time.monotonic() + (self.wait_s if twin is not None else 0.0)
         while True:
             with self._cv:
@@ -105,26 +115,42 @@ class LocalTwins:
                 with self._cv:
                     known = self._twin.get(rank)
                     self._twin[rank] = local
+                    self._misses.pop(rank, None)
                 if known != local:
                     log.info("backups of rank %s are filled from local rank %s's identical shards "
                              "(a data-parallel replica): no transfer", rank, local)
                 return path
             left = deadline - time.monotonic()
             if twin is None or newest >= step or left <= 0:
-                if twin is not None and newest >= step:
-                    with self._cv:               # the twin has the step, with other bytes
-                        self._twin.pop(rank, None)
+                if newest >= step:               # the step is here, with other bytes
+                    self._missed(rank, twin)
                 return None
             with self._cv:
                 self._cv.wait_for(lambda: self._gen != gen, left)
 
+    def _missed(self, rank: int, twin: int | None) -> None:
+        with self._cv:
+            self._twin.pop(rank, None)
+            n = self._misses[rank] = self._misses.get(rank, 0) + 1
+            if n < MISSES:
+                return
+            self._misses[rank], self._skip[rank] = 0, SKIP
+            first = rank not in self._told
+            self._told.add(rank)
+        if first:
+            log.info("backups of rank %s are sent in full: no shard here holds the same bytes (its "
+                     "state differs from its data-parallel replicas')", rank)
+
     def _look(self, fields: dict, twin: int | None) -> tuple[str | None, int, int]:
-        """(path, its rank, the twin's newest step) of a local shard matching `fields`."""
+        """(path, its rank, newest step) of a local shard matching `fields`; newest: the twin's
+        newest step, or without a twin the offered step if some local shard has it, else -1."""
         newest = -1
         for r, s, path in memckpt.list_shards(self.shm_dir, twin):
-            newest = max(newest, s)
+            if twin is not None:
+                newest = max(newest, s)
             if s != fields["step"]:
                 continue
+            newest = max(newest, s)
             raw = memckpt.read_header_bytes(path)
             try:
                 mine = memckpt.header_fields(raw) if raw is not None else None
