@@ -136,7 +136,8 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         before, took = scrape(url, c.token)
         for _ in range(5):
             client.get("/api/health")
-        # (the gauge is the ETTR of a report built between these two: it moves while the job runs)
+        # (the gauge is the ETTR of a report built about then: it moves while the job runs, a
+        # restart's time counting against it, and a report is reused briefly after it is built)
         rep_before = client.get(f"/api/jobs/{job}")
         during, took2 = scrape(url, c.token)
         rep = client.get(f"/api/jobs/{job}")
@@ -144,8 +145,9 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
                      mechanism="evict_restart") == 1
         assert sum(v for (n, _), v in during.items() if n == "stalwart_incidents_total") == len(rep["incidents"])
         assert value(during, "stalwart_job_state", state="running") == 1
-        lo, hi = sorted((rep_before["ettr"], rep["ettr"]))
-        assert lo - 0.01 <= value(during, "stalwart_ettr_ratio") <= hi + 0.01
+        gauge = value(during, "stalwart_ettr_ratio")
+        assert min(abs(gauge - rep_before["ettr"]), abs(gauge - rep["ettr"])) < 0.05, \
+            (gauge, rep_before["ettr"], rep["ettr"])
         assert 0 < value(during, "stalwart_ettr_ratio") < 1
         key = {"route": "health", "method": "GET", "code": "200"}
         assert value(during, "stalwart_api_request_duration_seconds_count", **key) - \
