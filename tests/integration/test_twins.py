@@ -192,3 +192,21 @@ def test_a_rank_whose_state_differs_from_its_replicas_stops_being_looked_up(hold
         assert srv.filled == 0
         assert looks == list(range(twins.MISSES))        # the later offers were not looked up
         assert client.list(srv.address)["backup"][0] == [twins.MISSES + 3, twins.MISSES + 4]
+
+
+@pytest.mark.timeout(120)
+def test_another_local_rank_ahead_of_the_replica_is_no_miss(holder):
+    """Without a known twin, an offer that finds the step only at a local rank that is not the
+    replica (the replica has not committed it yet) is sent, and counts as no miss."""
+    store, srv, own = holder
+    store.twins.expect([2, 3])                  # (what the agent says when its run starts)
+    with MemCheckpointer(own, rank=0) as pusher, MemCheckpointer(store.shm_dir, rank=2) as twin, \
+            MemCheckpointer(store.shm_dir, rank=3) as other, PeerClient(timeout_s=30) as client:
+        for step in range(3):
+            _commit(other, _state(500 + step), step)            # rank 3: never the same bytes
+            assert client.push(srv.address, 0, step, _commit(pusher, _state(step), step)).result(60) == "sent"
+        assert (srv.filled, store.twins._misses) == (0, {})
+        _commit(other, _state(503), 3)
+        _commit(twin, _state(3), 3)
+        assert client.push(srv.address, 0, 3, _commit(pusher, _state(3), 3)).result(60) == "sent"
+        assert srv.filled == 1 and store.twins.twin_of(0) == 2

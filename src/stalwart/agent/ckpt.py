@@ -267,6 +267,7 @@ class CkptManager:
             extra.append(env)
         for w in cmd.workers:
             self.start_from(w.rank, w.restore[0].step if w.restore else -1, cmd.spec.run)
+        self.store.twins.expect(w.rank for w in cmd.workers)
         return extra
 
     def start_from(self, rank: int, step: int, run: int | None = None) -> None:

@@ -53,6 +53,7 @@ class LocalTwins:
         self._misses: dict[int, int] = {}          # offered rank -> offers in a row without one
         self._skip: dict[int, int] = {}            # offered rank -> offers left to answer unseen
         self._told: set[int] = set()
+        self._local: frozenset[int] = frozenset()  # the ranks this machine's run has (`expect`)
         # (rank, step) -> (offered header bytes, its fields, the twin's header path)
         self._virtual: dict[tuple[int, int], tuple[bytes, dict, str]] = {}
         self._materializing = threading.Lock()
@@ -92,6 +93,13 @@ class LocalTwins:
         with self._cv:
             self._gen += 1
             self._cv.notify_all()
+
+    def expect(self, ranks) -> None:
+        """The ranks this machine runs now: without a known twin, an offer counts as a miss only
+        once each of them has reached its step (a replica that has not committed it yet is no
+        miss)."""
+        with self._cv:
+            self._local = frozenset(int(r) for r in ranks)
 
     def twin_of(self, rank: int) -> int | None:
         with self._cv:
@@ -142,20 +150,22 @@ class LocalTwins:
                      "state differs from its data-parallel replicas')", rank)
 
     def _look(self, fields: dict, twin: int | None) -> tuple[str | None, int, int]:
-        """(path, its rank, newest step) of a local shard matching `fields`; newest: the twin's
-        newest step, or without a twin the offered step if some local shard has it, else -1."""
-        newest = -1
+        """(path, its rank, newest) of a local shard matching `fields`; newest: the step every
+        local rank looked at (the twin alone, if known) has reached, -1 without any."""
+        reached: dict[int, int] = {}
         for r, s, path in memckpt.list_shards(self.shm_dir, twin):
-            if twin is not None:
-                newest = max(newest, s)
+            reached[r] = max(reached.get(r, -1), s)
             if s != fields["step"]:
                 continue
-            newest = max(newest, s)
             raw = memckpt.read_header_bytes(path)
             try:
                 mine = memckpt.header_fields(raw) if raw is not None else None
             except CorruptShard:
                 mine = None
             if mine is not None and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
-                return path, r, newest
-        return None, -1, newest
+                return path, r, s
+        if twin is None:
+            with self._cv:
+                for r in self._local:
+                    reached.setdefault(r, -1)
+        return None, -1, min(reached.values(), default=-1)
