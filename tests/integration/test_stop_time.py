@@ -38,9 +38,11 @@ def four(**kw):
     return gpt_spec(**d)
 
 
-def slow_link_evicted(tmp_path, rep, culprit="m1"):
+def slow_link_evicted(tmp_path, rep, culprit="m1", may_time_out=False):
     """The slow machine alone is evicted by the stop-time checks, whose pair test measured every
-    pair's bandwidth and flagged exactly the pairs through it; the job completes."""
+    pair's bandwidth and flagged exactly the pairs through it; the job completes. With
+    `may_time_out` (a link of a few KB/s) a pair through it may also be flagged for getting no
+    answer in time instead of a measurement."""
     assert rep["state"] == "succeeded", rep.get("reason")
     evicting = [i for i in rep["incidents"] if i["machines_evicted"]]
     assert len(evicting) == 1, [(i["symptom"], i["cause"]) for i in rep["incidents"]]
@@ -57,7 +59,9 @@ def slow_link_evicted(tmp_path, rep, culprit="m1"):
     index = int(culprit[1:])
     through = {k for k in pairs if index in map(int, k.split("-"))}
     assert {k for k, p in pairs.items() if p["bad"]} == through, pairs
-    assert all(pairs[k]["mbps"] is not None and pairs[k]["mbps"] < 5 for k in through), pairs
+    assert all((pairs[k]["mbps"] is not None and pairs[k]["mbps"] < 5) or
+               (may_time_out and pairs[k]["mbps"] is None and "no answer" in pairs[k]["detail"])
+               for k in through), pairs
     assert all(p["mbps"] > 100 and p["latency_s"] < 0.5 for k, p in pairs.items() if k not in through), pairs
     assert rep["runs"][-1]["machines"][str(index)] != culprit
     return inc
@@ -71,7 +75,8 @@ def test_slow_link_through_the_hang_path_evicts_only_that_machine(tmp_path):
     only shared group is the whole job, which narrows nothing: the checks name the machine."""
     s = four(steps=40, chaos=["link-slow@step=10,machine=1,rate=64kbit"])
     s["policy"].update(hang_timeout_floor_s=3.0, hang_safety_factor=3.0, diag_timeout_s=6.0)
-    inc = slow_link_evicted(tmp_path, run_job(tmp_path, s, timeout=280))
+    # (at 64 kbit/s the pair test's exchange may not finish before its deadline: seen in CI)
+    inc = slow_link_evicted(tmp_path, run_job(tmp_path, s, timeout=280), may_time_out=True)
     assert inc["symptom"] in ("hang", "fail_slow"), inc
 
 
