@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import uuid
+from typing import Callable
 
 from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
@@ -83,6 +84,44 @@ class BackupReceiver:
         publish it; returns its header path, or None when the sender then says the copy is not
         to be kept (its slot was overwritten while it sent: a torn copy). Raises CorruptShard on
         a checksum mismatch (nothing is published), ConnectionError when the peer goes away."""
+        def from_peer(view: memoryview) -> bool:
+            got, n = 0, len(view)
+            while got < n:
+                k = sock.recv_into(view[got:])
+                if k == 0:
+                    raise ConnectionError(f"peer closed the connection with {n - got} bytes missing")
+                got += k
+            return _recv_commit(sock)
+        return self._land(raw_header, fields, from_peer)
+
+    def fill(self, raw_header: bytes, fields: dict, src: str) -> str | None:
+        """Publish the shard `raw_header` describes with its data copied from the local shard at
+        `src` (identical bytes: `twins.LocalTwins`); its header path, or None when `src` is gone
+        or its copy does not match the header's checksum (overwritten meanwhile)."""
+        def from_src(view: memoryview) -> bool:
+            try:
+                fd = os.open(memckpt.base_of(src) + ".data", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return False
+            try:              # (one copy, kernel to this file's pages; no mapping of the source)
+                got, n = 0, len(view)
+                while got < n:
+                    k = os.preadv(fd, [view[got:]], got)
+                    if k == 0:
+                        return False
+                    got += k
+                return True
+            finally:
+                os.close(fd)
+        try:
+            return self._land(raw_header, fields, from_src)
+        except CorruptShard:
+            return None
+
+    def _land(self, raw_header: bytes, fields: dict, write: Callable[[memoryview], bool]) -> str | None:
+        """Into a recycled file of the rank: `write` fills a view of exactly `nbytes` (False:
+        nothing to keep, None is returned); the bytes are checked against the header's checksum
+        (CorruptShard, nothing published) and published; returns the header path."""
         rank, step, n = fields["rank"], fields["step"], fields["nbytes"]
         if rank < 0 or step < 0 or n < 0:
             raise ValueError(f"bad shard header: rank {rank} step {step} nbytes {n}")
@@ -91,13 +130,7 @@ class BackupReceiver:
         try:
             view = spare.fit(n)
             try:
-                got = 0
-                while got < n:
-                    k = sock.recv_into(view[got:])
-                    if k == 0:
-                        raise ConnectionError(f"peer closed the connection with {n - got} bytes missing")
-                    got += k
-                if not _recv_commit(sock):
+                if not write(view):
                     return None
                 s = memckpt.summer(fields["hash"])
                 if n:
@@ -107,49 +140,6 @@ class BackupReceiver:
                 view.release()
             if s.intdigest() != fields["checksum"]:
                 raise CorruptShard(f"rank {rank} step {step}: checksum {s.intdigest():x} != {fields['checksum']:x}")
-            base = memckpt.step_base(self.dir, rank, step)
-            self._publish(base, spare, raw_header)
-            published = True
-            self._prune(rank)
-            return base + ".hdr"
-        finally:
-            if not published:
-                self._give(rank, spare)
-
-    def fill(self, raw_header: bytes, fields: dict, src: str) -> str | None:
-        """Publish the shard `raw_header` describes with its data copied from the local shard at
-        `src` (identical bytes: `twins.LocalTwins`); its header path, or None when the copy does not
-        match the header's checksum (`src` was overwritten meanwhile): the caller receives it
-        from the peer instead."""
-        rank, step, n = fields["rank"], fields["step"], fields["nbytes"]
-        if rank < 0 or step < 0 or n < 0:
-            raise ValueError(f"bad shard header: rank {rank} step {step} nbytes {n}")
-        spare = self._take(rank)
-        published = False
-        try:
-            view = spare.fit(n)
-            try:
-                try:
-                    fd = os.open(memckpt.base_of(src) + ".data", os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    return None
-                try:          # (one copy, kernel to this file's pages; no mapping of the source)
-                    got = 0
-                    while got < n:
-                        k = os.preadv(fd, [view[got:]], got)
-                        if k == 0:
-                            return None
-                        got += k
-                finally:
-                    os.close(fd)
-                s = memckpt.summer(fields["hash"])
-                if n:
-                    s.update(view)
-                s.update(fields["meta"])
-            finally:
-                view.release()
-            if s.intdigest() != fields["checksum"]:
-                return None
             base = memckpt.step_base(self.dir, rank, step)
             self._publish(base, spare, raw_header)
             published = True

@@ -131,12 +131,12 @@ class LocalTwins:
             left = deadline - time.monotonic()
             if twin is None or newest >= step or left <= 0:
                 if newest >= step:               # the step is here, with other bytes
-                    self._missed(rank, twin)
+                    self._missed(rank)
                 return None
             with self._cv:
                 self._cv.wait_for(lambda: self._gen != gen, left)
 
-    def _missed(self, rank: int, twin: int | None) -> None:
+    def _missed(self, rank: int) -> None:
         with self._cv:
             self._twin.pop(rank, None)
             n = self._misses[rank] = self._misses.get(rank, 0) + 1
