@@ -1,14 +1,12 @@
 """What the dashboard and the Prometheus metrics read from the controller, behind one small interface.
 
 :class:`StatusSource` is all they need; :class:`ControllerSource` implements it over today's
-``Controller`` (``status()`` rebuilds the report from the store, so it is cached for ``ttl_s``:
-a dashboard polling every second, several viewers and a Prometheus scrape share one rebuild). A
-cheaper live summary can replace it without touching the views or the collector.
+``Controller``: the same reports the API answers with (a dashboard polling every second, several
+viewers and a Prometheus scrape share an expensive report through the controller's report cache).
+A cheaper live summary can replace it without touching the views or the collector.
 """
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -38,30 +36,15 @@ class StatusSource(Protocol):
 class ControllerSource:
     """:class:`StatusSource` over a running ``Controller``.
 
-    The report and the event log of the newest job asked for are read once per ``ttl_s`` and
-    shared by every view and scrape for ``ttl_s`` after it is built (one reader builds, the others wait for it):
-    ``status`` is ``Controller.status`` (``report.build_report`` plus the runner's ``live()``) built
-    on the same event log that ``events`` returns.
+    ``status`` is ``Controller.status``, the very call that answers ``GET /api/jobs/{job}``: the
+    API, the dashboard and ``/metrics`` read one report cache (``reportcache.ReportCache``, which
+    shares an expensive report between its readers for a while), so a scrape and an API call made
+    one after the other see the same report or a newer one, never an older one. ``events`` is
+    that cache's event log of the job.
     """
 
-    def __init__(self, ctl: Controller, ttl_s: float = 1.0):
+    def __init__(self, ctl: Controller):
         self.ctl = ctl
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._cache: dict[int, tuple[float, dict, list[dict]]] = {}
-
-    def _snapshot(self, job_id: int) -> tuple[dict, list[dict]]:
-        with self._lock:
-            hit = self._cache.get(job_id)
-            if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
-                return hit[1], hit[2]
-            events = self.ctl.reports.events(job_id)          # read incrementally (reportcache.py)
-            rep = self.ctl.reports.report(job_id, now=time.time())
-            runner = self.ctl.jobs.get(job_id)
-            if runner is not None:
-                rep["live"] = runner.live()
-            self._cache = {job_id: (time.monotonic(), rep, events)}
-            return rep, events
 
     def resolve(self, job: str | int) -> int:
         return self.ctl.resolve_job(job)
@@ -71,13 +54,13 @@ class ControllerSource:
         return None if row is None else int(row["id"])
 
     def status(self, job_id: int) -> dict:
-        return self._snapshot(job_id)[0]
+        return self.ctl.status(job_id)
 
     def machines(self) -> list[dict]:
         return self.ctl.machines()
 
     def events(self, job_id: int) -> list[dict]:
-        return self._snapshot(job_id)[1]
+        return self.ctl.reports.events(job_id)             # read incrementally (reportcache.py)
 
     def stored_incidents(self, job_id: int) -> list[dict]:
         return self.ctl.store.incidents(job_id)
