@@ -190,10 +190,11 @@ class _Handler(socketserver.BaseRequestHandler):
         if not isinstance(hlen, int) or not 0 < hlen <= MAX_FRAME:
             raise ValueError("put without a valid header length")
         raw = _recv_exact(sock, hlen)
-        fields = memckpt.header_fields(raw)
+        offer = req.get("op") == "offer"
+        fields = memckpt.header_fields(raw, meta=not offer)   # (an offer held by reference needs no meta)
         if fields["nbytes"] > srv.max_shard_bytes:
             raise ValueError(f"shard of {fields['nbytes']} bytes refused (limit {srv.max_shard_bytes})")
-        if req.get("op") == "offer":
+        if offer:
             if srv.store.twins.offer(raw, fields):
                 srv.received += 1
                 srv.filled += 1
@@ -202,6 +203,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 path = memckpt.step_base(srv.store.backup_dir, fields["rank"], fields["step"]) + ".hdr"
                 _send_frame(sock, {"ok": True, "path": path, "local": True})
                 return
+            fields = memckpt.header_fields(raw)
             _send_frame(sock, {"ok": True, "send": True})
         try:
             path = srv.store.receiver.receive(raw, fields, sock)
@@ -436,7 +438,7 @@ class PeerClient:
         if raw is None:
             return "stale"
         try:
-            fields = memckpt.header_fields(raw)
+            fields = memckpt.header_fields(raw, meta=False)
         except CorruptShard:
             return "stale"
         if fields["rank"] != rank or fields["step"] != step:

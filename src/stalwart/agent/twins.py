@@ -25,6 +25,8 @@ a short while rather than falling back to the network at once.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 import time
 
@@ -37,6 +39,7 @@ TWIN_WAIT_S = 0.5       # how long an offer waits for its twin to commit the off
 # after this many offers that found the step here with other bytes, this many are answered
 # "send" without looking (then it looks again: a new run may have other neighbours)
 MISSES, SKIP = 8, 64
+_SLOT_DATA = re.compile(r"^rank(\d{5})\.slot(\d{1,3})\.data$")
 log = logging.getLogger("stalwart.agent")
 
 
@@ -57,6 +60,7 @@ class LocalTwins:
         # (rank, step) -> (offered header bytes, its fields, the twin's header path)
         self._virtual: dict[tuple[int, int], tuple[bytes, dict, str]] = {}
         self._materializing = threading.Lock()
+        self._slot_paths: dict[int, list[str]] = {}  # local rank -> its slots' header paths
 
     def offer(self, raw: bytes, fields: dict) -> bool:
         """Hold the offered shard as a virtual backup if a local twin has its bytes."""
@@ -84,6 +88,11 @@ class LocalTwins:
             with self._cv:
                 todo, self._virtual = self._virtual, {}
             for (rank, step), (raw, fields, twin) in sorted(todo.items()):
+                try:
+                    if "meta" not in fields:             # (an offer's fields leave it out)
+                        fields = memckpt.header_fields(raw)
+                except CorruptShard:
+                    continue
                 if self.receiver.fill(raw, fields, twin) is not None:
                     made += 1
         return made
@@ -100,6 +109,7 @@ class LocalTwins:
         miss)."""
         with self._cv:
             self._local = frozenset(int(r) for r in ranks)
+            self._slot_paths.clear()                 # (a new run may have other slots)
 
     def twin_of(self, rank: int) -> int | None:
         with self._cv:
@@ -152,6 +162,10 @@ class LocalTwins:
     def _look(self, fields: dict, twin: int | None) -> tuple[str | None, int, int]:
         """(path, its rank, newest) of a local shard matching `fields`; newest: the step every
         local rank looked at (the twin alone, if known) has reached, -1 without any."""
+        if twin is not None:
+            found = self._look_slots(fields, twin)
+            if found is not None:
+                return found
         reached: dict[int, int] = {}
         for r, s, path in memckpt.list_shards(self.shm_dir, twin):
             reached[r] = max(reached.get(r, -1), s)
@@ -159,13 +173,55 @@ class LocalTwins:
                 continue
             raw = memckpt.read_header_bytes(path)
             try:
-                mine = memckpt.header_fields(raw) if raw is not None else None
+                mine = memckpt.header_fields(raw, meta=False) if raw is not None else None
             except CorruptShard:
                 mine = None
             if mine is not None and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
+                self._remember_slots(r)
                 return path, r, s
         if twin is None:
             with self._cv:
                 for r in self._local:
                     reached.setdefault(r, -1)
         return None, -1, min(reached.values(), default=-1)
+
+    def _remember_slots(self, rank: int) -> list[str]:
+        """Keep (and return) the header paths of `rank`'s slots, in slot order (its data files
+        stay while its headers come and go): a known twin's offers read those alone, no listing."""
+        slots = []
+        for name in os.listdir(self.shm_dir):
+            m = _SLOT_DATA.match(name)
+            if m and int(m.group(1)) == rank:
+                slots.append((int(m.group(2)), os.path.join(self.shm_dir, name[:-len(".data")] + ".hdr")))
+        paths = [path for _, path in sorted(slots)]
+        with self._cv:
+            self._slot_paths[rank] = paths
+        return paths
+
+    def _look_slots(self, fields: dict, twin: int) -> tuple[str | None, int, int] | None:
+        """`_look` for a known twin through its remembered slots (the step's own slot first, as
+        `MemCheckpointer` places it; listed again when the step is in none of them: a slot used
+        for the first time); None when none holds a shard."""
+        with self._cv:
+            paths = self._slot_paths.get(twin)
+        step, newest = fields["step"], -1
+        for again in (False, True):
+            if again or not paths:
+                known, paths = paths, self._remember_slots(twin)
+                if again and paths == known:
+                    break
+            first = step % len(paths) if paths else 0
+            for path in paths[first:] + paths[:first]:
+                raw = memckpt.read_header_bytes(path)
+                try:
+                    mine = memckpt.header_fields(raw, meta=False) if raw is not None else None
+                except CorruptShard:
+                    mine = None
+                if mine is None or mine["rank"] != twin:
+                    continue
+                if mine["step"] == step and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
+                    return path, twin, step
+                newest = max(newest, mine["step"])
+            if newest >= step:
+                break
+        return None if newest < 0 else (None, twin, newest)

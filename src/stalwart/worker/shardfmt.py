@@ -122,10 +122,11 @@ _NBYTES = re.compile(rb'"nbytes":(\d+),"tensors":')
 _TAIL = re.compile(rb'(?:"hash":"([a-z0-9_]+)",)?"complete":1,"checksum":(\d+)\}')
 
 
-def header_fields(raw: bytes) -> dict:
+def header_fields(raw: bytes, meta: bool = True) -> dict:
     """The fields a backup's receiver needs (step, rank, nbytes, hash, checksum, meta as bytes) from a
     complete header's bytes, without parsing its JSON (tens of KB for a small model's optimizer
     state, on every backup of every step): found where `_encode_header` puts them, else parsed.
+    `meta=False` leaves the metadata out (not decoded: what a comparison of shards needs).
     Raises CorruptShard when the bytes are no complete header."""
     head, nbytes = _HEAD.match(raw), _NBYTES.search(raw)
     m0 = raw.find(b'"meta":"')
@@ -139,17 +140,22 @@ def header_fields(raw: bytes) -> dict:
     if head and nbytes and m1 > m0 >= 0 and tail:
         try:
             algo = tail.group(1).decode() if tail.group(1) else None
-            return {"step": int(head.group(1)), "rank": int(head.group(2)), "nbytes": int(nbytes.group(1)),
-                    "hash": algo, "checksum": int(tail.group(2)),
-                    "meta": base64.b64decode(raw[m0 + 8:m1], validate=True)}
+            out = {"step": int(head.group(1)), "rank": int(head.group(2)), "nbytes": int(nbytes.group(1)),
+                   "hash": algo, "checksum": int(tail.group(2))}
+            if meta:
+                out["meta"] = base64.b64decode(raw[m0 + 8:m1], validate=True)
+            return out
         except ValueError:
             pass
     hdr = _parse_header(raw)
     if hdr is None or not all(isinstance(hdr.get(k), int) for k in ("step", "rank", "nbytes", "checksum")):
         raise CorruptShard("not a complete shard header")
     try:
-        return {"step": hdr["step"], "rank": hdr["rank"], "nbytes": hdr["nbytes"], "hash": hdr.get("hash"),
-                "checksum": hdr["checksum"], "meta": meta_bytes(hdr)}
+        out = {"step": hdr["step"], "rank": hdr["rank"], "nbytes": hdr["nbytes"], "hash": hdr.get("hash"),
+               "checksum": hdr["checksum"]}
+        if meta:
+            out["meta"] = meta_bytes(hdr)
+        return out
     except (KeyError, ValueError, TypeError):
         raise CorruptShard("a shard header without valid meta") from None
 
