@@ -39,7 +39,7 @@ def test_the_pieces_are_exactly_the_whole():
         assert "".join(out) == S._json(x), x
     st = big_state(300, 40)
     saved = S.dumps(st)
-    assert saved == whole(st)
+    assert saved == whole(st) == S.dumps(st, pieces=False)    # (a small state's one call)
     assert S.dumps(S.loads(saved)) == saved
 
 
@@ -70,3 +70,38 @@ def test_a_large_save_lets_other_threads_run():
     msgspec.to_builtins(st, order="deterministic")
     builtins_s = time.perf_counter() - t0
     assert max(gaps) < builtins_s + 0.5 * took + 0.02, (max(gaps), builtins_s, took)
+
+
+def test_a_runner_writes_a_small_state_in_one_call_and_a_large_one_in_pieces(monkeypatch):
+    """`JobRunner.dispatch` saves the state (here at each transition) in pieces until it knows the
+    state is small, then in one call; a large state stays in pieces."""
+    from stalwart.controller.job.events import Tick
+    from stalwart.controller.job.runner import JobRunner
+    calls: list[bool] = []
+    real = S.dumps
+    monkeypatch.setattr(S, "dumps", lambda st, pieces=True: calls.append(pieces) or real(st, pieces))
+
+    class Core:
+        def handle(self, st, ev, now):
+            st.run_seq += 1                   # a transition: saved at once
+            return []
+
+    class Executor:
+        def __init__(self) -> None:
+            self.saved: list[bytes] = []
+
+        def perform(self, st, acts, data):
+            self.saved.append(data)
+
+    def dispatch_three(st: S.JobState) -> list[bool]:
+        calls.clear()
+        r = JobRunner.__new__(JobRunner)      # (its dispatch alone: no controller, no thread)
+        r.state, r.job_id, r.core, r.executor = st, st.job_id, Core(), Executor()
+        r._saved_key, r._saved_at, r._save_cost, r._save_bytes, r._dirty = None, 0.0, 0.0, 1 << 62, True
+        r.ctl = None
+        for _ in range(3):
+            r.dispatch(Tick())
+        assert r.executor.saved[-1] == whole(st)
+        return list(calls)
+    assert dispatch_three(S.JobState(job_id=1, created_at=1.0, slots=["m0", "m1"])) == [True, False, False]
+    assert dispatch_three(big_state(1000, 60)) == [True, True, True]

@@ -39,6 +39,7 @@ class JobRunner:
         self._saved_key: tuple | None = None
         self._saved_at = 0.0
         self._save_cost = 0.0          # seconds the last save took to encode
+        self._save_bytes = 1 << 62     # its size (unknown before the first: written in pieces)
         self._dirty = True
         self.thread = threading.Thread(target=self._loop, name=f"job-{state.job_id}", daemon=True)
 
@@ -104,8 +105,9 @@ class JobRunner:
         data = None
         if save:
             t0 = time.perf_counter()
-            data = S.dumps(self.state)
+            data = S.dumps(self.state, pieces=self._save_bytes > S.ONE_CALL_BYTES)
             self._save_cost = time.perf_counter() - t0
+            self._save_bytes = len(data)
         try:
             self.executor.perform(self.state, acts, data)
         except Exception as e:

@@ -375,9 +375,10 @@ class JobState:
 # -- JSON ----------------------------------------------------------------------------------------
 
 CHUNK = 64          # entries of a large dict or list encoded per call (see `dumps`)
+ONE_CALL_BYTES = 128 << 10  # a state last this small is written in one call (~2 ms at most)
 
 
-def dumps(state: JobState) -> bytes:
+def dumps(state: JobState, pieces: bool = True) -> bytes:
     """The state as JSON, exactly: `dumps(loads(dumps(s))) == dumps(s)`. A NaN loss or an infinite
     gradient norm is evidence, so non-finite floats are kept (as Python's json writes them: NaN,
     Infinity), not turned into null.
@@ -386,9 +387,15 @@ def dumps(state: JobState) -> bytes:
     has a state of megabytes (its peers' metric windows, the ranks' hang timers), and one call of
     the C encoder holds the GIL for all of it (~0.2 s), stalling the API's event loop, which
     answers every agent's beat, for as long. In pieces of at most CHUNK entries the GIL passes
-    between them (every few ms), so a save delays a beat by little more than `to_builtins`."""
+    between them (every few ms), so a save delays a beat by little more than `to_builtins`.
+    A small state is better written in one call (`pieces=False`: 0.3 ms for the 19 KB of a job of
+    two machines, 1.7 ms in pieces, every second): the caller knows its last size
+    (`ONE_CALL_BYTES`)."""
+    obj = msgspec.to_builtins(state, order="deterministic")
+    if not pieces:
+        return _json(obj).encode()
     out: list[str] = []
-    _encode(msgspec.to_builtins(state, order="deterministic"), out)
+    _encode(obj, out)
     return "".join(out).encode()
 
 
