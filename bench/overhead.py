@@ -1,7 +1,7 @@
 """Overhead benchmark: the same job under bare torchrun, torchrun with the worker SDK, and
 `stalwart run`, in one invocation.
 
-    python bench/overhead.py [--quick] [--steps 300] [--json FILE]
+    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE]
 
 For each layout (4 workers: tp 2, dp 2 on 2 machines x 2; 8 workers: tp 2, pp 2, dp 2 on 4 x 2;
 `--quick`: the 4-worker one alone) it runs the bundled GPT (rank 0 prints every step with its wall
@@ -14,7 +14,11 @@ time) three times, one after the other, and prints:
   `stalwart run` process itself; in total and by role) and of torchrun's launcher;
 - the SDK's blocking time per step (begin_step, gradients, report, the in-memory checkpoint).
 
-and the ratios against bare torchrun. `--json FILE` writes
+and the ratios against bare torchrun. On a small shared host one run of each varies by several
+percent from the next (bare torchrun alone: 10.4 to 12.0 steps/s in an hour); `--repeat N` runs
+the three N times, each round in another order (a drift of the host is spread over all three),
+and prints the median of every figure over the rounds, with each round's ratios. `--json FILE`
+writes
 {"layouts": [{"workers", "tp", "pp", "dp", "throughput_ratio", "own_cpu_share",
 "sdk_blocking_share", "first_step_ratio"}, ...]}: stalwart's steps/s over bare torchrun's, its own
 processes' CPU over its workers' CPU (a spare's one-time warm-up left out,
@@ -40,6 +44,7 @@ from stalwart.protocol import WARM_TITLE_MARK
 
 GPT_ARGS = ["-m", "stalwart.examples.gpt", "--log-every", "1"]
 LAYOUTS = [(2, 1, 2), (2, 2, 2)]          # (tp, pp, dp); 2 GPUs per machine
+MODES = ("bare", "sdk", "stalwart")
 # stalwart's own processes, by role (the first marker found in the command line names the role)
 OWN_ROLES = (("stalwart.cli controller", "controller"), ("stalwart.cli agent", "agent"),
              ("stalwart.agent.peerxfer", "peerxfer"), ("stalwart.diag.worker", "checker"),
@@ -213,6 +218,19 @@ def stalwart(tp: int, pp: int, dp: int, steps: int, work: str) -> dict:
     return measure(read_steps(log), launched, sampler)
 
 
+def median_of(runs: list[dict]) -> dict:
+    """The median of each figure over several runs of one mode (the keys of `measure`; those by
+    role or by call key by key). A ratio of medians is what the rounds say: one slow round (the
+    host busy with something else) moves it little."""
+    out: dict = {}
+    for key, v in runs[0].items():
+        if isinstance(v, dict):
+            out[key] = {k: statistics.median(r.get(key, {}).get(k, 0.0) for r in runs) for k in v}
+        elif all(key in r for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def layout_row(tp: int, pp: int, dp: int, r: dict) -> dict:
     bare, st = r["bare"], r["stalwart"]
     return {"workers": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp,
@@ -226,22 +244,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the 4-worker layout alone, fewer steps")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 300, --quick 200)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="rounds of the three runs per layout, each in another order; medians are printed")
     ap.add_argument("--json", help="write the ratios per layout here")
     a = ap.parse_args(argv)
     steps = a.steps or (200 if a.quick else 300)
     if steps < 50:
         ap.error("--steps must be >= 50 (the window is 30%%..90%% of the steps)")
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
     layouts = LAYOUTS[:1] if a.quick else LAYOUTS
     work = tempfile.mkdtemp(prefix="stalwart-overhead-")
     rows = []
     try:
         for tp, pp, dp in layouts:
-            r = {}
-            for mode in ("bare", "sdk", "stalwart"):
-                print(f"[{tp * pp * dp} workers, tp {tp} pp {pp} dp {dp}] {mode} ...", flush=True)
-                r[mode] = (torchrun(tp, pp, dp, steps, mode == "sdk", work) if mode != "stalwart"
-                           else stalwart(tp, pp, dp, steps, work))
-            print(f"\n{tp * pp * dp} workers (tp {tp}, pp {pp}, dp {dp}), {steps} steps; window 30%..90%")
+            rounds: list[dict] = []
+            for k in range(a.repeat):
+                r = {}
+                for mode in MODES[k % 3:] + MODES[:k % 3]:
+                    print(f"[{tp * pp * dp} workers, tp {tp} pp {pp} dp {dp}] "
+                          + (f"round {k + 1}/{a.repeat}: " if a.repeat > 1 else "") + f"{mode} ...", flush=True)
+                    r[mode] = (torchrun(tp, pp, dp, steps, mode == "sdk", work) if mode != "stalwart"
+                               else stalwart(tp, pp, dp, steps, work))
+                rounds.append(r)
+            r = {m: median_of([x[m] for x in rounds]) for m in MODES}
+            print(f"\n{tp * pp * dp} workers (tp {tp}, pp {pp}, dp {dp}), {steps} steps; window 30%..90%"
+                  + (f"; medians of {a.repeat} rounds" if a.repeat > 1 else ""))
             print(f"{'':34s}{'bare torchrun':>16s}{'torchrun + SDK':>16s}{'stalwart run':>16s}")
             for key, fmt in (("steps_per_s", "{:.2f}"), ("first_step_s", "{:.1f}"),
                              ("worker_cpu_per_step", "{:.3f}"), ("own_cpu_per_step", "{:.4f}"),
@@ -255,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             if "sdk_parts_per_step" in st:
                 print("SDK blocking s per step by call: "
                       + ", ".join(f"{k} {v:.5f}" for k, v in st["sdk_parts_per_step"].items()))
+            if a.repeat > 1:
+                for k, x in enumerate(rounds):
+                    one = layout_row(tp, pp, dp, x)
+                    print(f"round {k + 1}: throughput {one['throughput_ratio']:.3f}x, own CPU "
+                          f"{100 * one['own_cpu_share']:.1f}%, SDK blocking {100 * one['sdk_blocking_share']:.2f}%, "
+                          f"first step {one['first_step_ratio']:.2f}x")
             row = layout_row(tp, pp, dp, r)
             rows.append(row)
             print(f"ratios vs bare torchrun: throughput {row['throughput_ratio']:.3f}x, stalwart's own CPU "
