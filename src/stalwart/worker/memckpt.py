@@ -257,9 +257,10 @@ class MemCheckpointer:
         # broadcast) is never committed; either way that slot plans again, and from then on
         # every snapshot checks its plan here first (`check_here`: a state whose shapes keep
         # changing loses no snapshot to it).
+        here = self.check_here      # (read once: a background thread may set it meanwhile)
         planned = slot.plan is not None and slot.views is not None and slot.layout_key is not None \
             and len(p.tensors) == len(slot.plan[0]) and not slot.replan
-        if planned and self.check_here:
+        if planned and here:
             planned = _shapes(p.tensors) == slot.shapes
         if not planned:
             p, meta = self._replan(slot, state, p, meta)
@@ -272,7 +273,7 @@ class MemCheckpointer:
             pass
         copier = self._copier if self.overlap_off is None else None
         versions = self._versions(src) if copier is not None else None
-        check = None if self.check_here else (p.tensors, slot.shapes)
+        check = None if here or not planned else (p.tensors, slot.shapes)   # (a new plan fits)
         if copier is not None and versions is not None:
             # the copy too is the background thread's; what each tensor's version is now tells it
             # whether the training thread changed one before the copy was done
@@ -283,7 +284,7 @@ class MemCheckpointer:
             try:
                 _copy(views, src)     # the step blocks for the copy alone
             except RuntimeError:
-                if self.check_here:
+                if check is None:
                     raise
                 # the state's tensors no longer fit the plan (a shape changed): plan and copy again
                 self.check_here = True
