@@ -409,39 +409,32 @@ def test_an_inference_tensor_in_the_state_is_copied_on_the_training_thread(shm_d
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("change", ["broadcast", "dtype", "requires_grad", "sparse", "no_fit"])
-def test_a_tensor_that_changes_shape_or_dtype_never_makes_a_wrong_shard(shm_dir, change, overlap):
-    # the plan is checked off the training thread: a copy into a plan the state no longer has
-    # (a broadcast, a cast) is never committed, a copy that does not fit is planned again at once,
-    # and from then on every snapshot checks its plan first and commits
+def test_a_tensor_that_changes_shape_dtype_or_layout_is_planned_again(shm_dir, change, overlap):
+    # the same number of tensors, one of them changed: a copy into the old plan would cast,
+    # broadcast or fail; every step's shard holds that step's state exactly
     w = torch.arange(16.0).reshape(4, 4)
     new = {"broadcast": torch.full((1, 4), 7.0), "dtype": torch.arange(16.0, dtype=torch.float64).reshape(4, 4),
            "requires_grad": torch.arange(16.0).reshape(4, 4).requires_grad_(),
            "sparse": torch.eye(4).to_sparse(), "no_fit": torch.arange(5.0)}[change]
     states = {s: {"w": w + s, "u": torch.ones(3) * s, "step": s} for s in range(3)}
-    states.update({s: {"w": new, "u": torch.ones(3) * s, "step": s} for s in range(3, 8)})
+    states.update({s: {"w": new, "u": torch.ones(3) * s, "step": s} for s in range(3, 6)})
     with MemCheckpointer(shm_dir, rank=0, slots=2, overlap=overlap) as m:
-        for s in range(8):
+        for s in range(6):
             m.snapshot(states[s], s)
             m.fence()
             m.wait()
             got_step, got = load(shm_dir, 0)
-            _assert_same(states[got_step], got)      # whichever step is the newest, it is exact
-            if s != 3 or (change == "no_fit" and not overlap):   # (replanned in the call)
-                assert got_step == s, (s, got_step)  # only the first step after the change may be lost
-        assert m.check_here
+            assert got_step == s
+            _assert_same(states[s], got)
 
 
 @pytest.mark.timeout(30)
-def test_a_state_whose_shapes_change_every_step_loses_at_most_one_snapshot(shm_dir):
+def test_a_state_whose_shapes_change_every_step_is_copied_right_every_step(shm_dir):
     with MemCheckpointer(shm_dir, rank=0, slots=2) as m:
-        committed = []
         for s in range(10):
             state = {"x": torch.arange(float(s % 3 + 1)).expand(2, s % 3 + 1).contiguous()}
             m.snapshot(state, s)
             m.wait()
             got_step, got = load(shm_dir, 0)
-            _assert_same(state if got_step == s else got, got)
-            if got_step == s:
-                committed.append(s)
-                assert torch.equal(got["x"], state["x"])
-        assert len(committed) >= 9, committed
+            assert got_step == s
+            _assert_same(state, got)
