@@ -21,6 +21,16 @@ from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
 
+
+def recv_into_all(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock` exactly; ConnectionError when the peer closes first."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
 class _Spare:
     """A data file no shard names any more, with its mapping kept."""
 
@@ -85,12 +95,7 @@ class BackupReceiver:
         to be kept (its slot was overwritten while it sent: a torn copy). Raises CorruptShard on
         a checksum mismatch (nothing is published), ConnectionError when the peer goes away."""
         def from_peer(view: memoryview) -> bool:
-            got, n = 0, len(view)
-            while got < n:
-                k = sock.recv_into(view[got:])
-                if k == 0:
-                    raise ConnectionError(f"peer closed the connection with {n - got} bytes missing")
-                got += k
+            recv_into_all(sock, view)
             return _recv_commit(sock)
         return self._land(raw_header, fields, from_peer)
 

@@ -41,6 +41,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
+from stalwart.agent.backups import recv_into_all
 from stalwart.agent.shards import TIERS, ShardStore, receive_shard
 from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
@@ -76,12 +77,7 @@ def _send_frame(sock: socket.socket, obj: dict) -> None:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
+    recv_into_all(sock, memoryview(buf))
     return bytes(buf)
 
 

@@ -171,12 +171,8 @@ class LocalTwins:
             reached[r] = max(reached.get(r, -1), s)
             if s != fields["step"]:
                 continue
-            raw = memckpt.read_header_bytes(path)
-            try:
-                mine = memckpt.header_fields(raw, meta=False) if raw is not None else None
-            except CorruptShard:
-                mine = None
-            if mine is not None and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
+            mine = _header_at(path)
+            if mine is not None and _same_bytes(mine, fields):
                 self._remember_slots(r)
                 return path, r, s
         if twin is None:
@@ -212,16 +208,26 @@ class LocalTwins:
                     break
             first = step % len(paths) if paths else 0
             for path in paths[first:] + paths[:first]:
-                raw = memckpt.read_header_bytes(path)
-                try:
-                    mine = memckpt.header_fields(raw, meta=False) if raw is not None else None
-                except CorruptShard:
-                    mine = None
+                mine = _header_at(path)
                 if mine is None or mine["rank"] != twin:
                     continue
-                if mine["step"] == step and all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum")):
+                if mine["step"] == step and _same_bytes(mine, fields):
                     return path, twin, step
                 newest = max(newest, mine["step"])
             if newest >= step:
                 break
         return None if newest < 0 else (None, twin, newest)
+
+
+def _header_at(path: str) -> dict | None:
+    """The fields of the shard header at `path` without its metadata; None when there is none."""
+    raw = memckpt.read_header_bytes(path)
+    try:
+        return memckpt.header_fields(raw, meta=False) if raw is not None else None
+    except CorruptShard:
+        return None
+
+
+def _same_bytes(mine: dict, fields: dict) -> bool:
+    """Do two shards' header fields say they hold the same bytes?"""
+    return all(mine[k] == fields[k] for k in ("nbytes", "hash", "checksum"))
