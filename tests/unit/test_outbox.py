@@ -192,3 +192,42 @@ def test_a_pacing_take_is_not_woken_by_more_step_reports_but_is_by_evidence_and_
     finally:
         t.join(timeout=10)
     assert [e["type"] for e in out] == ["step", "worker_exit"]
+
+
+def test_an_empty_take_inside_the_pace_is_not_woken_by_step_reports_and_goes_at_its_end():
+    box = Outbox()
+    box.put({"type": "step", "step": 0})
+    box.take(timeout=1.0, pace=0.6)                  # (the pace starts now: the queue is empty)
+    notified = []
+    real = box._cond.notify
+    box._cond.notify = lambda n=1: (notified.append(n), real(n))    # type: ignore[method-assign]
+    out: list = []
+    t0, end = time.monotonic(), box._paced_at + 0.6
+    t = threading.Thread(target=lambda: out.extend(box.take(timeout=30.0, pace=0.6)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not box._pacing:                      # the taker sleeps out the pace, queue empty
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        box.put({"type": "step", "step": 1, "rank": 0})
+        box.put({"type": "metrics", "values": {}})
+        assert not notified and not out             # nobody woken, nothing taken yet
+    finally:
+        t.join(timeout=10)
+    # taken at the pace's end, not at the take's 30 s timeout nor at the first report
+    assert [e["type"] for e in out] == ["step", "metrics"]
+    assert time.monotonic() >= end and time.monotonic() - t0 < 10
+    # evidence still wakes an empty taker inside the pace at once
+    out.clear()
+    t = threading.Thread(target=lambda: out.extend(box.take(timeout=30.0, pace=30.0)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not box._pacing:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        box.put({"type": "worker_exit", "rank": 0})
+    finally:
+        t.join(timeout=10)
+    assert [e["type"] for e in out] == ["worker_exit"]

@@ -69,3 +69,28 @@ def test_a_peer_that_stops_answering_fails_the_push_with_a_timeout_once(tmp_path
         for c in conns:
             c.close()
         mute.close()
+
+
+def test_a_server_sleeps_until_a_peer_connects_and_stops_at_once(tmp_path, monkeypatch):
+    """No polling: the accept loop's bound is long, and `stop` wakes it by connecting."""
+    import time
+
+    from stalwart.agent import peerxfer
+    monkeypatch.setattr(peerxfer, "SERVE_POLL_S", 120.0)
+    store = ShardStore(str(tmp_path / "peer-own"), str(tmp_path / "backup"), keep_backup=2)
+    srv = PeerServer("127.0.0.1", 0, store).start()
+    try:
+        with PeerClient(timeout_s=10) as client:
+            assert client.list(srv.address) == {"own": {}, "backup": {}, "durable": {}}
+    finally:
+        t0 = time.monotonic()
+        srv.stop()
+        store.close()
+    assert time.monotonic() - t0 < 60            # (without the wake-up: the 120 s bound)
+    assert srv._thread is None
+    try:
+        socket.create_connection(srv.address, timeout=2).close()
+        refused = False
+    except OSError:
+        refused = True
+    assert refused

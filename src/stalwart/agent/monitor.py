@@ -18,6 +18,7 @@ from stalwart.agent.probes.base import HealthEvent, Probe
 log = logging.getLogger("stalwart.agent")
 
 NETWORK_PROBES = {"nic"}
+MAX_WAIT_S = 5.0
 
 
 def to_event(h: HealthEvent, certain_kinds: frozenset = frozenset()) -> dict:
@@ -47,8 +48,16 @@ class Monitor:
         self._stop.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while not self._stop.wait(self.wait_s(time.time())):
             self._run(force=False)
+
+    def wait_s(self, now: float) -> float:
+        """How long to sleep before the next probe is due: the thread wakes when one is, not
+        every tick (a machine's probes run together: one `now` for all, so their times stay in
+        step), at least `tick_s` and at most MAX_WAIT_S."""
+        with self._lock:
+            nxt = min((p.next_due() for p in self.probes), default=now + MAX_WAIT_S)
+        return min(MAX_WAIT_S, max(self.tick_s, nxt - now))
 
     def sweep(self) -> None:
         self._run(force=True)

@@ -122,7 +122,17 @@ class Outbox:
         at once. With `pace`, step reports go at most once per `pace` seconds (PACED)."""
         with self._cond:
             if not self._q:
-                self._cond.wait(timeout)
+                left = self._paced_at + pace - time.monotonic() if pace > 0 else 0.0
+                if left > 0:
+                    # inside the pace: a step report (or a routine event) coming now could not go
+                    # before its end, so it does not wake this thread; the end of the pace does
+                    self._pacing, self._batch = True, max_batch
+                    try:
+                        self._cond.wait(left if timeout is None else min(timeout, left))
+                    finally:
+                        self._pacing = False
+                else:
+                    self._cond.wait(timeout)
             if self._q and pace > 0 and not self._urgent:
                 self._pacing, self._batch = True, max_batch
                 try:

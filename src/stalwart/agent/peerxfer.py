@@ -38,6 +38,7 @@ import socketserver
 import struct
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
@@ -47,6 +48,7 @@ from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
 CHUNK = 4 << 20
+SERVE_POLL_S = 2.0      # the accept loop's bound on noticing a stop no connection woke
 MAX_FRAME = 64 << 20
 
 
@@ -265,8 +267,9 @@ class PeerServer:
         return host, port
 
     def start(self) -> "PeerServer":
-        """Serve in a background thread."""
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.1},
+        """Serve in a background thread. It sleeps until a peer connects (`stop` wakes it by
+        connecting), not polling ten times a second as socketserver's default does."""
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": SERVE_POLL_S},
                                         name="peerxfer-server", daemon=True)
         self._thread.start()
         return self
@@ -274,7 +277,17 @@ class PeerServer:
     def stop(self) -> None:
         """Stop accepting, close the socket and join the serving thread."""
         if self._thread is not None:
-            self._srv.shutdown()
+            # `shutdown` asks the loop to end and waits; a connection wakes the loop to see it
+            # (until it has: the first may come before the request)
+            quit_ = threading.Thread(target=self._srv.shutdown, name="peerxfer-stop", daemon=True)
+            quit_.start()
+            deadline = time.monotonic() + 5.0
+            while quit_.is_alive() and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(self.address, timeout=1.0).close()
+                except OSError:
+                    pass
+                quit_.join(0.05)
             self._thread.join(timeout=5)
             self._thread = None
         self._srv.server_close()

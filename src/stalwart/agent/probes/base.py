@@ -85,6 +85,10 @@ class Probe:
         """True when the probe has never run or `interval_s` has passed since it last ran."""
         return self._last_check is None or now - self._last_check >= self.interval_s
 
+    def next_due(self) -> float:
+        """When `due` turns true next (-inf: now, the probe never ran)."""
+        return float("-inf") if self._last_check is None else self._last_check + self.interval_s
+
     def run(self, now: float) -> list[HealthEvent]:
         """Check now and remember when, so `due` spaces the next check by `interval_s`."""
         self._last_check = now
