@@ -36,3 +36,16 @@ def test_no_machine_is_overdue_until_the_earliest_beat_plus_the_limit():
             if later - 3.0 <= earliest:
                 assert overdue(ms, now=later, limit_s=3.0)[0] == []
         assert earliest in [m["last_beat"] for m in overdue(ms, now=earliest + 3.01, limit_s=3.0)[0]]
+
+
+def test_the_monitor_sleeps_until_a_machine_could_be_overdue_within_its_bounds():
+    from stalwart.controller.service import ALIVE_EVERY_S, MONITOR_EVERY_S, monitor_wait
+    import math
+    # earliest beat at 10, limit 3: nobody can be overdue before 13
+    assert monitor_wait(12.5, 10.0, 3.0, next_alive=20.0) == 0.5
+    assert monitor_wait(12.95, 10.0, 3.0, next_alive=20.0) == MONITOR_EVERY_S     # the floor
+    assert monitor_wait(14.0, 10.0, 3.0, next_alive=20.0) == MONITOR_EVERY_S     # overdue already
+    assert monitor_wait(10.0, 10.0, 3.0, next_alive=20.0) == ALIVE_EVERY_S       # the cap
+    assert abs(monitor_wait(10.0, 10.0, 3.0, next_alive=10.3) - 0.3) < 1e-9     # the alive_at write
+    assert monitor_wait(10.0, math.inf, 3.0, next_alive=20.0) == ALIVE_EVERY_S   # no machine
+    assert monitor_wait(10.0, math.inf, 0.4, next_alive=20.0) == 0.2             # half a short limit

@@ -66,6 +66,15 @@ def overdue(machines: Iterable[dict], now: float, limit_s: float) -> tuple[list[
     return lost, earliest
 
 
+def monitor_wait(now: float, earliest_beat: float, limit_s: float, next_alive: float) -> float:
+    """How long the heartbeat monitor may sleep: until a machine could be overdue (its earliest
+    last beat plus the limit) or the next `alive_at` write, whichever is first; at least
+    MONITOR_EVERY_S (the precision of a loss's detection), at most ALIVE_EVERY_S and half the
+    limit (a machine that registers meanwhile is looked at before half its limit passed)."""
+    return min(ALIVE_EVERY_S, max(MONITOR_EVERY_S, min(limit_s / 2, earliest_beat + limit_s - now,
+                                                       next_alive - now)))
+
+
 class MachineView:
     """The controller's registry as one job's core sees it (`ClusterView`)."""
 
@@ -237,10 +246,10 @@ class Controller:
 
     def _monitor(self) -> None:
         next_alive = 0.0
-        last = time.monotonic()
-        while not self._stop.wait(MONITOR_EVERY_S):
+        last, wait = time.monotonic(), MONITOR_EVERY_S
+        while not self._stop.wait(wait):
             now = time.time()
-            lag = time.monotonic() - last - MONITOR_EVERY_S
+            lag = time.monotonic() - last - wait
             last = time.monotonic()
             if now >= next_alive:           # the next controller learns when this one went away
                 self.store.set_meta("alive_at", repr(now))
@@ -260,6 +269,7 @@ class Controller:
                     lost, self._earliest_beat = overdue(self._machines.values(), now, limit)
                     for m in lost:
                         m["alive"] = False
+                wait = monitor_wait(now, self._earliest_beat, limit, next_alive)
             if lost and self._cluster_ended():
                 lost = []           # the jobs are cancelled with the cluster's reason
             for m in lost:
