@@ -140,3 +140,67 @@ def test_overlapped_snapshots_under_the_sdk_hold_each_steps_state(tmp_path, mode
     else:
         assert 2 not in shards and shards == [0, 1, 3, 4, 5], shards   # step 2's copy was torn
         assert "in-memory checkpoint: tensor" in err and "modified before its copy" in err
+
+
+REPORT_SCRIPT = textwrap.dedent('''
+    import sys, time, torch
+    from stalwart import worker
+    from stalwart.worker import link
+    link.LAZY_IDLE_S = 60.0              # (a report held back would wait for the next step)
+    ctx = worker.init()
+    w = torch.zeros(16)
+    every = int(sys.argv[1])
+    try:
+        for step in range(6):
+            ctx.begin_step(step)
+            w.add_(1)
+            ctx.report(step, loss=float(step))
+            if (step + 1) % every == 0:
+                ctx.checkpoint({"w": w}, step)
+            time.sleep(1.5)               # (a long step: what waits for the next one shows)
+    finally:
+        ctx.finish()
+''')
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every", [1, 3])
+def test_step_reports_reach_the_agent_within_their_step(tmp_path, every):
+    """Every step checkpointed: a report goes with its step's commit message (one write).
+    Checkpointed every third step: a report that no snapshot follows is not held for one."""
+    import time
+
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(60)
+    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1",
+               STALWART_SHM_DIR=str(tmp_path / "shm"))
+    env.pop("MASTER_ADDR", None)
+    p = subprocess.Popen([sys.executable, "-c", REPORT_SCRIPT, str(every)], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    got: list[tuple[float, dict]] = []
+    try:
+        conn, _ = srv.accept()
+        jl = JsonLineSocket(conn)
+        while (m := jl.recv()) is not None:
+            got.append((time.time(), m))
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        srv.close()
+    assert p.returncode == 0, err
+    steps = [(at, m) for at, m in got if m["type"] == "step"]
+    assert [m["step"] for _, m in steps] == list(range(6))
+    for at, m in steps:
+        # within its step (1.5 s), not with the next step's messages nor the writer's 60 s bound;
+        # with every third step checkpointed, the report after a snapshot may wait for its step's
+        # end (the SDK expected a snapshot to follow it)
+        late = every == 3 and m["step"] % 3 == 0 and m["step"] > 0
+        assert at - m["t"] < (2.5 if late else 1.0), (m["step"], at - m["t"])
+    if every == 1:
+        shards = {m["step"]: at for at, m in got if m["type"] == "shard"}
+        assert all(abs(shards[m["step"]] - at) < 0.5 for at, m in steps if m["step"] > 0)

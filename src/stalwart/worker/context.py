@@ -124,6 +124,7 @@ class Context:
         self.blocking_parts = {"begin": 0.0, "gradients": 0.0, "report": 0.0, "snapshot": 0.0}
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
+        self._ckpt_since_report = False     # an in-memory snapshot came after the last report
         self._begin_t = time.time()
         self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run,
                         "imported": self._imported_at, "ready": time.time()})
@@ -299,9 +300,11 @@ class Context:
                "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
                "local_grad_norm": self._local_grad_norm, "compute_s": self._compute_s}
         msg.update(extra)
-        # with an every-step checkpoint the step's commit follows in a moment: the report goes
-        # with its message, and no thread is woken while this one trains (link.LAZY_S at most)
-        self.link.send(msg, wake=self.mem is None)
+        # with an every-step checkpoint (the last report was followed by one) the step's commit
+        # follows in a moment: the report goes with its message, and no thread is woken while
+        # this one trains (see worker/link.py); a job checkpointing now and then wakes it
+        self.link.send(msg, wake=not self._ckpt_since_report)
+        self._ckpt_since_report = False
         self._last_report = self._step_t0 = now
         self._blocked("report", t0)
 
@@ -318,6 +321,7 @@ class Context:
         if self.mem is not None:
             t0 = time.perf_counter()
             self.mem.snapshot(state, step)
+            self._ckpt_since_report = True
             self._blocked("snapshot", t0)
             return
         if self.replay:

@@ -2,11 +2,16 @@
 
 Metrics go out through a buffer drained by a background thread, so `report()` never blocks the
 training thread on I/O. A message sent with `wake=False` (a step report when the step's
-checkpoint commit follows within a millisecond or two) does not wake that thread: it goes with
-the next message, or within LAZY_S, and the two go in one write (one wake-up of the agent's
-reader, not two, and no thread woken while the training thread is still in the SDK). Messages
-from the agent (activation of a warm standby, chaos) are handed to a callback on a reader thread.
-Without an agent (a plain torchrun job) the link is inert.
+checkpoint commit follows within a millisecond or two: the SDK says so when the previous report
+was followed by a snapshot) does not wake that thread: it goes with the next message, and the
+two go in one write (one wake-up of the agent's reader, not two, and no thread woken while the
+training thread is still in the SDK). One that no prompt message follows goes when the next one
+that may wait comes LAZY_S or more after it, or within LAZY_IDLE_S of the writer's last wake-up
+(the last report before a hang). The writer does not poll: with a checkpoint every step it wakes
+once a step, for the commit (it woke every LAZY_S, 20 times a second, taking the interpreter
+lock from the training thread each time). Messages from the agent (activation of a warm
+standby, chaos) are handed to a callback on a reader thread. Without an agent (a plain torchrun
+job) the link is inert.
 """
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ from typing import Callable, Deque
 
 from stalwart.jsonlines import JsonLineSocket
 
-LAZY_S = 0.05       # the longest a message sent with wake=False waits for company...
-LAZY_KEEP_S = 10.0  # ...while the writer looks that often for one: until this long after the last
+LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...
+LAZY_IDLE_S = 1.0   # ...and within this when none follows, while the writer waits this long...
+LAZY_KEEP_S = 10.0  # ...until this long after the last (then it sleeps until a message comes)
 
 
 class AgentLink:
@@ -32,6 +38,7 @@ class AgentLink:
         self._cv = threading.Condition()
         self._woken = 0                 # queued items that may not wait (see `send`)
         self._lazy_at = float("-inf")   # when the last message that may wait was queued
+        self._lazy_since: float | None = None   # ...and the oldest one the buffer holds
         self._untimed = False           # the writer waits without a bound (nothing may be waiting)
         self._conn: JsonLineSocket | None = None
         self._closed = threading.Event()
@@ -58,7 +65,13 @@ class AgentLink:
                 self._woken += 1
                 self._cv.notify()
             else:
-                self._lazy_at = time.monotonic()
+                now = self._lazy_at = time.monotonic()
+                if self._lazy_since is None:
+                    self._lazy_since = now
+                elif now - self._lazy_since >= LAZY_S:   # no prompt message took the older one
+                    self._woken += 1
+                    self._cv.notify()
+                    return
                 if self._untimed:               # (a writer idle for long: it must look again)
                     self._cv.notify()
 
@@ -79,15 +92,16 @@ class AgentLink:
         while not self._closed.is_set():
             with self._cv:
                 if not self._woken:
-                    # a lazy message waits here for company, LAZY_S at most; a link without any
-                    # for long (a warm spare's) sleeps until something comes
+                    # a lazy message waits here for company (see the module's text); a link
+                    # without any for long (a warm spare's) sleeps until something comes
                     bounded = bool(self._buf) or time.monotonic() - self._lazy_at < LAZY_KEEP_S
                     self._untimed = not bounded
-                    self._cv.wait(LAZY_S if bounded else None)
+                    self._cv.wait(LAZY_IDLE_S if bounded else None)
                     self._untimed = False
                 items = list(self._buf)
                 self._buf.clear()
                 self._woken = 0
+                self._lazy_since = None
             lines = []
             for item in items:
                 if isinstance(item, dict):
