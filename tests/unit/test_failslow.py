@@ -196,3 +196,40 @@ def test_a_verdict_can_ask_for_a_steady_group():
     for i in range(5, 9):
         r.add_round(ranks_on(5), TOPO, i)
     assert r.verdict(min_flags=4) == ("tp", [5])          # the last 5 rounds: 9, then 5 four times
+
+
+def test_slowdown_exceeds_answers_as_the_full_slowdown_does():
+    """The controller's per-step question, without a median of every stretch when none can be
+    fast enough: the same answer on random paces, slow tails, baselines, odd and even stretches."""
+    import random
+
+    from stalwart.analyzer.failslow import slowdown, slowdown_exceeds
+    rng = random.Random(16)
+    for _ in range(3000):
+        n = rng.randint(0, 60)
+        pace = rng.uniform(0.05, 2.0)
+        times = [pace * rng.uniform(0.5, 1.5) for _ in range(n)]
+        if n and rng.random() < 0.5:                       # a slow tail
+            k = rng.randint(1, n)
+            times[-k:] = [t * rng.uniform(1.0, 12.0) for t in times[-k:]]
+        if n and rng.random() < 0.1:                       # a few very fast steps before
+            for i in rng.sample(range(n), min(n, rng.randint(1, 4))):
+                times[i] = pace * rng.uniform(0.01, 0.2)
+        recent_n = rng.choice([2, 3, 4, 5, 6])
+        base = rng.choice([None, pace * rng.uniform(0.05, 1.5)])
+        factor = rng.choice([1.0, 1.5, 2.0, 5.0, 10.0, 100.0])
+        assert slowdown_exceeds(times, factor, recent_n, base) == (slowdown(times, recent_n, base) >= factor), \
+            (times, factor, recent_n, base)
+
+
+def test_slowdown_exceeds_takes_the_quick_answers_on_a_healthy_job(monkeypatch):
+    from stalwart.analyzer import failslow
+    calls = []
+    real = failslow.slowdown
+    monkeypatch.setattr(failslow, "slowdown", lambda *a, **k: calls.append(a) or real(*a, **k))
+    healthy = [0.1 + 0.001 * (i % 7) for i in range(200)]
+    assert not failslow.slowdown_exceeds(healthy, 5.0, 5, 0.1)
+    slow = healthy[:-5] + [0.9] * 5
+    assert failslow.slowdown_exceeds(slow, 5.0, 5, 0.1)         # against the baseline alone
+    assert not calls                                             # no stretch's median was taken
+    assert failslow.slowdown_exceeds(slow, 5.0, 5, None) and calls   # (no baseline: the stretches)

@@ -172,6 +172,25 @@ def slowdown(step_times: Sequence[float], recent_n: int = 5, baseline_s: float |
     return recent / best if best > 0 else 1.0
 
 
+def slowdown_exceeds(step_times: Sequence[float], factor: float, recent_n: int = 5,
+                     baseline_s: float | None = None) -> bool:
+    """``slowdown(step_times, recent_n, baseline_s) >= factor``, without the median of every
+    ``recent_n``-step stretch where none can be fast enough (the controller asks after every
+    committed step, over up to 200 steps: 195 medians a step).
+
+    The slowdown reaches ``factor`` when the baseline or some stretch's median is at most
+    ``recent / factor``, and a stretch's median is only that low when more than half of its
+    steps are (half of an even stretch): with fewer such steps in all, no stretch is."""
+    if len(step_times) < 2 * recent_n or factor <= 0 or min(step_times) <= 0:
+        return slowdown(step_times, recent_n, baseline_s) >= factor
+    limit = median(step_times[-recent_n:]) / factor
+    if baseline_s is not None and 0 < baseline_s <= limit:
+        return True
+    if sum(1 for t in step_times[:-recent_n] if t <= limit) < (recent_n + 1) // 2:
+        return False
+    return slowdown(step_times, recent_n, baseline_s) >= factor
+
+
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
     """Mean without the highest and lowest ``cut`` share of the values (at least one each from 5
     values on). A rank held to a CPU quota is slow in some steps and not in others: a median

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, healthy_pace,
-                                        slow_ranks, slowdown, steady_outliers, throughput_drop, trimmed_mean)
+                                        slow_ranks, slowdown, slowdown_exceeds, steady_outliers,
+                                        throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller import implicit
 from stalwart.controller.hangwatch import anomaly, culprit_machines
@@ -221,8 +222,8 @@ class ImplicitFlow:
             return []
         p = self.ctx.policy
         # never below the drop the policy asks for (failslow_drop 0.99: only a 100x slowdown)
-        severe = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s) >= max(FAILSLOW_CHECK_FACTOR,
-                                                                               1 / (1 - p.failslow_drop))
+        severe = slowdown_exceeds(sig.step_durs, max(FAILSLOW_CHECK_FACTOR, 1 / (1 - p.failslow_drop)),
+                                  RECENT_N, sig.failslow_ref_s)
         if not severe and not throughput_drop(sig.step_durs, baseline_n=BASELINE_N, recent_n=RECENT_N,
                                               drop=p.failslow_drop, reference_s=sig.failslow_ref_s):
             return []
