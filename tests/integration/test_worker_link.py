@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -24,36 +25,41 @@ SCRIPT = textwrap.dedent('''
 
 
 def run_worker(tmp_path, mode):
+    code, err, got = serve_worker(tmp_path, SCRIPT, [mode])
+    return code, err, [m for _, m in got]
+
+
+def serve_worker(tmp_path, script: str, args: list[str], **env_extra: str) -> tuple[int, str, list]:
+    """Run `script` as a one-rank SDK worker against a listening agent socket (STALWART_* extras
+    in `env_extra`); returns its exit code, its stderr and each message with its arrival time."""
     path = str(tmp_path / "agent.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
     srv.settimeout(60)
-    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1")
+    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1",
+               **env_extra)
     env.pop("MASTER_ADDR", None)
-    p = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], env=env, stderr=subprocess.PIPE, text=True)
-    msgs = []
+    p = subprocess.Popen([sys.executable, "-c", script, *args], env=env, stderr=subprocess.PIPE, text=True)
+    got: list[tuple[float, dict]] = []
     try:
         conn, _ = srv.accept()
         jl = JsonLineSocket(conn)
-        while True:
-            m = jl.recv()
-            if m is None:
-                break
-            msgs.append(m)
-        p.wait(timeout=60)
+        while (m := jl.recv()) is not None:
+            got.append((time.time(), m))
+        _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         srv.close()
-    return p, msgs
+    return p.returncode, err, got
 
 
 @pytest.mark.timeout(120)
 def test_a_failing_worker_says_so_with_its_traceback(tmp_path):
-    p, msgs = run_worker(tmp_path, "fail")
-    assert p.returncode == 1
+    code, _, msgs = run_worker(tmp_path, "fail")
+    assert code == 1
     failing = [m for m in msgs if m["type"] == "failing"]
     assert len(failing) == 1 and failing[0]["rank"] == 0, msgs
     assert "RuntimeError: CUDA error: an illegal memory access" in failing[0]["traceback"]
@@ -62,8 +68,8 @@ def test_a_failing_worker_says_so_with_its_traceback(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_worker_that_ends_well_says_done_not_failing(tmp_path):
-    p, msgs = run_worker(tmp_path, "ok")
-    assert p.returncode == 0, p.stderr.read()
+    code, err, msgs = run_worker(tmp_path, "ok")
+    assert code == 0, err
     kinds = [m["type"] for m in msgs]
     assert "done" in kinds and "failing" not in kinds, kinds
 
@@ -107,29 +113,11 @@ def test_overlapped_snapshots_under_the_sdk_hold_each_steps_state(tmp_path, mode
     import torch
 
     from stalwart.worker import memckpt
-    path, shm, final = str(tmp_path / "agent.sock"), tmp_path / "shm", str(tmp_path / "final.pt")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    srv.settimeout(60)
-    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1",
-               STALWART_SHM_DIR=str(shm), STALWART_MEM_OVERLAP="1")
-    env.pop("MASTER_ADDR", None)
-    p = subprocess.Popen([sys.executable, "-c", OVERLAP_SCRIPT, mode, final], env=env,
-                         stderr=subprocess.PIPE, text=True)
-    msgs = []
-    try:
-        conn, _ = srv.accept()
-        jl = JsonLineSocket(conn)
-        while (m := jl.recv()) is not None:
-            msgs.append(m)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        srv.close()
-    assert p.returncode == 0, err
+    shm, final = tmp_path / "shm", str(tmp_path / "final.pt")
+    code, err, got = serve_worker(tmp_path, OVERLAP_SCRIPT, [mode, final], STALWART_SHM_DIR=str(shm),
+                                  STALWART_MEM_OVERLAP="1")
+    msgs = [m for _, m in got]
+    assert code == 0, err
     shards = [m["step"] for m in msgs if m["type"] == "shard"]
     step, state = memckpt.load(str(shm), 0)
     assert step == 5
@@ -168,31 +156,8 @@ REPORT_SCRIPT = textwrap.dedent('''
 def test_step_reports_reach_the_agent_within_their_step(tmp_path, every):
     """Every step checkpointed: a report goes with its step's commit message (one write).
     Checkpointed every third step: a report that no snapshot follows is not held for one."""
-    import time
-
-    path = str(tmp_path / "agent.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    srv.settimeout(60)
-    env = dict(os.environ, STALWART_AGENT_SOCK=path, WORLD_SIZE="1", RANK="0", STALWART_FORCE_CPU="1",
-               STALWART_SHM_DIR=str(tmp_path / "shm"))
-    env.pop("MASTER_ADDR", None)
-    p = subprocess.Popen([sys.executable, "-c", REPORT_SCRIPT, str(every)], env=env,
-                         stderr=subprocess.PIPE, text=True)
-    got: list[tuple[float, dict]] = []
-    try:
-        conn, _ = srv.accept()
-        jl = JsonLineSocket(conn)
-        while (m := jl.recv()) is not None:
-            got.append((time.time(), m))
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        srv.close()
-    assert p.returncode == 0, err
+    code, err, got = serve_worker(tmp_path, REPORT_SCRIPT, [str(every)], STALWART_SHM_DIR=str(tmp_path / "shm"))
+    assert code == 0, err
     steps = [(at, m) for at, m in got if m["type"] == "step"]
     assert [m["step"] for _, m in steps] == list(range(6))
     for at, m in steps:

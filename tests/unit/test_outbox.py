@@ -155,6 +155,13 @@ def test_step_reports_are_paced_anything_else_prompt_goes_at_once():
     assert len(box.take(timeout=1.0, pace=30.0)) == 2
 
 
+def _await_pacing(box: Outbox) -> None:
+    """Until a `take` in another thread waits out its pace (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while not box._pacing:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
 def test_a_pacing_take_is_not_woken_by_more_step_reports_but_is_by_evidence_and_a_new_run():
     box = Outbox()
     box.put({"type": "step", "step": 0})
@@ -167,10 +174,7 @@ def test_a_pacing_take_is_not_woken_by_more_step_reports_but_is_by_evidence_and_
     t = threading.Thread(target=lambda: out.extend(box.take(timeout=1.0, pace=30.0)))
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        while not box._pacing:                      # the taker waits out its pace
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _await_pacing(box)                          # the taker waits out its pace
         before = len(notified)
         for s in range(2, 12):
             box.put({"type": "step", "step": s, "rank": 0})
@@ -184,10 +188,7 @@ def test_a_pacing_take_is_not_woken_by_more_step_reports_but_is_by_evidence_and_
     t = threading.Thread(target=lambda: out.extend(box.take(timeout=1.0, pace=30.0)))
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        while not box._pacing:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _await_pacing(box)
         box.put({"type": "worker_exit", "rank": 0})           # evidence wakes it at once
     finally:
         t.join(timeout=10)
@@ -206,10 +207,7 @@ def test_an_empty_take_inside_the_pace_is_not_woken_by_step_reports_and_goes_at_
     t = threading.Thread(target=lambda: out.extend(box.take(timeout=30.0, pace=0.6)))
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        while not box._pacing:                      # the taker sleeps out the pace, queue empty
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _await_pacing(box)                          # the taker sleeps out the pace, queue empty
         box.put({"type": "step", "step": 1, "rank": 0})
         box.put({"type": "metrics", "values": {}})
         assert not notified and not out             # nobody woken, nothing taken yet
@@ -223,10 +221,7 @@ def test_an_empty_take_inside_the_pace_is_not_woken_by_step_reports_and_goes_at_
     t = threading.Thread(target=lambda: out.extend(box.take(timeout=30.0, pace=30.0)))
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        while not box._pacing:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _await_pacing(box)
         box.put({"type": "worker_exit", "rank": 0})
     finally:
         t.join(timeout=10)

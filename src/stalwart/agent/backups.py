@@ -21,7 +21,6 @@ from stalwart.worker import memckpt
 from stalwart.worker.memckpt import CorruptShard
 
 
-
 def recv_into_all(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` exactly; ConnectionError when the peer closes first."""
     got, n = 0, len(view)
@@ -30,6 +29,7 @@ def recv_into_all(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+
 
 class _Spare:
     """A data file no shard names any more, with its mapping kept."""

@@ -98,12 +98,8 @@ def _recv_chunks(sock: socket.socket, n: int, chunk: int = CHUNK) -> Iterator[me
     buf = memoryview(bytearray(min(chunk, max(n, 1))))
     left = n
     while left:
-        want, got = min(len(buf), left), 0
-        while got < want:
-            k = sock.recv_into(buf[got:want])
-            if k == 0:
-                raise ConnectionError(f"peer closed the connection with {left - got} bytes missing")
-            got += k
+        want = min(len(buf), left)
+        recv_into_all(sock, buf[:want])
         left -= want
         yield buf[:want]
 
