@@ -29,3 +29,9 @@ class Conflict(StalwartError):
     """Valid, but not now (the job is not running, hot update is off for it, ...)."""
 
     status = 409
+
+
+class UserError(StalwartError):
+    """A mistake of the user's at the command line: printed as one line, exit code 2."""
+
+    status = 400

@@ -170,7 +170,7 @@ def render(spec: dict[str, Any], cfg: K8sConfig, spare: int = 0, token: str | No
 
 
 def cmd_k8s_manifests(a) -> int:
-    from stalwart.cli import UserError
+    from stalwart.errors import UserError
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
     spec, cfg = load_job(a.job)

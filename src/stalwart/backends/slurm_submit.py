@@ -102,9 +102,9 @@ class SlurmCluster(LocalCluster):
 
 def cmd_slurm_submit(a) -> int:
     from stalwart.backends.launch import run_job
-    from stalwart.cli import UserError, _spec_from_args
+    from stalwart.cli.common import UserError, spec_from_args
     from stalwart.controller.pool import standby_count
-    spec = _spec_from_args(a)
+    spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
     sbatch = list(a.sbatch_arg or [])

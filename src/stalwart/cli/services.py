@@ -1,0 +1,153 @@
+"""`stalwart controller` and `stalwart agent`: the two long-running services."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from stalwart import auth
+from stalwart.backends import statedir
+from stalwart.cli.common import DEFAULT_STATE, UserError, labels, setup_logging, write_atomic
+from stalwart.client import Client
+
+
+def cmd_controller(a) -> int:
+    from sqlalchemy import exc as sa_exc
+
+    from stalwart.controller.api import ApiServer
+    from stalwart.controller.service import Controller
+    setup_logging(a.log_level)
+    host, _, port = a.listen.rpartition(":")
+    if not port.isdigit():
+        raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise UserError("--tls-cert and --tls-key go together")
+    try:
+        token = auth.controller_token(a.state_dir, a.token_file)
+        tls = auth.server_tls(a.tls_cert, a.tls_key) if a.tls_cert else None
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    token_path = a.token_file or os.path.join(a.state_dir, auth.TOKEN_FILE)
+    if auth.loose_permissions(token_path):
+        logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
+    store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
+    from stalwart.backends.base import load as load_backend
+    from stalwart.controller.channel import raise_open_files
+    raise_open_files()
+    # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
+    # whatever --state-dir said, and a controller started elsewhere died on a traceback)
+    db = a.db or statedir.db_url(a.state_dir)
+    try:
+        ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
+                         missed_beats=a.missed_beats, abandon_running=a.abandon_running,
+                         backend=load_backend(a.backend) if a.backend else None)
+    except sa_exc.OperationalError as e:
+        raise UserError(f"cannot open the database {db}: {e.orig}") from None
+    srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
+    srv.start()
+    from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
+    threading.Thread(target=settle_when, args=(ctl.rendezvous.imported,), name="gc-settle", daemon=True).start()
+    # where this host's CLI, a local cluster's agents and its supervisor find it (written before
+    # the port file, which says the controller is up)
+    local_host = a.advertise or ("127.0.0.1" if host in ("", "0.0.0.0") else host)
+    write_atomic(os.path.join(a.state_dir, "controller.json"), json.dumps(
+        {"url": f"{'https' if tls else 'http'}://{local_host}:{srv.port}", "pid": os.getpid()}))
+    if a.port_file:
+        write_atomic(a.port_file, str(srv.port))
+    logging.getLogger("stalwart").info("controller listening on %s://%s:%s (token in %s)",
+                                       "https" if tls else "http", host, srv.port, token_path)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):     # (a signal ends the wait at once: its handler sets it)
+            pass
+    except KeyboardInterrupt:
+        pass
+    t = time.time()
+    srv.stop()
+    ctl.close()
+    logging.getLogger("stalwart").info("controller stopped in %.2fs", time.time() - t)
+    # everything is closed (the database included): skip the interpreter's teardown of torch
+    # (~0.7 s), which every stop of a cluster would otherwise wait for
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def cmd_agent(a) -> int:
+    from stalwart.agent.daemon import Agent
+    from stalwart.agent.probeset import ProbeSetupError
+    setup_logging(a.log_level)
+    try:
+        token = auth.client_token(a.token_file)
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    if token is None:
+        raise UserError(f"the agent needs the controller's token: --token-file FILE or ${auth.TOKEN_ENV} "
+                        f"(the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
+    try:
+        client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
+    try:
+        agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+                      address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                      kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
+                      shared_host=a.shared_host)
+    except ProbeSetupError as e:
+        raise UserError(str(e)) from None
+    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
+    try:
+        agent.serve_forever()
+    except KeyboardInterrupt:
+        agent.shutdown()
+    return 0
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("controller", help="run the controller service")
+    c.add_argument("--db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…; default: "
+                                "<state-dir>/stalwart.db)")
+    c.add_argument("--listen", default="127.0.0.1:7420",
+                   help="HOST:PORT for the HTTP API (port 0 = any; default: this host only; 0.0.0.0:7420 for all)")
+    c.add_argument("--token-file", help=f"the API's bearer token (default: <state-dir>/{auth.TOKEN_FILE}, made "
+                                        "on first start, mode 0600)")
+    c.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    c.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    c.add_argument("--state-dir", default=DEFAULT_STATE)
+    c.add_argument("--store-host", help="address workers use to reach this host's rendezvous store")
+    c.add_argument("--port-file", help="write the bound port here once listening")
+    c.add_argument("--heartbeat", type=float, default=1.0)
+    c.add_argument("--missed-beats", type=int, default=3)
+    c.add_argument("--abandon-running", action="store_true",
+                   help="fail jobs an earlier controller left running instead of taking them over "
+                        "(their machines are gone: a fresh local cluster)")
+    c.add_argument("--backend", metavar="CONFIG", help="the cluster's backend (JSON: slurm, kubernetes)")
+    c.add_argument("--advertise", help="host the agents reach this controller at (in controller.json)")
+    c.set_defaults(fn=cmd_controller)
+
+    g = sub.add_parser("agent", help="run the agent of one machine")
+    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420")
+    g.add_argument("--machine-id", required=True)
+    g.add_argument("--workdir")
+    g.add_argument("--address", default="127.0.0.1")
+    g.add_argument("--gpus", type=int, default=1)
+    g.add_argument("--heartbeat", type=float, default=1.0)
+    g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
+    g.add_argument("--kmsg", help="host kernel log to follow: FILE or off (default: /dev/kmsg when readable)")
+    g.add_argument("--nic", action="append", default=[], metavar="IFACE", help="interface or RDMA device to "
+                   "watch (repeatable; default: the default route's interface and every RDMA port)")
+    g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
+    g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
+    g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
+    g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
+                                             "address from when it is unreachable (it may restart elsewhere)")
+    g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="a topology label of this machine, e.g. switch=leaf3 or pod=p1 (repeatable); the "
+                        "controller prefers standbys near an evicted machine's group")
+    g.set_defaults(fn=cmd_agent)
