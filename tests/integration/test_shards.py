@@ -261,11 +261,15 @@ def hand_scanned(tmp_shm, **kw):
 
 
 def snapshot_and_scan(ck, mgr, steps) -> None:
-    """Commit each step's snapshot, then let the manager see it, one step at a time."""
+    """Commit each step's snapshot, then let the manager see it and finish the durable copies it
+    queued, one step at a time: a copy still queued when a later step reuses its slot would read
+    that later step (the store then makes the newer step durable, as it should in a job, but not
+    the step a test expects)."""
     for step in steps:
         ck.snapshot({"w": torch.full((64,), float(step))}, step)
         ck.wait()
         mgr._scan()
+        mgr.store.drain()
 
 
 @pytest.mark.timeout(60)

@@ -169,6 +169,23 @@ def test_normalize_ignores_lines_paths_and_frozen_frames_keeps_user_threads():
     assert normalize(ProcessStack(0, 1, "worker", 0, [])) == "main: <no stack>"
 
 
+def test_the_sdks_own_threads_are_left_out_of_the_key_wherever_they_are_caught():
+    """Two healthy ranks whose flight-recorder dump (a `stalwart-*` thread on a timer of its own)
+    is caught at two different places have one key: they belong in one group."""
+    a = ProcessStack(0, 11, "worker", 0, process(GRAD_SYNC, 11, variant=0))
+    b = ProcessStack(1, 99, "worker", 0, process(GRAD_SYNC, 99, variant=1))
+    a.threads.append(thread([("threading.py", "Thread._bootstrap"), ("stalwart/worker/frhook.py", "_loop"),
+                             ("threading.py", "Event.wait")], 11, 5, name="stalwart-fr"))
+    b.threads.append(thread([("threading.py", "Thread._bootstrap"), ("stalwart/worker/frhook.py", "_loop"),
+                             ("stalwart/worker/frhook.py", "_dump"), ("torch/distributed/fr.py", "dump")],
+                            99, 5, name="stalwart-fr"))
+    b.threads.append(thread([("threading.py", "Thread._bootstrap"), ("stalwart/worker/memckpt.py", "_commit")],
+                            99, 6, name="stalwart-memckpt-r1_0"))
+    assert normalize(a) == normalize(b)
+    c = ProcessStack(2, 55, "worker", 1, process(GRAD_SYNC, 55, variant=2))
+    assert aggregate([a, b, c]).outliers == []
+
+
 def test_from_pyspy_refuses_bad_input():
     with pytest.raises(ValueError, match="not JSON"):
         from_pyspy("nope", 0, 0)

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 ROLES = ("worker", "dataloader", "ckpt", "child")
 _STDLIB = frozenset(sys.stdlib_module_names)
+SDK_THREAD_PREFIX = "stalwart-"      # every thread the worker SDK starts is named so
 
 
 @dataclass
@@ -109,7 +110,10 @@ def normalize(ps: ProcessStack) -> str:
     """Canonical stack string of one process.
 
     Keeps the main thread plus threads that run user or torch code (idle pool,
-    queue-feeder and resource-sharer threads are dropped), frames as
+    queue-feeder and resource-sharer threads are dropped, and so are the worker SDK's own
+    threads, all named ``stalwart-*``: the flight-recorder dump, the agent link and the
+    checkpoint commit run on timers of their own, so two healthy ranks caught with one of them
+    in different places would otherwise land in different groups), frames as
     ``module:function`` joined by `` > `` innermost last; no line numbers,
     addresses, path prefixes, pids or ``<frozen ...>`` frames.
     """
@@ -118,7 +122,7 @@ def normalize(ps: ProcessStack) -> str:
         fs = frames(t)
         if _is_main(t, ps.pid):
             main.append("main: " + (" > ".join(fs) or "<no python frames>"))
-        elif _in_user_code(fs):
+        elif not str(t.get("thread_name") or "").startswith(SDK_THREAD_PREFIX) and _in_user_code(fs):
             others.append("thread: " + " > ".join(fs))
     if not main and not others:
         return "main: <no stack>"

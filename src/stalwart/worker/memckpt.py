@@ -212,11 +212,11 @@ class MemCheckpointer:
         self.headroom = headroom
         os.makedirs(dir, exist_ok=True)
         self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-r{rank}",
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stalwart-memckpt-r{rank}",
                                         initializer=background_thread)
         # (overlapped copies: at the training thread's priority, which waits for them in `fence`;
         # a nice-19 thread there would wait behind every other runnable thread of a busy host)
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memckpt-copy-r{rank}") \
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stalwart-memckpt-copy-r{rank}") \
             if overlap else None
         self._last_step: int | None = None
         self.overlap = overlap
