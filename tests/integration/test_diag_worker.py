@@ -129,3 +129,9 @@ def test_peer_that_never_joins_fails_its_rounds_without_hanging(tmp_path, store)
     # round 0 waits 2 s; round 1 until its slot's deadline (start + 1*2*2 + 2 = 6 s)
     assert 5.0 <= lines[1]["elapsed_s"] + lines[0]["elapsed_s"] <= 12.0
     assert lines[2]["ok"]
+
+
+def test_bad_plan_exits_2(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "stalwart.diag.worker", str(tmp_path / "none.json"),
+                        str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "bad plan" in p.stderr

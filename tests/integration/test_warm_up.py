@@ -1,4 +1,4 @@
-"""A warm spare pays torch's first-use costs before it reports ready (issue 4, fast restarts)."""
+"""A warm spare pays torch's first-use costs before it reports ready (restarts are fast)."""
 import subprocess
 import sys
 
