@@ -1,5 +1,5 @@
-"""Job-core behaviour the cluster simulator brought to light (each fixed in the core, for the
-controller as much as for the simulator)."""
+"""Job-core decisions at the edges of their rules: restores after a NaN, a replay that fails in
+every group, the hang watch's shortcut against its full computation."""
 from corekit import NAN, Harness, of, records
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
@@ -12,7 +12,7 @@ def crash(h: Harness, rank: int = 2) -> None:
 
 def test_after_a_nan_the_next_run_s_own_steps_are_restored_again():
     """A NaN marks its steps as never to be restored; once its run stopped, the steps the next run
-    trains are good. (The mark used to cover 10,000 steps: every restore for hours went back
+    trains are good. (A mark covering every later step would send each restore for hours back
     before the NaN, redoing all the progress since.)"""
     h = Harness(machines=2, gpus=2, standby=1, steps=500)
     h.tick()
