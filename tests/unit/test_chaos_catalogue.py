@@ -1,7 +1,11 @@
+import pathlib
+import re
+
 import pytest
 
 from stalwart.chaos import catalogue
 from stalwart.chaos.catalogue import ChaosError
+from stalwart.chaos.machine import AGENT_KINDS, HANDLERS
 
 
 def test_parse_full_and_minimal():
@@ -107,3 +111,33 @@ def test_maybe_hang_blocks_in_the_pipeline_or_without_one_in_the_all_reduce(monk
     with pytest.raises(_Blocked):
         ctx.maybe_hang(7, blocks_at)
     assert naps == [0.5, 0.5, 0.5]
+
+
+# -- one registry: every kind has a handler, a line in the docs' table and a test --------------
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# kinds whose injection is tested at the mechanism (no job injects them), and where
+MECHANISM_TESTS = {"partition": ("tests/integration/test_netns.py", "def test_partition_drops_and_heal_restores")}
+
+
+def test_every_kind_has_one_handler_and_every_handler_a_kind():
+    assert set(HANDLERS) | AGENT_KINDS == set(catalogue.KINDS)
+    assert not set(HANDLERS) & AGENT_KINDS
+    assert all(callable(fn) for fn in HANDLERS.values())
+
+
+def test_every_kind_is_in_the_docs_table_with_a_description():
+    table = (ROOT / "docs" / "cli.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (.+) \|$", table, flags=re.M))
+    assert set(rows) >= set(catalogue.KINDS), sorted(set(catalogue.KINDS) - set(rows))
+    for kind, text in catalogue.KINDS.items():
+        assert text.strip() and rows[kind].strip()
+
+
+def test_every_kind_is_injected_by_some_test():
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests" / "integration").glob("*.py"))
+    for kind in catalogue.KINDS:
+        if kind in MECHANISM_TESTS:
+            path, marker = MECHANISM_TESTS[kind]
+            assert marker in (ROOT / path).read_text(), kind
+        else:
+            assert re.search(rf"[\"'(]{re.escape(kind)}[@\"']", tests), f"no integration test injects {kind}"

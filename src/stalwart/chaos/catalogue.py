@@ -7,7 +7,8 @@ from typing import Collection, Sequence
 
 from stalwart.errors import InvalidRequest
 
-# kind -> (where it acts, what it does). `stalwart inject --help` and the README print this table.
+# kind -> what it does: `stalwart inject --help` prints it; docs/cli.md has it as a table, chaos/machine.py
+# a handler for each (tests/unit/test_chaos_catalogue.py checks all three).
 KINDS: dict[str, str] = {
     "crash": "SIGKILL one worker (the given rank, else the machine's first)",
     "machine-down": "kill the machine's agent and all its workers (the machine is lost)",

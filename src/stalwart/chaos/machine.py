@@ -85,11 +85,10 @@ class MachineChaos:
     # -- the catalogue ---------------------------------------------------------------------------
     def apply(self, cmd: dict) -> float:
         """Apply `cmd["kind"]`; returns the time the fault took effect."""
-        kind = cmd["kind"].replace("-", "_")
-        fn = getattr(self, f"do_{kind}", None)
+        fn = HANDLERS.get(cmd["kind"])
         if fn is None:
             raise ChaosUnavailable(f"chaos kind {cmd['kind']!r} is not known to this agent")
-        return fn(cmd) or time.time()
+        return fn(self, cmd) or time.time()
 
     def do_crash(self, cmd):
         os.kill(self._target(cmd).proc.pid, signal.SIGKILL)
@@ -168,3 +167,28 @@ class MachineChaos:
             [w.rank for w in self.workers.workers if w.rank is not None]
         for r in ranks:
             self.send_to_worker(r, {"type": "chaos", **cmd})
+
+
+# kind -> its handler, one for each kind of the catalogue but `machine-down`, which the agent
+# carries out itself (it ends the agent: agent/armed.py). tests/unit/test_chaos_catalogue.py checks
+# the two agree, and that the docs' table and some test cover every kind.
+AGENT_KINDS = frozenset({"machine-down"})
+HANDLERS: dict[str, Callable[[MachineChaos, dict], float | None]] = {
+    "crash": MachineChaos.do_crash,
+    "sigstop": MachineChaos.do_sigstop,
+    "freeze": MachineChaos.do_freeze,
+    "cpu-throttle": MachineChaos.do_cpu_throttle,
+    "gpu-xid": MachineChaos.do_gpu_xid,
+    "gpu-lost": MachineChaos.do_gpu_lost,
+    "ecc": MachineChaos.do_ecc,
+    "gpu-hot": MachineChaos.do_gpu_hot,
+    "sdc": MachineChaos.do_sdc,
+    "nic-down": MachineChaos.do_nic_down,
+    "nic-flap": MachineChaos.do_nic_flap,
+    "link-slow": MachineChaos.do_link_slow,
+    "partition": MachineChaos.do_partition,
+    "disk-full": MachineChaos.do_disk_full,
+    "nan": MachineChaos.do_nan,
+    "user-error": MachineChaos.do_user_error,
+    "stage-hang": MachineChaos.do_stage_hang,
+}
