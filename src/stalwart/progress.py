@@ -15,7 +15,12 @@ from rich.text import Text
 
 
 class Progress:
-    def __init__(self, stream=None):
+    """`target_given`: the user named the job's steps (--steps, a config); otherwise the target is
+    shown once the SDK reports steps (it trains that many), never for a plain script, whose steps
+    the step hook counts without knowing how many there will be."""
+
+    def __init__(self, stream=None, target_given: bool = True):
+        self.target_given = target_given
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.seen_incidents: dict[int, str] = {}
@@ -34,13 +39,17 @@ class Progress:
     def update(self, st: dict) -> None:
         live = st.get("live") or {}
         step = live.get("step", st.get("steps_completed", 0))
-        total = st.get("steps_target") or 0
+        script = bool(live.get("script")) or st.get("steps_source") == "script"
+        known = not script and (self.target_given or step > 0)
+        total = (st.get("steps_target") or 0) if known else 0
         loss = live.get("loss", st.get("final_loss"))
         rate = live.get("steps_per_s")
-        line = (f"{self._bar(step, total)} step {step}/{total}"
-                f"  loss {loss:.4f}" if loss is not None else f"{self._bar(step, total)} step {step}/{total}")
+        line = f"{self._bar(step, total)} step {step}/{total}" if total else f"step {step}"
+        line += f"  loss {loss:.4f}" if loss is not None else ""
         line += f"  {rate:.1f} steps/s" if rate else ""
         line += f"  ETTR {st.get('ettr', 0):.3f}  run {live.get('run', '-')}  [{live.get('state', st['state'])}]"
+        if not total and st.get("incidents"):
+            line += f"  incidents {len(st['incidents'])}"
         for inc in st.get("incidents", []):
             if inc["mechanism"] is None:
                 continue                      # still localizing: say it once it is decided
@@ -50,13 +59,27 @@ class Progress:
                 self._print_incident(inc)
         if self.live is not None:
             bar = Table.grid(padding=(0, 1))
-            bar.add_row(ProgressBar(total=max(1, total), completed=min(step, total), width=28),
-                        Text(line.split("] ", 1)[1]))
+            if total:
+                bar.add_row(ProgressBar(total=max(1, total), completed=min(step, total), width=28),
+                            Text(line.split("] ", 1)[1]))
+            else:
+                bar.add_row(Text(line))
             self.live.update(bar, refresh=True)
         elif (step // 20 != self.last_step_printed // 20 or (step == total and self.last_step_printed != step)):
             self.stream.write(line + "\n")
             self.last_step_printed = step
         self.last_line = line
+
+    def print_lines(self, lines: list[str]) -> None:
+        """Lines of the workers' output, above the bar."""
+        if not lines:
+            return
+        if self.live is not None:
+            for line in lines:
+                self.live.console.print(Text(line), soft_wrap=True)
+            return
+        self.stream.write("".join(line + "\n" for line in lines))
+        self.stream.flush()
 
     def _print_incident(self, inc: dict) -> None:
         what = (f"incident {inc['id']}: {inc['symptom']} — suspects {', '.join(inc['machine_suspects']) or '-'}"
@@ -80,7 +103,10 @@ class Progress:
 
 def summary(rep: dict) -> str:
     lines = [f"job {rep['job']}: {rep['state']}" + (f" ({rep['reason']})" if rep.get("reason") else ""),
-             f"  steps {rep['steps_completed']}/{rep['steps_target']}, final loss {rep['final_loss']}",
+             (f"  steps {rep['steps_completed']}/{rep['steps_target']}, final loss {rep['final_loss']}"
+              if rep.get("steps_target") else
+              f"  steps {rep['steps_completed']} (counted by the step hook)" if rep.get("steps_source") == "script"
+              else f"  steps {rep['steps_completed']}, final loss {rep['final_loss']}"),
              f"  wall {rep['wall_s']:.1f}s, productive {rep['productive_s']:.1f}s, ETTR {rep['ettr']:.3f}",
              "  unproductive: " + ", ".join(f"{k} {v:.2f}s" for k, v in rep["unproductive_s"].items() if v)]
     if rep.get("startup_phases"):

@@ -424,9 +424,29 @@ class Activity(_Msg, tag="activity", kw_only=True):
     t: float = 0.0
 
 
+class ScriptRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """One record of a plain script's step hook (worker/stephook.py): an optimizer step ended
+    (`step`), or the script saved or loaded a file (`save`, `load`, with its absolute `path`), or
+    renamed a file it saved (`move`, `path` to `dest`); `n` is the number of steps the process had
+    completed then."""
+    kind: str
+    n: int
+    t: float
+    path: str = ""
+    dest: str = ""
+
+
+class Script(_Msg, tag="script", kw_only=True):
+    """A rank's step-hook records since the last period, in order (agent/scriptsteps.py): the
+    steps and snapshots of a script without the SDK."""
+    run: int | None = None
+    rank: int
+    records: list[ScriptRecord] = []
+
+
 Event = Union[Step, Steps, Ckpt, WorkerExit, Health, Stopped, Stacks, DiagResult, SparesReady, ChaosApplied,
               Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done, Metrics, Prewarmed, Hello,
-              Restored, StandbyReady, Activity]
+              Restored, StandbyReady, Activity, Script]
 # An agent that lost its controller retries with a delay that doubles up to this cap (times a
 # jitter); a restarted controller waits for its agents at least two such delays before it calls
 # a machine that did not come back lost.

@@ -263,6 +263,9 @@ class JobSpec:
     chaos: fault injections, e.g. "crash@step=60,machine=1" (parsed by stalwart.chaos).
     code_dir: directory of the job's code; None means the current working directory. Stored
         as an absolute path.
+    workdir: the workers' working directory, where the script's relative paths land (its
+        snapshots, its logs); None means code_dir. `stalwart run` sets the directory it was started
+        in. The code itself comes from the code version's snapshot (docs/integration.md).
     env: extra environment variables for the workers (numbers are converted to strings).
     policy: the fault-handling thresholds.
     """
@@ -281,6 +284,7 @@ class JobSpec:
     standby: int | str = 0
     chaos: list[str] = field(default_factory=list)
     code_dir: str | None = None
+    workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
 
@@ -323,6 +327,10 @@ class JobSpec:
         elif not isinstance(self.code_dir, str) or not self.code_dir:
             raise ValueError(f"code_dir must be a path string (got {self.code_dir!r})")
         self.code_dir = os.path.abspath(os.path.expanduser(self.code_dir))
+        if self.workdir is not None:
+            if not isinstance(self.workdir, str) or not self.workdir:
+                raise ValueError(f"workdir must be a path string (got {self.workdir!r})")
+            self.workdir = os.path.abspath(os.path.expanduser(self.workdir))
         self._validate_env()
         if isinstance(self.policy, dict):
             self.policy = Policy.from_dict(self.policy)

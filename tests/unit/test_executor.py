@@ -48,17 +48,27 @@ def test_deferred_records_are_bounded():
     assert len(store.commits) == 1 and len(store.commits[0][0]) == MAX_DEFERRED
 
 
-def test_a_relative_executable_is_the_submit_directorys_where_the_code_snapshot_lacks_it(tmp_path):
-    from stalwart.controller.job.executor import command_in
+def test_the_commands_code_files_are_the_snapshots_and_run_from_any_working_directory(tmp_path):
+    from stalwart.controller.job.executor import command_in, safe_path_env
     code, snap = tmp_path / "code", tmp_path / "state" / "versions" / "v1"
     (code / ".venv" / "bin").mkdir(parents=True)
     (code / ".venv" / "bin" / "python").write_text("")
     (code / "train.sh").write_text("")
+    (code / "only_here.py").write_text("")
     snap.mkdir(parents=True)
     (snap / "train.sh").write_text("")          # (a snapshot holds the code, not the virtualenv)
+    (snap / "train.py").write_text("")
     py = [".venv/bin/python", "-m", "stalwart.examples.gpt"]
     assert command_in(py, str(snap), str(code)) == [str(code / ".venv/bin/python"), "-m", "stalwart.examples.gpt"]
-    assert command_in(["./train.sh", "--x"], str(snap), str(code)) == ["./train.sh", "--x"]   # the version's
-    assert command_in(["python", "t.py"], str(snap), str(code)) == ["python", "t.py"]        # found on PATH
+    assert command_in(["./train.sh", "--x"], str(snap), str(code)) == [str(snap / "train.sh"), "--x"]  # the version's
+    assert command_in(["python", "train.py", "a.py"], str(snap), str(code)) == [
+        "python", str(snap / "train.py"), "a.py"]
+    assert command_in(["python3", "-u", "-W", "ignore", "only_here.py"], str(snap), str(code)) == [
+        "python3", "-u", "-W", "ignore", str(code / "only_here.py")]
     assert command_in(["/usr/bin/python3"], str(snap), str(code)) == ["/usr/bin/python3"]
-    assert command_in(py, str(code), str(code)) == py                   # no snapshot: the directory itself
+    assert command_in(["python", "-c", "x.py"], str(snap), str(code)) == ["python", "-c", "x.py"]
+    assert command_in(["python", "train.py"], None, str(code)) == ["python", str(code / "train.py")]
+    # `-m` outside the snapshot: the working directory is left off sys.path (the snapshot's module wins)
+    assert safe_path_env(py, str(code), str(snap)) == {"PYTHONSAFEPATH": "1"}
+    assert safe_path_env(py, str(snap), str(snap)) == {}
+    assert safe_path_env(["python", "train.py"], str(code), str(snap)) == {}

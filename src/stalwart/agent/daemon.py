@@ -32,7 +32,7 @@ from stalwart.agent.probeset import machine_probes
 from stalwart.agent.forkclient import ForkServers
 from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
-from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, warm_nice
+from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -496,6 +496,7 @@ class Agent:
                 renice(worker.proc.pid, 0)      # it trains now: back to normal priority
             conn.send({"type": "activate", "env": env})
             worker.rank, worker.run = w.rank, self._run
+            take_run_names(worker)
         self.workers.adopt(chosen)
 
     def _spawn_warm(self, spec: p.RunSpec, n: int) -> None:
@@ -572,6 +573,11 @@ class Agent:
         self._report_exit(w, None, False, "\n" + str(msg.get("traceback") or ""), early=True)
 
     def _on_worker_exit(self, w: Worker) -> None:
+        try:        # a plain script's last steps (its step hook wrote them at exit) before its exit
+            for ev in self.progress.script_events([w]):
+                self.emit(ev)
+        except Exception:      # noqa: BLE001 - the exit matters more than its last steps
+            log.exception("reading the step hook of rank %s", w.rank)
         if w.failure_reported:
             return             # reported when its SDK said it was failing
         # `expected` as it was at the exit: a stop may come during the sweep

@@ -291,7 +291,8 @@ def become(req: dict, base_path: list[str]) -> None:
         first = os.path.dirname(os.path.abspath(target))
     else:
         first = os.getcwd() if kind == "module" else ""
-    sys.path[:] = [first] + extra + [p for p in base_path if p not in extra]
+    safe = bool(os.environ.get("PYTHONSAFEPATH"))      # as `python -P`: no first entry
+    sys.path[:] = ([] if safe else [first]) + extra + [p for p in base_path if p not in extra]
     _reseed()
     _sitecustomize(extra)
     main = types.ModuleType("__main__")

@@ -28,6 +28,7 @@ from typing import Callable
 import psutil
 
 from stalwart import protocol as p
+from stalwart.agent import scriptsteps
 from stalwart.agent.workers import Worker, process_tree
 from stalwart.controller.hangwatch import ActivitySample, progressed
 
@@ -110,11 +111,28 @@ class ProgressWatch:
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
             try:
+                for script in self.script_events():
+                    self.emit(script)
                 ev = self.sample(time.time())
             except Exception:       # a worker that vanished mid-sample: next period
                 continue
             if ev is not None:
                 self.emit(ev)
+
+    def script_events(self, only: list[Worker] | None = None) -> list[dict]:
+        """The step hook's records of the run's workers (agent/scriptsteps.py), one `script` event
+        per rank; `only`: just these workers (one that ended: its last records before its exit)."""
+        run = self.run()
+        if run is None:
+            return []
+        workers = [w for w in (only if only is not None else self.workers()) if w.rank is not None and w.run == run]
+        trees: dict[int, set[int]] = {}
+        for w in workers:
+            assert w.rank is not None
+            trees[w.rank] = {w.proc.pid} | {proc.pid for proc in process_tree(w.proc.pid)}
+        sdk = {w.proc.pid for w in workers if self.has_sdk(w.proc.pid)}
+        with self._lock:
+            return scriptsteps.collect(self.fr_dir, trees, run, skip=sdk, keep_others=only is not None)
 
     def summaries(self, trees: dict[int, set[int]]) -> dict[int, dict]:
         """The newest flight-recorder summary of each worker (rank -> summary), given each rank's

@@ -226,6 +226,19 @@ def kill_trees_now(pids: list[int]) -> None:
     _kill_now([p for pid in pids for p in process_tree(pid)])
 
 
+def take_run_names(w: "Worker") -> None:
+    """A warm worker got its rank: its log files take the run's names (`run<N>_rank<R>`, where
+    `stalwart logs` and the console find a rank's output); the open files go on being written."""
+    for attr in ("out_path", "err_path"):
+        old = getattr(w, attr)
+        new = os.path.join(os.path.dirname(old), f"run{w.run}_rank{w.rank}{os.path.splitext(old)[1]}")
+        try:
+            os.replace(old, new)
+            setattr(w, attr, new)
+        except OSError:
+            pass
+
+
 @dataclass
 class Worker:
     local_rank: int
@@ -299,12 +312,6 @@ class WorkerSet:
         """Forget workers without stopping them (they move to another set)."""
         with self._lock:
             self.workers = [w for w in self.workers if w not in workers]
-
-    def assign(self, ranks: list[int], run: int) -> None:
-        """Warm standbys got their ranks: record them (logs keep their standby names)."""
-        with self._lock:
-            for w, r in zip(self.workers, ranks):
-                w.rank, w.run = r, run
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc.poll() is None]

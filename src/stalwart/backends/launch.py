@@ -11,6 +11,7 @@ from stalwart.client import ApiError, ControllerUnreachable
 PROGRESS_EVERY_S = 1.0     # the progress line's refresh, from the job's live progress (cheap)...
 REPORT_EVERY = 5           # ...and every this many refreshes its report (ETTR, incidents: a few ms
                            # of the controller's CPU each), or at once when the run or phase changed
+LOGS_EVERY_S = 0.2         # the workers' new log lines reach the console this often
 
 
 def poll(cluster, path: str, patience_s: float = 90.0) -> dict:
@@ -26,9 +27,10 @@ def poll(cluster, path: str, patience_s: float = 90.0) -> dict:
             time.sleep(0.5)
 
 
-def run_job(cluster, spec, start: Callable[[], None]) -> int:
+def run_job(cluster, spec, start: Callable[[], None], logs=None, target_given: bool = True) -> int:
     """`start()` the cluster, run `spec` on it to the end; the exit code (0 succeeded, 1 not,
-    130 interrupted). The cluster is stopped whatever happens."""
+    130 interrupted). The cluster is stopped whatever happens. `logs`: the workers' output to show
+    (a `cli.logs.LogTail`), printed above the progress line as it comes."""
     from stalwart.progress import Progress, summary
     rep = job = None
     cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
@@ -37,7 +39,7 @@ def run_job(cluster, spec, start: Callable[[], None]) -> int:
         job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
         print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
               f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
-        prog = Progress()
+        prog = Progress(target_given=target_given)
         full: dict = {}
         seen, polls = None, 0
         while True:
@@ -50,7 +52,15 @@ def run_job(cluster, spec, start: Callable[[], None]) -> int:
             if st["state"] != "running":
                 rep = st
                 break
-            time.sleep(PROGRESS_EVERY_S)
+            wake = time.monotonic() + PROGRESS_EVERY_S
+            while True:
+                if logs is not None:
+                    prog.print_lines(logs.lines())
+                if time.monotonic() >= wake:
+                    break
+                time.sleep(LOGS_EVERY_S)
+        if logs is not None:
+            prog.print_lines(logs.lines(final=True))
         prog.close()
     except KeyboardInterrupt:
         print("\nstalwart: interrupted; stopping everything", file=sys.stderr)

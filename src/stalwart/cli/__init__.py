@@ -1,12 +1,12 @@
-"""The `stalwart` command, one module per group of subcommands (`services`, `jobs`, `views`, and the
+"""The `stalwart` command, one module per group of subcommands (`services`, `jobs`, `views`, `logs`, and the
 backends' and simulator's own). User mistakes end in a one-line `error: …` and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from stalwart.cli import jobs, services, views
-from stalwart.cli.common import UserError
+from stalwart.cli import jobs, logs, services, views
+from stalwart.cli.common import UserError, missing_extra_line
 from stalwart.client import ApiError, ControllerUnreachable
 from stalwart.errors import StalwartError
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     services.add_parsers(sub)
     jobs.add_parsers(sub)
     views.add_parsers(sub)
+    logs.add_parsers(sub)
     from stalwart.backends.commands import add_commands
     add_commands(sub)        # stalwart slurm …, stalwart k8s …
     from stalwart.sim.command import add_commands as add_sim
@@ -46,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except ModuleNotFoundError as e:     # an extra this command needs is not installed: say which
+        line = missing_extra_line(f"stalwart {args.cmd}", e.name)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     except (UserError, ValueError, StalwartError, ControllerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

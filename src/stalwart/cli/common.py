@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 
 from stalwart import auth
@@ -13,10 +14,42 @@ from stalwart.chaos import catalogue
 from stalwart.client import Client, ControllerUnreachable
 from stalwart.errors import UserError
 
-__all__ = ["DEFAULT_STATE", "UserError", "chaos_help", "api_client", "client_options", "controller_url", "job_options",
-           "labels", "offline_report", "report", "setup_logging", "spec_from_args", "state_options", "write_atomic"]
+__all__ = ["DEFAULT_STATE", "EXTRAS", "UserError", "chaos_help", "api_client", "client_options", "controller_url",
+           "job_options", "labels", "missing_extra_line", "need_controller", "offline_report", "report",
+           "setup_logging", "spec_from_args", "state_options", "torchrun_options", "write_atomic"]
 
 DEFAULT_STATE = ".stalwart"
+
+
+# What each extra brings (the modules its code imports): the base install is a training image's
+# (the worker SDK and the agent); a command that needs more says which extra, in one line.
+EXTRAS = {"controller": ("sqlalchemy", "aiohttp", "scipy", "prometheus_client", "rich", "uvloop"),
+          "postgres": ("psycopg",), "k8s": ("kubernetes",)}
+
+
+def extra_of(module: str | None) -> str | None:
+    """The extra that installs `module` (a dotted name), None if none does."""
+    top = (module or "").split(".")[0]
+    return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
+
+
+def missing_extra_line(command: str, module: str | None) -> str | None:
+    extra = extra_of(module)
+    if extra is None:
+        return None
+    what = {"controller": "the controller", "postgres": "the PostgreSQL driver",
+            "k8s": "the Kubernetes client"}[extra]
+    return f"{command} needs {what}: pip install 'stalwart[{extra}]'"
+
+
+def need_controller(command: str) -> None:
+    """Before a command that runs the control plane starts anything."""
+    import importlib.util
+    for mod in EXTRAS["controller"]:
+        if mod == "uvloop":
+            continue        # (optional: the asyncio loop where it is missing)
+        if importlib.util.find_spec(mod) is None:
+            raise UserError(missing_extra_line(command, mod))
 
 
 def setup_logging(level: str) -> None:
@@ -61,6 +94,131 @@ def job_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--env", action="append", help="KEY=VALUE for the workers (repeatable)")
 
 
+def torchrun_options(r: argparse.ArgumentParser) -> None:
+    """torchrun's options, so that a torchrun command line becomes a stalwart one by changing its
+    first word: those that mean something here, and those that do not (accepted, with a note)."""
+    t = r.add_argument_group("torchrun's options")
+    t.add_argument("--nnodes", help="machines (as --machines; a MIN:MAX range runs MAX machines)")
+    t.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                   help="ranks per machine (as --gpus-per-machine)")
+    t.add_argument("-m", "--module", action="store_true", help="the command is a Python module (python -m)")
+    t.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="run the command as it is, not with python")
+    t.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
+    for name in IGNORED_TORCHRUN:
+        under = name.replace("-", "_")
+        names = [f"--{name}"] + ([f"--{under}"] if under != name else [])
+        t.add_argument(*names, dest=f"torchrun_{under}", help=argparse.SUPPRESS)
+
+
+# torchrun options that mean nothing under stalwart, and why (one line each when given)
+IGNORED_TORCHRUN = {
+    "rdzv-backend": "the controller hosts each run's rendezvous store",
+    "rdzv-endpoint": "the controller hosts each run's rendezvous store",
+    "rdzv-id": "the controller hosts each run's rendezvous store",
+    "rdzv-conf": "the controller hosts each run's rendezvous store",
+    "master-addr": "the controller hosts each run's rendezvous store",
+    "master-port": "the controller hosts each run's rendezvous store",
+    "node-rank": "machines get their ranks from the controller",
+    "max-restarts": "stalwart restarts by its policy (policy.max_restarts_without_progress)",
+    "monitor-interval": "agents watch their workers every heartbeat",
+    "start-method": "workers are started by the agents",
+    "role": "every worker is a trainer",
+    "log-dir": "workers' logs are in the state dir: stalwart logs --rank R",
+    "redirects": "workers' logs are in the state dir: stalwart logs --rank R",
+    "tee": "rank 0's output and every rank's stderr are on the console (--log-ranks)",
+    "local-addr": "agents give the workers their addresses",
+    "run-path": "use -m or a script path",
+}
+
+
+def torchrun_spec(a, d: dict) -> None:
+    """Fold torchrun's options of `a` into the spec dict `d`; a note for each meaningless one."""
+    if getattr(a, "nnodes", None) is not None:
+        text = a.nnodes
+        lo, sep, hi = text.partition(":")
+        try:
+            nodes = int(hi if sep else lo)
+        except ValueError:
+            raise UserError(f"--nnodes takes a number or MIN:MAX (got {text!r})") from None
+        if sep:
+            note(f"--nnodes {text}: elastic ranges are not used; the job runs on {nodes} machines "
+                 "and standbys replace lost ones")
+        if a.machines is not None and a.machines != nodes:
+            raise UserError(f"--nnodes {text} and --machines {a.machines} disagree")
+        d["machines"] = nodes
+    if getattr(a, "nproc_per_node", None) is not None:
+        try:
+            n = int(a.nproc_per_node)
+        except ValueError:
+            raise UserError(f"--nproc-per-node takes a number of ranks per machine (got {a.nproc_per_node!r})") \
+                from None
+        if a.gpus_per_machine is not None and a.gpus_per_machine != n:
+            raise UserError(f"--nproc-per-node {n} and --gpus-per-machine {a.gpus_per_machine} disagree")
+        d["gpus_per_machine"] = n
+    if getattr(a, "standalone", False):
+        note("--standalone is what stalwart run always is: a local controller and its machines")
+    for name, why in IGNORED_TORCHRUN.items():
+        if getattr(a, "torchrun_" + name.replace("-", "_"), None) is not None:
+            note(f"--{name} is not used: {why}")
+
+
+def note(text: str) -> None:
+    print(f"stalwart: note: {text}", file=sys.stderr)
+
+
+def is_python(exe: str) -> bool:
+    from stalwart.commandline import is_python as named_python
+    return named_python(exe)
+
+
+def launch_command(cmd: list[str], module: bool, no_python: bool) -> list[str]:
+    """The command torchrun would run: `-m MOD ...` and a script are run by this Python (as
+    torchrun runs them with its own), `--no-python` as given; a command that starts with an
+    interpreter or an executable (the `--` form) as given."""
+    if module:
+        return [sys.executable, "-m", *cmd]
+    if no_python:
+        return cmd
+    first = cmd[0]
+    if is_python(first):
+        return cmd
+    if first.endswith(".py") or (os.path.isfile(first) and not os.access(first, os.X_OK)):
+        return [sys.executable, *cmd]
+    return cmd
+
+
+def check_command(cmd: list[str], workdir: str) -> None:
+    """A script, module or executable that does not exist is one line, before anything starts."""
+    from stalwart.commandline import python_target
+    target = python_target(cmd)
+    if target is not None and target[1] == "script":
+        path = os.path.join(workdir, cmd[target[0]])
+        if not os.path.isfile(path):
+            raise UserError(f"script {cmd[target[0]]} does not exist (in {workdir})")
+        return
+    if target is not None and target[1] == "module":
+        if os.path.abspath(cmd[0]) == os.path.abspath(sys.executable):
+            import importlib.util
+            top = cmd[target[0]].split(".")[0]
+            sys.path.insert(0, workdir)
+            try:
+                found = importlib.util.find_spec(top) is not None
+            except (ImportError, ValueError):
+                found = False
+            finally:
+                sys.path.remove(workdir)
+            if not found:
+                raise UserError(f"module {top} not found (in {workdir} or this Python's packages)")
+        return
+    exe = cmd[0]
+    if "/" in exe:
+        if not os.path.exists(os.path.join(workdir, exe)):
+            raise UserError(f"{exe} does not exist (in {workdir})")
+    elif shutil.which(exe) is None:
+        raise UserError(f"command {exe} not found on PATH")
+
+
 def spec_from_args(a):
     from stalwart.spec import JobSpec
     d: dict = {}
@@ -72,6 +230,7 @@ def spec_from_args(a):
         v = getattr(a, key)
         if v is not None:
             d[key] = v
+    torchrun_spec(a, d)
     if a.standby is not None:
         d["standby"] = a.standby if a.standby == "auto" else int_arg("--standby", a.standby)
     if a.chaos:
@@ -80,12 +239,15 @@ def spec_from_args(a):
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if cmd:
-        d["command"] = cmd
+        d["command"] = launch_command(cmd, getattr(a, "module", False), getattr(a, "no_python", False))
     if not d.get("command"):
-        raise UserError("no training command given: stalwart run [options] -- python train.py ...")
+        raise UserError("no training command given: stalwart run [options] train.py ... "
+                        "(or -- python train.py ...)")
     if d["command"][0] in ("python", "python3"):
         d["command"] = [sys.executable] + d["command"][1:]
     d.setdefault("code_dir", os.getcwd())
+    d.setdefault("workdir", os.getcwd())
+    check_command(d["command"], d["workdir"])
     if a.env:
         env = dict(d.get("env", {}))
         for kv in a.env:

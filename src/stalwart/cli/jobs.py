@@ -5,17 +5,20 @@ import argparse
 import os
 
 from stalwart.chaos import catalogue
-from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_help, job_options, spec_from_args,
-                                 state_options)
+from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_help, job_options, need_controller,
+                                 spec_from_args, state_options, torchrun_options)
 
 
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.backends.statedir import StateDirBusy, StateDirLock
     from stalwart.controller.pool import standby_count
+    need_controller("stalwart run")
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
+    from stalwart.cli.logs import LogTail, parse_ranks
+    shown = parse_ranks(a.log_ranks)
     lock = StateDirLock(a.state_dir)
     try:
         lock.acquire()      # one `stalwart run` per state dir, until this one ends
@@ -29,8 +32,14 @@ def cmd_run(a) -> int:
                                missed_beats=spec.policy.missed_beats, log_level=a.log_level)
         print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
               f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
+        shows = "every rank" if shown is None else (
+            "rank " + ",".join(map(str, sorted(shown))) if shown else "no rank")
+        print(f"stalwart: the workers' output: {shows} and every rank's stderr here (--log-ranks); all of it: "
+              f"stalwart logs --rank R" + ("" if a.state_dir == DEFAULT_STATE else f" --state-dir {a.state_dir}"),
+              flush=True)
         from stalwart.backends.launch import run_job
-        return run_job(cluster, spec, cluster.start)
+        return run_job(cluster, spec, cluster.start, logs=LogTail(a.state_dir, ranks=shown),
+                       target_given=a.steps is not None or a.config is not None)
     finally:
         lock.release()
 
@@ -98,6 +107,10 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("run", help="run a job on a local cluster", epilog=chaos_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     job_options(r)
+    torchrun_options(r)
+    r.add_argument("--log-ranks", "--local-ranks-filter", dest="log_ranks", default="0",
+                   help="whose output the console shows besides every rank's stderr: ranks like 0,2-3, "
+                        "'all' or 'none' (default 0; the rest: stalwart logs)")
     r.add_argument("--spare", type=int, default=0,
                    help="extra idle machines the standby pool refills from after a failover (default 0)")
     r.add_argument("--state-dir", default=DEFAULT_STATE)
@@ -109,6 +122,7 @@ def add_parsers(sub) -> None:
                                        "are free)", epilog=chaos_help(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     job_options(sb)
+    torchrun_options(sb)
     state_options(sb, job=False)
     sb.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     sb.set_defaults(fn=cmd_submit)

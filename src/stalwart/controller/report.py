@@ -52,6 +52,7 @@ def build_report(store: Store, job_id: int, now: float | None = None,
     machines = [{"id": m["id"], "state": m["state"], "address": m["address"], "reason": m["reason"]}
                 for m in store.machines() if m["job_id"] == job_id or m["state"] == "evicted"]
     spec = job["spec"]
+    script = any(e["kind"] == "script_steps" for e in events)   # steps from the step hook: no target
     gaps = [{"down_at": _rel(e["data"]["down_at"], t0), "up_at": _rel(e["data"]["up_at"], t0)}
             for e in events if e["kind"] == "control_plane_down"]
     for e in events:
@@ -67,7 +68,8 @@ def build_report(store: Store, job_id: int, now: float | None = None,
         by_mech[i["mechanism"] or "open"] = by_mech.get(i["mechanism"] or "open", 0) + 1
     return {
         "job": f"{job['name']}#{job_id}", "job_id": job_id, "state": _public_state(job["state"]),
-        "reason": job["reason"], "steps_target": spec.get("steps"),
+        "reason": job["reason"], "steps_target": None if script else spec.get("steps"),
+        "steps_source": "script" if script else "sdk",
         "steps_completed": max(steps) + 1 if steps else 0, "final_loss": final_loss,
         "wall_s": round(led.wall_s, 3), "productive_s": round(led.productive_s, 3),
         "ettr": round(led.ettr, 5), "window_ettr": round(led.window_ettr, 5),

@@ -80,6 +80,8 @@ class JobCore:
             return self.implicit.on_metrics(st, machine, ev)
         if isinstance(ev, p.Activity):
             return self.run.on_activity(st, ev)
+        if isinstance(ev, p.Script):
+            return self.run.on_script(st, ev, now)
         if isinstance(ev, p.WorkerExit):
             return self.failure.on_worker_exit(st, machine, ev, now)
         if isinstance(ev, p.Health):
@@ -143,7 +145,7 @@ class JobCore:
     # -- what the status API shows --------------------------------------------------------------
     def live(self, st: JobState) -> dict:
         return {"state": st.phase.value, "run": st.run_seq, "step": st.steps_done,
-                "steps_target": self.ctx.spec.steps, "loss": st.last_loss,
+                "steps_target": self.ctx.spec.steps, "loss": st.last_loss, "script": st.script,
                 "steps_per_s": RunFlow.steps_per_s(st), "slots": list(st.slots),
                 "standby": list(st.pool.standby), "standby_warm": self.pool.warm_ready(st),
                 "spares_warm": self.pool.spares_ready(st),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
+from stalwart.commandline import python_target
 from stalwart.controller.job.state import JobState
 from stalwart.spec import JobSpec
 
@@ -32,19 +33,39 @@ WARM_WAIT_S = 30.0       # a machine with warm spares waits this long for them t
 COLD_WAIT_S = 2.0
 
 
-def command_in(command: list[str], cwd: str | None, code_dir: str | None) -> list[str]:
-    """The job's command as run in `cwd`. A relative executable path (`.venv/bin/python`,
-    `./train.sh`) names a file of the directory the job was submitted from (`code_dir`); a run's
-    directory is a code version's snapshot, which holds the job's code but not its virtualenvs
-    (found as a new user: `stalwart run -- .venv/bin/python -m ...` failed on every machine that
-    started its workers without its fork server). Such a path is made absolute where the snapshot
-    lacks the file; one the snapshot has is the version's."""
-    exe = command[0] if command else ""
-    if not exe or os.path.isabs(exe) or "/" not in exe or not code_dir or cwd == code_dir:
-        return list(command)
-    if cwd and os.path.exists(os.path.join(cwd, exe)):
-        return list(command)
-    return [os.path.normpath(os.path.join(code_dir, exe)), *command[1:]]
+def command_in(command: list[str], code_path: str | None, code_dir: str | None) -> list[str]:
+    """The job's command as its workers run it: in the job's working directory, with its code from
+    the code version's snapshot `code_path` (the job's `code_dir` as it was when the version was
+    registered). A relative script path (`python train.py`) or executable path (`./train.sh`,
+    `.venv/bin/python`) names a file of the job's code: the snapshot's where the snapshot has it
+    (a hot update runs the new version's script), else the one in `code_dir` (a virtualenv is not
+    part of a snapshot). Made absolute either way, so that the working directory does not matter."""
+    out = list(command)
+    if not out or not code_dir:
+        return out
+
+    def code_file(rel: str) -> str:
+        if code_path and os.path.exists(os.path.join(code_path, rel)):
+            return os.path.normpath(os.path.join(code_path, rel))
+        return os.path.normpath(os.path.join(code_dir, rel))
+
+    exe = out[0]
+    if "/" in exe and not os.path.isabs(exe):
+        out[0] = code_file(exe)
+    target = python_target(out)
+    if target is not None and target[1] == "script" and not os.path.isabs(out[target[0]]):
+        out[target[0]] = code_file(out[target[0]])
+    return out
+
+
+def safe_path_env(command: list[str], cwd: str | None, code_path: str | None) -> dict[str, str]:
+    """`python -m MOD` run outside the snapshot: the interpreter would put the working directory
+    first on sys.path, ahead of the snapshot on PYTHONPATH, and import the live code rather than
+    the version's; PYTHONSAFEPATH leaves it out (a script's own directory is the snapshot's)."""
+    target = python_target(command)
+    if target is not None and target[1] == "module" and code_path and cwd != code_path:
+        return {"PYTHONSAFEPATH": "1"}
+    return {}
 
 
 class Executor:
@@ -140,10 +161,11 @@ class Executor:
     def run_spec(self, run: int | None, code_path: str | None, version: int | None, **over: Any) -> p.RunSpec:
         s, t = self.spec, self.topo
         layout = p.Layout(machines=s.machines, gpus_per_machine=self.G, tp=t.tp, pp=t.pp, dp=t.dp, cp=t.cp, ep=t.ep)
+        cwd = s.workdir or s.code_dir
         values: dict[str, Any] = dict(
-            job=self.job_id, run=run, command=command_in(s.command, code_path or s.code_dir, s.code_dir),
-            cwd=code_path or s.code_dir,
-            user_env=dict(s.env), layout=layout, steps=s.steps, ckpt_every=s.ckpt_every,
+            job=self.job_id, run=run, command=command_in(s.command, code_path, s.code_dir), cwd=cwd,
+            user_env={**safe_path_env(s.command, cwd, code_path), **s.env}, layout=layout, steps=s.steps,
+            ckpt_every=s.ckpt_every,
             ckpt_dir=self.ctl.ckpt_dir(self.job_id), mem_slots=s.policy.mem_slots, version=version,
             code_path=code_path, spares=s.policy.warm_spares)
         values.update(over)

@@ -35,6 +35,7 @@ from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.peerwatch import PeerWatch
 from stalwart.controller.policy import Alert, Exit, Resolution
 from stalwart.controller.restore import Availability
+from stalwart.controller.scriptsteps import ScriptRun
 
 
 class JobPhase(str, enum.Enum):
@@ -125,6 +126,8 @@ class RunState:
     hello_ranks: set[int] = field(default_factory=set)
     imported_at: float = 0.0
     ready_at: float = 0.0
+    # a plain script's steps as its ranks' step hooks report them (controller/scriptsteps.py)
+    script: ScriptRun = field(default_factory=ScriptRun)
 
 
 @dataclass
@@ -340,6 +343,8 @@ class JobState:
     versions: list[dict[str, Any]] = field(default_factory=list)     # code_versions rows
     version_id: int | None = None        # the version the workers run
     code_path: str | None = None         # where the workers' code lives
+    script_marks: dict[str, int] = field(default_factory=dict)   # a plain script's snapshots: path -> steps
+    script: bool = False                 # its steps come from the step hook (a plain script), not the SDK
     versioning_off: str | None = None
     spares: HotUpdatePrep | None = None
     gaps: list[ControlPlaneGap] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Start-up hook of every Python process an agent starts for a job (the agent puts this directory
-first on the workers' PYTHONPATH): starts the flight-recorder hook (../frhook.py, loaded by path so
-that neither stalwart nor torch is imported here), then runs the `sitecustomize` this one shadows,
-if there is one further along the path."""
+first on the workers' PYTHONPATH): starts the flight-recorder hook (../frhook.py) and the step hook
+(../stephook.py), each loaded by path so that neither stalwart nor torch is imported here, then runs
+the `sitecustomize` this one shadows, if there is one further along the path."""
 import importlib.machinery
 import importlib.util
 import os
@@ -16,13 +16,14 @@ def _exec(spec):
 
 def _main():
     here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        path = os.path.join(os.path.dirname(here), "frhook.py")
-        hook = _exec(importlib.util.spec_from_file_location("_stalwart_frhook", path))
-        sys.modules["_stalwart_frhook"] = hook
-        hook.start()
-    except Exception as e:  # a hook that cannot start must not stop the training script
-        sys.stderr.write(f"stalwart: the flight-recorder hook did not start: {e}\n")
+    for name, what in (("frhook", "flight-recorder"), ("stephook", "step")):
+        try:
+            path = os.path.join(os.path.dirname(here), f"{name}.py")
+            hook = _exec(importlib.util.spec_from_file_location(f"_stalwart_{name}", path))
+            sys.modules[f"_stalwart_{name}"] = hook
+            hook.start()
+        except Exception as e:  # a hook that cannot start must not stop the training script
+            sys.stderr.write(f"stalwart: the {what} hook did not start: {e}\n")
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from stalwart import protocol
-from stalwart.controller import restore
+from stalwart.controller import restore, scriptsteps
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
@@ -183,6 +183,21 @@ class RunFlow:
                      record("incident_resumed", acc.t, incident=seq)]
         st.awaiting_resume.clear()
         return acts + self.fire_chaos(st, now)
+
+    def on_script(self, st: JobState, ev: protocol.Script, now: float) -> Actions:
+        """A plain script's step-hook records: its steps, numbered from its own snapshots
+        (controller/scriptsteps.py), go where an SDK's step reports go."""
+        run = st.run
+        if run is None or ev.run != st.run_seq or not 0 <= ev.rank < self.ctx.world:
+            return []
+        acts: Actions = []
+        if not st.script:       # said once: the report shows what is known, not a target it cannot have
+            st.script = True
+            acts.append(record("script_steps", now, run=st.run_seq, rank=ev.rank))
+        records = [[r.kind, r.n, r.t, r.path, r.dest] for r in ev.records]
+        for s in scriptsteps.number(run.script, st.script_marks, ev.rank, records):
+            acts += self.on_step(st, protocol.Step(run=ev.run, rank=s.rank, step=s.step, t=s.t, dur=s.dur), now)
+        return acts
 
     def on_done(self, st: JobState, ev: protocol.Done, now: float) -> Actions:
         """An SDK worker finished its last step (it exits right after)."""
