@@ -29,17 +29,22 @@ EVICTED_RED = "#dc2626"
 
 
 def scrape(url: str, token: str) -> tuple[dict, float]:
-    """{(sample name, sorted labels): value} of one scrape of /metrics, and its seconds."""
+    """{(sample name, sorted labels): value} of one scrape of /metrics, and its seconds; the job's
+    job_id/job_name labels left out (one job here: the same on every job-level sample)."""
     t = time.perf_counter()
     req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = r.read().decode()
     took = time.perf_counter() - t
-    out = {}
+    out, jobs = {}, set()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            if "job_id" in labels:
+                jobs.add((labels.pop("job_id"), labels.pop("job_name")))
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    assert len(jobs) == 1, jobs
     return out, took
 
 
@@ -151,7 +156,8 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         for r in (rep_before, rep):
             if wall == r["wall_s"]:
                 assert gauge == r["ettr"], (gauge, r["ettr"])
-        assert abs(gauge - value(during, "stalwart_productive_seconds_total") / wall) < 1e-3
+        # (a counter shows the highest value it has shown: at least the report's)
+        assert value(during, "stalwart_productive_seconds_total") / wall >= gauge - 1e-3
         assert 0 < value(during, "stalwart_ettr_ratio") < 1
         key = {"route": "health", "method": "GET", "code": "200"}
         assert value(during, "stalwart_api_request_duration_seconds_count", **key) - \
@@ -172,14 +178,15 @@ def test_dashboard_metrics_watch_and_report_of_a_job_with_a_fault(cluster, tmp_p
         WebDriverWait(driver, 10).until(lambda d: d.find_element("id", "state").text == "succeeded")
         assert console_errors(driver) == []
 
-        # /metrics after the end equals the report
+        # /metrics after the end: gauges equal the report; a counter may lead it by the seconds the
+        # ledger's hindsight moved to another bucket after a scrape had counted them
         final, _ = scrape(url, c.token)
         [inc] = rep["incidents"]
         assert value(final, "stalwart_ettr_ratio") == rep["ettr"]
         assert value(final, "stalwart_ettr_window_ratio") == rep["window_ettr"]
         assert value(final, "stalwart_steps_completed") == rep["steps_completed"] == 220
         for b, v in rep["unproductive_s"].items():
-            assert value(final, "stalwart_unproductive_seconds_total", bucket=b) == v
+            assert v <= value(final, "stalwart_unproductive_seconds_total", bucket=b) <= v + 5.0, b
         assert value(final, "stalwart_job_state", state="succeeded") == 1
         assert value(final, "stalwart_detection_seconds_count") == 1
         assert value(final, "stalwart_detection_seconds_sum") == inc["detection_s"]

@@ -16,6 +16,25 @@ def spec(steps: int, standby: int, chaos=()) -> dict:
                                       chaos=list(chaos))).to_dict()
 
 
+def job_states(client) -> dict[str, str]:
+    """job_id -> state, from the controller's /metrics (read with prometheus_client's parser)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    req = urllib.request.Request(client.url + "/metrics", headers={"Authorization": f"Bearer {client.token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "stalwart_job_state":
+            for smp in fam.samples:
+                assert smp.labels["job_name"], smp
+                if smp.value == 1:
+                    assert smp.labels["job_id"] not in out, smp        # one state per job
+                    out[smp.labels["job_id"]] = smp.labels["state"]
+    return out
+
+
 def machines_of(rep: dict) -> set[str]:
     return {m for run in rep["runs"] for m in run["machines"].values()}
 
@@ -36,6 +55,9 @@ def test_two_jobs_with_faults_on_disjoint_machines_and_a_third_waits_its_turn(tm
         assert (lv["state"], lv["live"]["state"], lv["steps_target"]) == ("running", "waiting", 10)
         assert "ettr" not in lv and "incidents" not in lv
         assert wait_for(lambda: (client.get(f"/api/jobs/{b}")["live"] or {}).get("step", 0) >= 10, timeout=120)
+        # /metrics describes every job of the controller, each under its own job_id label
+        states = job_states(client)
+        assert states[str(b)] == "running" and states[str(c)] == "waiting" and str(a) in states, states
         # two jobs run: an action on "latest" must say which job
         with pytest.raises(ApiError, match="say which with --job ID"):
             client.post("/api/jobs/latest/inject", {"chaos": "gpu-xid@machine=4"})

@@ -23,8 +23,8 @@ from stalwart import __version__, auth, protocol
 from stalwart.controller import api_models as models
 from stalwart.controller.channel import Channels, FrontDoor
 from stalwart.controller.dashboard import DashboardViews, static_file
-from stalwart.controller.metrics import ControllerMetrics
-from stalwart.controller.observe import ControllerSource, Raw, newest_status
+from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
+from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
 from stalwart.errors import InvalidRequest, StalwartError
 from stalwart.report_html import render as render_html
@@ -48,7 +48,7 @@ class Api:
         self.ctl = ctl
         source = ControllerSource(ctl)
         self.views = DashboardViews(source)
-        self.prom = ControllerMetrics(lambda: newest_status(source), source.machines)
+        self.prom = ControllerMetrics(lambda: current_statuses(source, KEEP_ENDED_S), source.machines, source.ping)
         self._openapi = models.openapi(models.ROUTES, __version__)
 
     def agent_register(self, m, q, body: protocol.Registration):

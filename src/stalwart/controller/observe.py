@@ -7,6 +7,7 @@ A cheaper live summary can replace it without touching the views or the collecto
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -19,6 +20,10 @@ class StatusSource(Protocol):
 
     def latest(self) -> int | None:
         """The id of the newest job, None before the first."""
+
+    def current(self, keep_s: float) -> list[int]:
+        """The jobs worth describing now: every job that runs, those that ended less than `keep_s`
+        seconds ago (a scrape still sees how they ended) and the newest one, oldest first."""
 
     def status(self, job_id: int) -> dict:
         """The job's report (``report.build_report``) with ``live`` when the job is running."""
@@ -45,6 +50,7 @@ class ControllerSource:
 
     def __init__(self, ctl: Controller):
         self.ctl = ctl
+        self._ended: dict[int, float] = {}
 
     def resolve(self, job: str | int) -> int:
         return self.ctl.resolve_job(job)
@@ -53,8 +59,27 @@ class ControllerSource:
         row = self.ctl.store.latest_job()
         return None if row is None else int(row["id"])
 
+    def current(self, keep_s: float) -> list[int]:
+        now = time.time()
+        ids = set()
+        for job_id, runner in list(self.ctl.jobs.items()):
+            if not runner.terminal:
+                ids.add(job_id)
+                continue
+            ended = self._ended.setdefault(job_id, now)     # (first seen ended by this source)
+            if now - ended < keep_s:
+                ids.add(job_id)
+        newest = self.latest()
+        if newest is not None:
+            ids.add(newest)
+        return sorted(ids)
+
     def status(self, job_id: int) -> dict:
         return self.ctl.status(job_id)
+
+    def ping(self) -> None:
+        """Raises when the controller's store does not answer."""
+        self.ctl.store.ping()
 
     def machines(self) -> list[dict]:
         return self.ctl.machines()
@@ -74,6 +99,11 @@ class Raw(NamedTuple):
 
 
 def newest_status(source: StatusSource) -> dict | None:
-    """The newest job's report, or None before the first job (the metrics' default summary)."""
+    """The newest job's report, or None before the first job."""
     job_id = source.latest()
     return None if job_id is None else source.status(job_id)
+
+
+def current_statuses(source: StatusSource, keep_s: float) -> list[dict]:
+    """The reports of the jobs `source.current(keep_s)` names (what /metrics describes)."""
+    return [source.status(job_id) for job_id in source.current(keep_s)]

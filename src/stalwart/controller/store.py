@@ -172,6 +172,11 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
+    def ping(self) -> None:
+        """One round trip to the database (raises what the driver raises when it is unreachable)."""
+        with self.engine.connect() as c:
+            c.execute(sa.text("SELECT 1"))
+
     # -- generic helpers ---------------------------------------------------------------------
     def _insert(self, table: sa.Table, **values) -> int:
         with self._lock, self.engine.begin() as c:

@@ -147,6 +147,7 @@ class JobCore:
         return {"state": st.phase.value, "run": st.run_seq, "step": st.steps_done,
                 "steps_target": self.ctx.spec.steps, "loss": st.last_loss, "script": st.script,
                 "steps_per_s": RunFlow.steps_per_s(st), "slots": list(st.slots),
-                "standby": list(st.pool.standby), "standby_warm": self.pool.warm_ready(st),
+                "standby": list(st.pool.standby), "standby_target": self.ctx.standbys,
+                "standby_warm": self.pool.warm_ready(st),
                 "spares_warm": self.pool.spares_ready(st),
                 "reason": st.reason}
