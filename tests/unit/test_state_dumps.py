@@ -90,7 +90,7 @@ def test_a_runner_writes_a_small_state_in_one_call_and_a_large_one_in_pieces(mon
         def __init__(self) -> None:
             self.saved: list[bytes] = []
 
-        def perform(self, st, acts, data):
+        def perform(self, st, acts, data, on_committed=None):
             self.saved.append(data)
 
     def dispatch_three(st: S.JobState) -> list[bool]:

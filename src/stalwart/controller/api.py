@@ -26,6 +26,7 @@ from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
+from stalwart.controller.store import StoreUnavailable
 from stalwart.errors import InvalidRequest, StalwartError
 from stalwart.report_html import render as render_html
 
@@ -100,6 +101,11 @@ class Api:
         return {"machines": self.ctl.machines()}
 
     def health(self, q, body):
+        # 503 while writes to the store fail or hang (a liveness probe sees the outage); a read
+        # that succeeds meanwhile does not clear it
+        why = self.ctl.store.unavailable()
+        if why is not None:
+            raise StoreUnavailable(why)
         return {"ok": True}
 
     def openapi(self, q, body):

@@ -3,7 +3,14 @@ each job's logic is its runner (`controller/job/`).
 
 Restart-safe: jobs a previous controller left running are taken over (their saved state loaded,
 their agents heard again, see `job/flows/reconcile.py`), unless it is started with
-`abandon_running` (a fresh local cluster: the old one's machines are gone with it).
+`abandon_running` (a fresh local cluster: the old one's machines are gone with it). A standby
+(`lease`) waits for the lease (`controller/lease.py`) and then takes over the same way.
+
+Store outages: the controller's threads wait them out (`Store.patient`) and are supervised
+(`controller/supervise.py`): the heartbeat monitor keeps judging machines from memory while the
+store is away, its writes (when this controller was last alive, a lost machine's last beat) go
+through the `store-probe` thread, whose write every second is also what `/api/health` reads.
+Times are the steady clock of `stalwart.clock`: a step of the host's clock moves no deadline.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from stalwart import protocol
+from stalwart import clock, protocol
 from stalwart.chaos import catalogue
 from stalwart.controller import snapshot, versions
 from stalwart.controller.beats import BeatLateness
@@ -32,6 +39,7 @@ from stalwart.controller.rendezvous import Rendezvous
 from stalwart.controller.reportcache import ReportCache
 from stalwart.controller.restore import Availability
 from stalwart.controller.store import Store
+from stalwart.controller.supervise import supervised
 from stalwart.errors import Conflict, InvalidRequest, NotFound
 from stalwart.spec import JobSpec
 
@@ -100,10 +108,20 @@ class MachineView:
 class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
                  heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
-                 backend=None):
+                 backend=None, lease: str | None = None, url: str | None = None, on_lease_lost=None):
+        """`lease`: share the store with other controllers under this holder name ("" for
+        host:pid): wait here until this one holds the lease (`controller/lease.py`); `on_lease_lost`
+        is called with the reason when another takes it (the CLI exits)."""
         self.state_dir = os.path.abspath(state_dir)
         snapshot.mark_state_dir(self.state_dir)
         self.store = Store(db_url)
+        self.store.patient()            # (the constructor's thread: a start waits an outage out)
+        self.lease = None
+        if lease is not None:
+            from stalwart.controller.lease import Lease
+            self.lease = Lease(self.store, lease or None, url, on_lost=on_lease_lost)
+            self.lease.acquire()
+            self.lease.keep()
         self.reports = ReportCache(self.store)
         self.versions = versions.Versions(self.store)
         self.store_host = store_host
@@ -123,20 +141,22 @@ class Controller:
         self._down_at: float | None = None
         self._earliest_beat = -math.inf      # no alive machine beat before this (see overdue)
         self._stop = threading.Event()
-        down_at = float(self.store.get_meta("alive_at") or time.time())
-        self.store.set_meta("alive_at", repr(time.time()))
+        self._beats_to_write: dict[str, float] = {}      # lost machines' last beats (store-probe writes)
+        down_at = float(self.store.get_meta("alive_at") or clock.now())
+        self.store.set_meta("alive_at", repr(clock.now()))
         if abandon_running:
             self._abandon()
         else:
             self._take_over(down_at)
-        threading.Thread(target=self._monitor, name="heartbeat-monitor", daemon=True).start()
+        supervised("heartbeat-monitor", self._monitor, self._stop)
+        supervised("store-probe", self._probe_store, self._stop)
         if backend is not None:
-            threading.Thread(target=self._watch_backend, name="backend-watch", daemon=True).start()
+            supervised("backend-watch", self._watch_backend, self._stop)
 
     # -- a restart ----------------------------------------------------------------------------------
     def _abandon(self) -> None:
         """A fresh cluster: jobs an earlier one ran cannot be resumed, its machines are gone."""
-        now = time.time()
+        now = clock.now()
         for j in self.store.jobs_in_state(RUNNING_STATES):
             self.store.update_job(j["id"], state="failed", finished_at=now,
                                   reason="the cluster that ran it stopped (a new local cluster started)")
@@ -147,7 +167,7 @@ class Controller:
 
     def _take_over(self, down_at: float) -> None:
         """Load every job a previous controller left running and reconcile it with its agents."""
-        up_at = time.time()
+        up_at = clock.now()
         for j in self.store.jobs_in_state(RUNNING_STATES):
             raw = self.store.load_state(j["id"])
             try:
@@ -172,7 +192,7 @@ class Controller:
         """The API listens: jobs taken over start reconciling now. Their agents can only come
         back from this moment, so the reconciliation's grace counts from here, not from the
         start of this process (which may take seconds to get to listening)."""
-        up_at = time.time()
+        up_at = clock.now()
         taken, self._taken_over = self._taken_over, []
         for runner in taken:
             runner.post(Resumed(down_at=self._down_at or up_at, up_at=up_at))
@@ -197,6 +217,8 @@ class Controller:
         """Stop serving. Jobs are left as they are: the next controller on this store takes them
         over (cancel a job through the API to end it)."""
         self._stop.set()
+        if self.lease is not None:
+            self.lease.release()
         self.command_queues.close()
         self.rendezvous.close()
         self.store.close()
@@ -208,7 +230,7 @@ class Controller:
                 msgspec.convert(body, protocol.Registration, strict=False)
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"registration of {machine}: {e}") from None
-        now = time.time()
+        now = clock.now()
         with self._lock:
             m = self._machines.get(machine)
             state = m["state"] if m and m["state"] in ("active", "standby", "evicted") else "idle"
@@ -240,19 +262,30 @@ class Controller:
 
     def _heard(self, m: dict) -> None:
         """A live machine sent something (a beat or events): note when, and how late (under the lock)."""
-        now = time.time()
+        now = clock.now()
         self.lateness.heard(m["last_beat"], now)
         m["last_beat"] = now
+
+    def _probe_store(self) -> None:
+        """Every ALIVE_EVERY_S: when this controller was last alive (the next one books the gap
+        from it) and the last beats of machines called lost, in one write. A write that waits
+        (the store is away) makes `Store.unavailable` say so, which `/api/health` answers."""
+        self.store.patient()
+        while not self._stop.wait(ALIVE_EVERY_S):
+            with self._lock:
+                beats, self._beats_to_write = self._beats_to_write, {}
+            self.store.set_meta("alive_at", repr(clock.now()))
+            for machine, t in beats.items():
+                self.store.upsert_machine(machine, last_beat=t)
 
     def _monitor(self) -> None:
         next_alive = 0.0
         last, wait = time.monotonic(), MONITOR_EVERY_S
         while not self._stop.wait(wait):
-            now = time.time()
+            now = clock.now()
             lag = time.monotonic() - last - wait
             last = time.monotonic()
-            if now >= next_alive:           # the next controller learns when this one went away
-                self.store.set_meta("alive_at", repr(now))
+            if now >= next_alive:
                 next_alive = now + ALIVE_EVERY_S
             lost: list[dict] = []
             limit = self.heartbeat_s * self.missed_beats
@@ -274,7 +307,8 @@ class Controller:
                 lost = []           # the jobs are cancelled with the cluster's reason
             for m in lost:
                 log.warning("machine %s lost: no heartbeat for %.1fs", m["id"], now - m["last_beat"])
-                self.store.upsert_machine(m["id"], last_beat=m["last_beat"])
+                with self._lock:
+                    self._beats_to_write[m["id"]] = m["last_beat"]
                 runner = self._runner_of(m.get("job_id"))
                 if runner is not None:
                     runner.post(MachineLost(machine=m["id"]))
@@ -299,7 +333,7 @@ class Controller:
     def beat_late_s(self) -> float:
         """The largest heartbeat lateness seen recently on this host (`beats.BeatLateness`)."""
         with self._lock:
-            return self.lateness.late_s(time.time())
+            return self.lateness.late_s(clock.now())
 
     def machine_labels(self, machine: str) -> dict[str, str]:
         """The topology labels its agent registered with (`stalwart agent --label`)."""
@@ -336,7 +370,7 @@ class Controller:
         machines, less those asked before that have not registered yet."""
         if self.backend is None or count <= 0:
             return []
-        now = time.time()
+        now = clock.now()
         with self._lock:
             for m, t in list(self._requested.items()):
                 if m in self._machines or now - t > REQUEST_TTL_S:
@@ -483,7 +517,7 @@ class Controller:
                                            spec.machines)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        now = time.time()
+        now = clock.now()
         off = snapshot.versionable(spec.code_dir, self.state_dir)
         job_id = self.store.create_job(spec.name, spec.to_dict(), now, submitted=True)
         st = S.JobState(job_id=job_id, created_at=now, versioning_off=off,
@@ -539,7 +573,7 @@ class Controller:
         return {"job": job_id, "state": "running", "steps_target": live["steps_target"], "live": live}
 
     def status(self, job_id: int) -> dict:
-        rep = self.reports.report(job_id, now=time.time())
+        rep = self.reports.report(job_id, now=clock.now())
         runner = self.jobs.get(job_id)
         if runner is not None:
             rep["live"] = runner.live()
@@ -571,7 +605,7 @@ class Controller:
             raise Conflict(f"hot update is off for this job: {runner.state.versioning_off}")
         try:
             row = self.versions.register(job_id, os.path.abspath(code), self.state_dir, mode, window_s,
-                                         time.time())
+                                         clock.now())
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         runner.post(VersionRegistered(row=row))

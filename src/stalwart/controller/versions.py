@@ -246,8 +246,7 @@ class Versions:
         code_versions.create(self.engine, checkfirst=True)
 
     def _select(self, query) -> list[dict]:
-        with self.engine.connect() as c:
-            return [dict(r._mapping) for r in c.execute(query)]
+        return self.store.read(lambda c: [dict(r._mapping) for r in c.execute(query)])
 
     def get(self, version_id: int) -> dict | None:
         """One version by id, or None."""
@@ -289,13 +288,13 @@ class Versions:
         digest, path, skipped = snapshot(src_dir, state_dir)
         note = f"snapshot skipped {', '.join(skipped)}" if skipped else None
         source = os.path.abspath(os.path.expanduser(os.fspath(src_dir)))
-        with self.engine.begin() as c:
+        def go(c) -> tuple[dict | None, int | None]:
             rows = [dict(r._mapping) for r in c.execute(
                 sa.select(code_versions).where(code_versions.c.job_id == job_id)
                 .order_by(code_versions.c.id))]
             cur = current_version(rows)
             if cur is not None and cur["hash"] == digest:
-                return dict(cur)
+                return dict(cur), None
             same = [r for r in rows if r["status"] in WAITING and r["hash"] == digest]
             if same:
                 row = same[-1]
@@ -305,7 +304,7 @@ class Versions:
                                       reason="registered again as urgent"))
                     row = {**row, "status": "urgent", "mode": "urgent",
                            "reason": "registered again as urgent"}
-                return row
+                return row, None
             first = not rows
             values = dict(job_id=job_id, hash=digest, path=path, source=source, mode=mode,
                           window_s=window_s, created_at=now)
@@ -317,14 +316,17 @@ class Versions:
             res = c.execute(code_versions.insert().values(**values))
             key = res.inserted_primary_key
             assert key is not None
-            vid = key[0]
+            return None, int(key[0])
+        found, vid = self.store.write(go)
+        if found is not None:
+            return found
         return self.get(vid)  # type: ignore[return-value]
 
     def save(self, row: Mapping[str, Any]) -> None:
         """Write a row the job core changed (status, reason, applied_at, ...)."""
         values = {k: v for k, v in row.items() if k != "id"}
-        with self.engine.begin() as c:
-            c.execute(code_versions.update().where(code_versions.c.id == row["id"]).values(**values))
+        self.store.write(lambda c: c.execute(
+            code_versions.update().where(code_versions.c.id == row["id"]).values(**values)))
 
     def mark(self, version_id: int, status: str, reason: str | None, now: float,
              step: int | None = None) -> dict:

@@ -79,7 +79,7 @@ class JobCore:
         if isinstance(ev, p.Metrics):
             return self.implicit.on_metrics(st, machine, ev)
         if isinstance(ev, p.Activity):
-            return self.run.on_activity(st, ev)
+            return self.run.on_activity(st, ev, now)
         if isinstance(ev, p.Script):
             return self.run.on_script(st, ev, now)
         if isinstance(ev, p.WorkerExit):

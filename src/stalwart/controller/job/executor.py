@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
@@ -75,9 +75,11 @@ class Executor:
         self.G = spec.gpus_per_machine
         self._deferred: list[tuple[str, dict[str, Any]]] = []     # routine records not written yet
 
-    def perform(self, st: JobState, actions: list[a.Action], state_json: bytes | None) -> None:
-        """Store actions, machine roles and the state in one transaction; then the commands.
-        Routine records (ROUTINE_RECORDS) wait for the next transaction, in order."""
+    def perform(self, st: JobState, actions: list[a.Action], state_json: bytes | None,
+                on_committed: Callable[[], None] | None = None) -> None:
+        """Store actions, machine roles and the state in one transaction; then the commands
+        (`on_committed` is called between). Routine records (ROUTINE_RECORDS) wait for the next
+        transaction, in order. The commit waits as long as the store is away (`Store.patient`)."""
         ops: list[tuple[str, dict[str, Any]]] = []
         sends: list[a.Action] = []
         deferred = self._deferred
@@ -98,6 +100,8 @@ class Executor:
         if ops or state_json is not None or len(deferred) >= MAX_DEFERRED:
             self.ctl.store.commit(self.job_id, deferred + ops, state_json)
             deferred.clear()
+        if on_committed is not None:
+            on_committed()
         for act in sends:
             self._act(st, act)
 

@@ -1,19 +1,27 @@
 """One job in the controller: a thread that takes events from its inbox, asks the job core what to
 do, and hands the actions to the executor; the state is saved with them at every transition (and
 every second while anything changes, less often where the state is large: SAVE_COST_SHARE), so
-a controller killed at any moment can be replaced by one that loads the state and carries on."""
+a controller killed at any moment can be replaced by one that loads the state and carries on.
+
+A decision is committed before any of its commands leave (a decision that sends something always
+saves the state with it). While the store is away the thread waits in the commit (events queue in
+the inbox and are handled in order when it returns); the timers that decision set count from when
+its commands left (`state.shift_timers`). The thread is supervised: an error in the loop itself is
+logged and the loop goes on with the same state."""
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from typing import TYPE_CHECKING
 
+from stalwart import clock
+from stalwart.controller.job import actions as A
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import JobEvent, Tick
 from stalwart.controller.job.executor import Executor
+from stalwart.controller.supervise import supervised
 from stalwart.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -27,6 +35,7 @@ SAVE_EVERY_S = 1.0
 # saved less often than every second (at 2,048 machines, every ~2 s: 5% of a core was a tenth of
 # the whole controller's CPU); transitions are always saved at once.
 SAVE_COST_SHARE = 0.02
+WAITED_S = 0.5      # a commit that took longer waited for the store: the decision's timers move
 
 
 class JobRunner:
@@ -41,7 +50,7 @@ class JobRunner:
         self._save_cost = 0.0          # seconds the last save took to encode
         self._save_bytes = 1 << 62     # its size (unknown before the first: written in pieces)
         self._dirty = True
-        self.thread = threading.Thread(target=self._loop, name=f"job-{state.job_id}", daemon=True)
+        self.thread = supervised(f"job-{state.job_id}", self._loop, start=False)
 
     def start(self) -> None:
         self.thread.start()
@@ -72,6 +81,7 @@ class JobRunner:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.ctl.store.patient()
         next_tick = time.monotonic()
         while not self.state.terminal:
             try:
@@ -89,7 +99,7 @@ class JobRunner:
                 next_tick = time.monotonic() + TICK_S
 
     def dispatch(self, ev: JobEvent) -> None:
-        now = time.time()
+        now = clock.now()
         before = self.state.phase
         try:
             acts = self.core.handle(self.state, ev, now)
@@ -102,14 +112,17 @@ class JobRunner:
         key = self._key()
         every = max(SAVE_EVERY_S, self._save_cost / SAVE_COST_SHARE)
         save = key != self._saved_key or (self._dirty and time.monotonic() - self._saved_at >= every)
+        if not save and any(not isinstance(act, A.STORE_ACTIONS) for act in acts):
+            save = True         # nothing leaves for an agent that is not committed
         data = None
         if save:
             t0 = time.perf_counter()
             data = S.dumps(self.state, pieces=self._save_bytes > S.ONE_CALL_BYTES)
             self._save_cost = time.perf_counter() - t0
             self._save_bytes = len(data)
+        t0 = time.monotonic()
         try:
-            self.executor.perform(self.state, acts, data)
+            self.executor.perform(self.state, acts, data, on_committed=lambda: self._waited(now, t0))
         except Exception as e:
             log.exception("job %s: carrying out %d action(s) failed", self.job_id, len(acts))
             if not self.state.terminal:
@@ -121,6 +134,15 @@ class JobRunner:
             self._saved_key, self._saved_at, self._dirty = key, time.monotonic(), False
         if self.state.phase != before:
             self.ctl.phase_entered(self.job_id, self.state.phase.value)
+
+    def _waited(self, now: float, t0: float) -> None:
+        """The decision made at `now` is committed: if its commit waited for the store, its
+        timers start now, as its commands leave."""
+        waited = time.monotonic() - t0
+        if waited > WAITED_S:
+            moved = S.shift_timers(self.state, now, waited)
+            log.warning("job %s: a decision waited %.1fs for the store; %d timer(s) start as its commands "
+                        "leave", self.job_id, waited, moved)
 
     def _key(self) -> tuple:
         """What changes at a transition (saved at once); anything else is saved within a second."""

@@ -20,6 +20,7 @@ restarting (its new run has not completed a step yet) → resolved; or → faile
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
@@ -438,3 +439,32 @@ def _encode(obj: Any, out: list[str]) -> None:
 def loads(data: bytes | str) -> JobState:
     """A state from `dumps`' JSON; msgspec.ValidationError names a bad field."""
     return msgspec.convert(json.loads(data), type=JobState, strict=False)
+
+
+# The timers a decision sets: when it sent something, and the deadlines it computed from `now`.
+TIMER_FIELDS = frozenset(("deadline", "next", "sent", "stop_sent", "trace_sent", "started", "started_at",
+                          "next_refill", "next_request", "failslow_quiet_until", "peer_next_check"))
+
+
+def shift_timers(obj: Any, since: float, by: float) -> int:
+    """Move the timers set at or after `since` (a decision's `now`) `by` seconds later: the
+    decision's commit waited that long for the store, and its timers count from when its
+    commands left. Earlier times (history) are left alone. Returns how many moved."""
+    moved = 0
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if f.name in TIMER_FIELDS and isinstance(v, float) and v >= since:
+                setattr(obj, f.name, v + by)
+                moved += 1
+            elif dataclasses.is_dataclass(v) or isinstance(v, (list, dict)):
+                moved += shift_timers(v, since, by)
+    elif isinstance(obj, list):
+        for v in obj:
+            if dataclasses.is_dataclass(v):
+                moved += shift_timers(v, since, by)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            if dataclasses.is_dataclass(v):
+                moved += shift_timers(v, since, by)
+    return moved

@@ -139,7 +139,7 @@ class RunFlow:
         acc.local[ev.rank] = ev.local_grad_norm
         acc.times[ev.rank] = (ev.dur, ev.compute_s)
         if run.hang is not None:
-            run.hang.on_step(ev.rank, ev.step, ev.t)
+            run.hang.on_step(ev.rank, ev.step, now)     # (received: no other host's clock)
         acc.t = max(acc.t, ev.t)
         acc.dur = max(acc.dur, ev.dur or 0.0)
         if ev.rank == 0 or acc.loss is None:      # rank 0's metrics win; else the first reported
@@ -209,19 +209,20 @@ class RunFlow:
             return self.core.failure.finish(st, "succeeded", None, now)
         return []
 
-    def on_activity(self, st: JobState, ev: protocol.Activity) -> Actions:
+    def on_activity(self, st: JobState, ev: protocol.Activity, now: float) -> Actions:
         """Progress without step reports (CPU outside a collective, new collectives): the hang
-        timer's evidence for a plain script, and for any rank before its first step."""
+        timer's evidence for a plain script, and for any rank before its first step. Timed by
+        when the controller handles it (the agent's clock is another host's)."""
         run = st.run
         if run is None or run.hang is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
             return []
         world = self.ctx.world
         for r in ev.ranks:
             if 0 <= r < world:
-                run.hang.on_activity(r, ev.t)
+                run.hang.on_activity(r, now)
         for r, count in ev.collectives.items():
             if 0 <= r < world and count >= 0:
-                run.hang.on_collectives(r, count, ev.t)
+                run.hang.on_collectives(r, count, now)
         return []
 
     def on_hello(self, st: JobState, ev: protocol.Hello) -> Actions:
