@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from stalwart import protocol
+from stalwart import auth, protocol
 from stalwart.chaos import catalogue
 from stalwart.controller import snapshot, versions
 from stalwart.controller.beats import BeatLateness
@@ -103,6 +103,7 @@ class Controller:
                  backend=None):
         self.state_dir = os.path.abspath(state_dir)
         snapshot.mark_state_dir(self.state_dir)
+        self._ckpt_secret = auth.checkpoint_secret(self.state_dir)
         self.store = Store(db_url)
         self.reports = ReportCache(self.store)
         self.versions = versions.Versions(self.store)
@@ -471,6 +472,10 @@ class Controller:
         return reply
 
     # -- jobs ---------------------------------------------------------------------------------------
+    def ckpt_key(self, job_id: int) -> str:
+        """The job's checkpoint key (hex), for its agents alone (`auth.checkpoint_key`)."""
+        return auth.checkpoint_key(self._ckpt_secret, job_id)
+
     def ckpt_dir(self, job_id: int) -> str:
         return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")
 
