@@ -9,6 +9,7 @@ hold no data; the page asks the API with the token it was given in the URL's fra
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -16,6 +17,7 @@ import ssl
 import stat
 
 TOKEN_FILE = "token"
+CKPT_SECRET_FILE = "ckpt.secret"    # the controller's secret the jobs' checkpoint keys derive from
 TOKEN_ENV = "STALWART_TOKEN"
 PUBLIC_PATHS = ("/", "/api/health", "/api/openapi.json")
 PUBLIC_PREFIXES = ("/static/",)
@@ -58,6 +60,19 @@ def controller_token(state_dir: str, token_file: str | None = None) -> str:
     if token_file:
         return read_token_file(token_file)
     return create_token_file(os.path.join(state_dir, TOKEN_FILE))
+
+
+def checkpoint_secret(state_dir: str) -> bytes:
+    """The controller's checkpoint secret (`<state-dir>/ckpt.secret`, random, 0600, made on first
+    start like the token). Controllers that share a database share this file too."""
+    return create_token_file(os.path.join(state_dir, CKPT_SECRET_FILE)).encode()
+
+
+def checkpoint_key(secret: bytes, job_id: int) -> str:
+    """A job's checkpoint key (hex of 32 bytes): what its agents authenticate peer connections
+    and MAC shards with. Derived (HMAC-SHA256), so that it is the same after a restart and
+    differs between jobs: a machine of one job cannot read or forge another job's shards."""
+    return hmac.new(secret, b"stalwart-ckpt-key|%d" % job_id, hashlib.sha256).hexdigest()
 
 
 def loose_permissions(path: str) -> bool:

@@ -132,6 +132,7 @@ class CkptPlan(msgspec.Struct, kw_only=True, frozen=True):
     durable_dir: str
     every: int
     backup: Backup | None = None
+    key: str | None = None                 # the job's checkpoint key, hex (peer auth, shard MACs)
 
 
 # -- commands (controller -> agent) -------------------------------------------------------------

@@ -79,8 +79,10 @@ def test_corrupt_shard_is_skipped_tier_by_tier(tmp_path):
     a = CkptManager("mA", str(tmp_path / "a"), events.append)
     b = CkptManager("mB", str(tmp_path / "b"), events.append)
     durable = str(tmp_path / "durable")
+    key = bytes(range(32))                            # the job's checkpoint key, as the controller gives it
     try:
-        a.configure(durable, every=3, backup={"machine": "mB", "addr": list(b.peer_addr)})
+        b.configure(None, every=3, backup=None, key=key)
+        a.configure(durable, every=3, backup={"machine": "mB", "addr": list(b.peer_addr)}, key=key)
         mem = MemCheckpointer(a.shm_dir, 0)
         for step in range(3):
             mem.snapshot(_model_state(step), step)

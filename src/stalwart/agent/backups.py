@@ -45,7 +45,7 @@ class _Spare:
             if self.mm is not None:
                 self.mm.close()
                 self.mm = None
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, n)
                 self.mm = mmap.mmap(fd, n) if n else None
@@ -67,7 +67,7 @@ class BackupReceiver:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.dir, self.keep = dir, keep
-        os.makedirs(dir, exist_ok=True)
+        os.makedirs(dir, mode=0o700, exist_ok=True)
         for name in os.listdir(dir):          # a crashed agent's recycled files: memory, nothing else
             if name.startswith(".spare."):
                 try:
@@ -133,6 +133,8 @@ class BackupReceiver:
         spare = self._take(rank)
         published = False
         try:
+            # (a tmpfs short of pages would kill this process by SIGBUS in the middle of a receive)
+            memckpt.check_free(self.dir, n - spare.size, f"a backup of rank {rank} step {step}")
             view = spare.fit(n)
             try:
                 if not write(view):

@@ -8,14 +8,22 @@ This manager, off the training processes:
 - persists every K-th step to the durable tier (a local dir or any fsspec URL), asynchronously;
 - serves and stores peers' backups (PeerServer);
 - at restore, materializes the shard each rank must start from, trying the tiers the controller
-  named in order (own memory, a backup peer's memory, durable), verifying checksums, so a corrupt
-  or missing copy falls back to the next tier and never to a silent wrong state.
+  named in order (own memory, a backup peer's memory, durable), verifying checksums and the MAC
+  under the job's key, so a corrupt, missing or forged copy falls back to the next tier (the
+  `restore_source` report names why) and never to a silent wrong state.
+
+The job's checkpoint key comes with each `start` (`CkptPlan.key`): the peer server and client
+authenticate every connection with it (`peerauth`), and the workers' commit threads MAC their
+shards with it, reading it from a 0600 file in this machine's private memory directory
+(`memckpt.key_path`; never their environment). Until a job's key arrives the server holds a
+random one: it serves nobody. It listens on the machine's address, not on every interface.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -24,6 +32,7 @@ from typing import Callable
 import msgspec
 
 from stalwart import protocol as p
+from stalwart.agent.paths import secure_dir
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt
@@ -55,15 +64,19 @@ class CkptManager:
         self.backup_dir = os.path.join(root, "backup")
         self.restore_dir = os.path.join(root, "restore")
         self.emit = emit
+        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+        secure_dir(root)                        # (a rank's state: this user's alone)
         for d in (self.shm_dir, self.backup_dir, self.restore_dir):
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        self.key: bytes | None = None           # the job's checkpoint key (configure)
         # peers' backups: keep more than the controller counts on, so a report still in flight
         # never points at a pruned copy
         self.store = ShardStore(self.shm_dir, self.backup_dir, keep_backup=4)
         # the holder of a backup reports it (it may wait for company in the outbox: the copy dies
         # with this machine), not its pusher (whose report had to go at once, a request per rank
         # per step: the pusher may die right after the push, its backup living on here)
-        self.server = PeerServer("0.0.0.0", 0, self.store, on_stored=self._stored).start()
+        self.server = PeerServer(peer_host, 0, self.store, on_stored=self._stored,
+                                 key=secrets.token_bytes(memckpt.KEY_BYTES)).start()
         self.peer_addr = (peer_host, self.server.address[1])
         self.client = PeerClient()
         self._cfg_lock = threading.Lock()
@@ -75,8 +88,17 @@ class CkptManager:
         self._thread = threading.Thread(target=self._watch, name="ckpt-watch", daemon=True)
         self._thread.start()
 
-    def configure(self, durable_dir: str | None, every: int, backup: dict | None) -> None:
-        """Set up for a run: where durable copies go, how often, and which peer holds backups."""
+    def configure(self, durable_dir: str | None, every: int, backup: dict | None,
+                  key: bytes | None = None) -> None:
+        """Set up for a run: where durable copies go, how often, which peer holds backups, and
+        the job's checkpoint key (None: a controller that gives none; connections and shards
+        then go unauthenticated, the agent logs it)."""
+        if key is not None and key != self.key:
+            memckpt.write_key(memckpt.key_path(self.shm_dir), key)
+            self.server.key = self.client.key = key
+        elif key is None and self.key is not None:
+            log.warning("the controller gave no checkpoint key: peer traffic is not authenticated")
+        self.key = key
         with self._cfg_lock:
             if durable_dir and durable_dir != self.store.durable_dir:
                 old = self.store
@@ -226,7 +248,7 @@ class CkptManager:
                     path = self.client.fetch(tuple(c["addr"]), rank, step, self.restore_dir)
                 else:
                     path = self.store.fetch(rank, step, "durable")
-                memckpt.verify_shard(path)
+                memckpt.verify_shard(path, self.key)
                 return tier, path, errors
             except Exception as e:
                 errors.append(f"{tier}{'@' + c['holder'] if c.get('holder') else ''}: {e}")
@@ -249,7 +271,8 @@ class CkptManager:
         if cmd.ckpt is not None:
             backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
                 if cmd.ckpt.backup is not None else None
-            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup)
+            key = bytes.fromhex(cmd.ckpt.key) if cmd.ckpt.key else None
+            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup, key)
         extra = []
         for w in cmd.workers:
             env = p.rank_env(w)

@@ -4,12 +4,17 @@ A machine's checkpoint memory lives in shared memory (`/dev/shm/stalwart-<hash o
 so that it survives its agent. The agent writes its workdir into `owner` there: memory whose
 workdir is gone belongs to nobody (a killed test or `stalwart run` whose directory was removed)
 and `stalwart cleanup --orphans` frees it.
+
+The directory's name is predictable (anyone on the host can compute it), so it is made with
+`mkdir` (exclusive, mode 0700) and, when it exists already (the agent restarted), used only if
+it is a real directory (not a symlink) owned by this user; a looser mode of its own is tightened.
 """
 from __future__ import annotations
 
 import glob
 import hashlib
 import os
+import stat
 
 SHM = "/dev/shm"
 PREFIX = "stalwart-"
@@ -25,12 +30,39 @@ def ckpt_root(workdir: str, shm: str = SHM) -> str:
 def claim(workdir: str, shm: str = SHM) -> str:
     """Create the machine's memory directory and note its owner; returns the directory."""
     root = ckpt_root(workdir, shm)
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    secure_dir(root)
     tmp = os.path.join(root, OWNER + ".tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(os.path.abspath(workdir))
     os.replace(tmp, os.path.join(root, OWNER))
     return root
+
+
+class UnsafeDir(RuntimeError):
+    """A checkpoint directory that someone else could read or swap (the message says why)."""
+
+
+def secure_dir(path: str) -> str:
+    """Make `path` a directory only this user can use: created exclusively (0700), or, when it
+    exists, checked without following a symlink: a directory owned by this user (its mode
+    tightened to 0700). Raises UnsafeDir otherwise."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDir(f"{path} is a symlink (to {os.readlink(path)}): refusing to keep checkpoints there")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDir(f"{path} exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDir(f"{path} belongs to uid {st.st_uid}, not to this agent's uid {os.geteuid()}")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700, follow_symlinks=False) if os.chmod in os.supports_follow_symlinks \
+            else os.chmod(path, 0o700)
+    return path
 
 
 def orphans(shm: str = SHM) -> list[str]:

@@ -1,6 +1,10 @@
 """Peer streaming of checkpoint shards between agents over a tiny TCP protocol.
 
-Every message starts with a frame: 4-byte big-endian length + a JSON object. Operations:
+Every message starts with a frame: 4-byte big-endian length + a JSON object. A server given the
+job's checkpoint key (every agent's) first authenticates each connection (`peerauth`: mutual
+challenge-response; a frame before that is at most `peerauth.AUTH_FRAME` bytes and the client
+has `peerauth.AUTH_TIMEOUT_S` for it); a connection that fails it is answered an error and
+closed, before any operation. Operations:
 
 * ``{"op": "put", "hlen": L, "run": R}`` then the shard's header as its owner wrote it (L bytes),
   its data (the header's ``nbytes``, straight from the owner's slot file by sendfile) and one
@@ -42,6 +46,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
+from stalwart.agent import peerauth
 from stalwart.agent.backups import recv_into_all
 from stalwart.agent.shards import TIERS, ShardStore, receive_shard
 from stalwart.worker import memckpt
@@ -83,10 +88,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> dict:
+def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> dict:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise PeerError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    if n > limit:
+        raise PeerError(f"frame of {n} bytes exceeds the {limit}-byte limit")
     obj = json.loads(_recv_exact(sock, n))
     if not isinstance(obj, dict):
         raise PeerError("frame is not a JSON object")
@@ -123,6 +128,9 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         srv: PeerServer = self.server.peer  # type: ignore[attr-defined]
         sock: socket.socket = self.request
+        key = srv.key
+        if key is not None and not self._authenticate(srv, sock, key):
+            return
         _kernel_timeouts(sock, srv.timeout_s)
         # A pusher keeps its connection for the next step's push (`keep: true`); any other
         # request, and any failure, ends the connection after its answer.
@@ -143,6 +151,23 @@ class _Handler(socketserver.BaseRequestHandler):
             except Exception as e:                # noqa: BLE001 — reported to the peer
                 _reply_error(sock, e)
                 return
+
+    @staticmethod
+    def _authenticate(srv: "PeerServer", sock: socket.socket, key: bytes) -> bool:
+        """The handshake (`peerauth`), with small frames and a short deadline; False: refused."""
+        _kernel_timeouts(sock, peerauth.AUTH_TIMEOUT_S)
+        try:
+            first = _recv_frame(sock, peerauth.AUTH_FRAME)
+            peerauth.server(key, first, lambda o: _send_frame(sock, o),
+                            lambda: _recv_frame(sock, peerauth.AUTH_FRAME))
+            return True
+        except peerauth.AuthError:
+            srv.refused += 1
+            return False
+        except Exception as e:             # noqa: BLE001 — a malformed or stalled handshake
+            srv.refused += 1
+            _reply_error(sock, e)
+            return False
 
     def _one(self, srv: "PeerServer", sock: socket.socket, req: dict) -> None:
         op = req.get("op")
@@ -242,9 +267,12 @@ class PeerServer:
 
     def __init__(self, host: str, port: int, store: ShardStore, timeout_s: float = 60.0,
                  max_shard_bytes: int = 1 << 40,
-                 on_stored: Callable[[dict, int | None], None] | None = None):
+                 on_stored: Callable[[dict, int | None], None] | None = None, key: bytes | None = None):
         """`on_stored(header, run)`: a pushed shard is stored and verified (`run`: the run the
-        pusher said made it, or None)."""
+        pusher said made it, or None). `key`: the job's checkpoint key every connection must
+        prove it holds (settable: a new job's); None serves anyone (a standalone server)."""
+        self.key = key
+        self.refused = 0           # connections that did not authenticate
         self.store = store
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
@@ -354,9 +382,10 @@ class _Lane:
 class PeerClient:
     """Pushes own shards to backup peers (background, newest step wins) and fetches them back."""
 
-    def __init__(self, timeout_s: float = 60.0, chunk_bytes: int = CHUNK):
+    def __init__(self, timeout_s: float = 60.0, chunk_bytes: int = CHUNK, key: bytes | None = None):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.key = key             # the job's checkpoint key (`peerauth`); None: no handshake
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._lanes: dict[tuple, _Lane] = {}
@@ -370,6 +399,15 @@ class PeerClient:
     def _connect(self, addr: tuple[str, int], kernel_timeouts: bool = False) -> socket.socket:
         sock = socket.create_connection(tuple(addr), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        key = self.key
+        if key is not None:
+            try:
+                peerauth.client(key, lambda o: _send_frame(sock, o), lambda: _recv_frame(sock, peerauth.AUTH_FRAME))
+            except BaseException as e:
+                sock.close()
+                if isinstance(e, peerauth.AuthError):
+                    raise PeerError(f"peer {addr[0]}:{addr[1]}: {e}") from None
+                raise
         if kernel_timeouts:
             _kernel_timeouts(sock, self.timeout_s)
         return sock
@@ -562,13 +600,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backup-dir", required=True)
     ap.add_argument("--durable-dir", default=None)
     ap.add_argument("--keep-backup", type=int, default=2)
+    ap.add_argument("--key-file", default=None, help="the job's checkpoint key (32 bytes); without it "
+                                                     "anyone who reaches the port may use it")
     args = ap.parse_args(argv)
+    key = memckpt.read_key(args.key_file) if args.key_file else None
     store = ShardStore(args.shm_dir or args.backup_dir + "/.own", args.backup_dir, args.durable_dir,
                        keep_backup=args.keep_backup)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with PeerServer(args.host, args.port, store) as srv:
+    with PeerServer(args.host, args.port, store, key=key) as srv:
         print(f"listening {srv.address[0]} {srv.address[1]}", flush=True)
         while not stop.wait(0.5):
             pass

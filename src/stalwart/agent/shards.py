@@ -49,12 +49,14 @@ def receive_shard(dir: str, hdr: dict, chunks: Iterable, keep: int | None = None
     rank, step, n = int(hdr["rank"]), int(hdr["step"]), int(hdr["nbytes"])
     if rank < 0 or step < 0 or n < 0:
         raise ValueError(f"bad shard header: rank {rank} step {step} nbytes {n}")
-    os.makedirs(dir, exist_ok=True)
+    os.makedirs(dir, mode=0o700, exist_ok=True)
+    memckpt.check_free(dir, n, f"rank {rank} step {step}")
     base = memckpt.step_base(dir, rank, step)
     tmp = f"{base}.data.tmp.{uuid.uuid4().hex}"
     s, got = memckpt.summer(hdr.get("hash")), 0
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
             for chunk in chunks:
                 if got + len(chunk) > n:
                     raise CorruptShard(f"rank {rank} step {step}: more than {n} bytes received")
@@ -112,7 +114,7 @@ class ShardStore:
         self.durable_dir = durable_dir
         self.keep_backup = keep_backup
         self.keep_durable = keep_durable
-        os.makedirs(backup_dir, exist_ok=True)
+        os.makedirs(backup_dir, mode=0o700, exist_ok=True)
         self._fs, self._root = (fsspec.core.url_to_fs(durable_dir) if durable_dir else (None, None))
         if self._fs is not None:
             self._fs.makedirs(self._root, exist_ok=True)

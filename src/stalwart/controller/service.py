@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from stalwart import clock, protocol
+from stalwart import auth, clock, protocol
 from stalwart.chaos import catalogue
 from stalwart.controller import snapshot, versions
 from stalwart.controller.beats import BeatLateness
@@ -114,6 +114,7 @@ class Controller:
         is called with the reason when another takes it (the CLI exits)."""
         self.state_dir = os.path.abspath(state_dir)
         snapshot.mark_state_dir(self.state_dir)
+        self._ckpt_secret = auth.checkpoint_secret(self.state_dir)
         self.store = Store(db_url)
         self.store.patient()            # (the constructor's thread: a start waits an outage out)
         self.lease = None
@@ -505,6 +506,10 @@ class Controller:
         return reply
 
     # -- jobs ---------------------------------------------------------------------------------------
+    def ckpt_key(self, job_id: int) -> str:
+        """The job's checkpoint key (hex), for its agents alone (`auth.checkpoint_key`)."""
+        return auth.checkpoint_key(self._ckpt_secret, job_id)
+
     def ckpt_dir(self, job_id: int) -> str:
         return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")
 

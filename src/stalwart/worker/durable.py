@@ -71,7 +71,7 @@ def load(root: str, step: int, rank: int) -> Any:
     verify(root, step, rank)
     data_path, _ = shard_paths(root, step, rank)
     with open(data_path, "rb") as f:
-        return torch.load(io.BytesIO(f.read()), weights_only=False)
+        return torch.load(io.BytesIO(f.read()), weights_only=True)   # (no code from a file)
 
 
 def complete_steps(root: str, world_size: int) -> list[int]:

@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 from stalwart.threadprio import background_thread
 from stalwart.worker.shardfmt import (  # noqa: F401  (the format's helpers, re-exported)
-    ALIGN, FORMAT, HASH, CorruptShard, _encode_header, base_of, checksum, encode_shard, encode_shard_raw,
-    header_fields, header_step_rank, list_shards, map_data, meta_bytes, parse_name, read_header, read_header_bytes,
-    slot_base, step_base, step_shards, still_current, still_current_raw, summer, verify_shard, write_header,
+    ALIGN, FORMAT, HASH, KEY_BYTES, MAC, CorruptShard, ForgedShard, NoSpace, _encode_header, base_of, check_free,
+    checksum,
+    encode_shard, encode_shard_raw, header_fields, header_step_rank, key_path, list_shards, mac_prefix, mac_summer,
+    map_data, meta_bytes, parse_name, read_header, read_header_bytes, read_key, slot_base, step_base, step_shards,
+    still_current, still_current_raw, summer, verify_shard, write_header, write_key,
 )
 
 
@@ -103,7 +105,43 @@ def _any_tensor(tensors: list, refs: tuple):
     return reduce
 
 
+# What a state's metadata may name (`_Unpickler`): the containers and values a model's, an
+# optimizer's and a data loader's state hold, and the functions that rebuild the tensors the
+# shard's data does not carry (sparse, quantized, meta). Anything else is refused, so that a
+# shard's pickle cannot call an arbitrary function at restore; `allow_globals` adds a type.
+_ALLOWED: set[tuple[str, str]] = {
+    ("builtins", n) for n in ("set", "frozenset", "complex", "slice", "range", "bytearray")} | {
+    ("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")} | {
+    ("torch", "Size"), ("torch", "device"),
+    ("torch._utils", "_rebuild_sparse_tensor"), ("torch._utils", "_rebuild_qtensor"),
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch.serialization", "_get_layout"),
+    ("numpy", "dtype"), ("numpy", "ndarray"),
+    ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
+    ("random", "Random"),
+}
+
+
+def allow_globals(*objs: Any) -> None:
+    """Let a shard's state hold instances of these classes (or name these functions): what a
+    state of the user's own types needs to be restored (the restricted unpickler refuses
+    every other global)."""
+    for o in objs:
+        _ALLOWED.add((o.__module__, o.__qualname__))
+
+
+def _load_storage(b: bytes):
+    """A tensor storage pickled inside a state (a sparse tensor's), loaded with torch's own
+    restricted loader (torch's `_load_from_bytes` loads it with `weights_only=False`)."""
+    import torch
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
 class _Unpickler(pickle.Unpickler):
+    """The shard's metadata, with tensor references resolved and only `_ALLOWED` globals."""
+
     def __init__(self, buf, tensors):
         super().__init__(buf)
         self._tensors = tensors
@@ -111,7 +149,17 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module == __name__ and name == "_tensor_ref":
             return self._tensors.__getitem__
-        return super().find_class(module, name)
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage
+        if module == "torch":
+            import torch
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)):
+                return value
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a checkpoint's state names {module}.{name}, which is not allowed in "
+                                     "a state (stalwart.worker.memckpt.allow_globals admits a type)")
 
     def persistent_load(self, pid):
         # shards written before the references were globals (persistent ids ("t", index))
@@ -200,7 +248,7 @@ class MemCheckpointer:
 
     def __init__(self, dir: str, rank: int, layout: dict | None = None, headroom: float = 0.05,
                  slots: int = 2, on_commit: Callable[[int, str], None] | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, mac_key: bytes | None = None):
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         if not isinstance(slots, int) or isinstance(slots, bool) or not 2 <= slots <= 999:
@@ -210,7 +258,10 @@ class MemCheckpointer:
         self.on_commit = on_commit          # (step, header path) once a snapshot is complete
         self.layout = dict(layout or {})
         self.headroom = headroom
-        os.makedirs(dir, exist_ok=True)
+        os.makedirs(dir, mode=0o700, exist_ok=True)
+        # the job's checkpoint key (the agent's file beside `dir`): each commit adds a keyed MAC
+        self.mac_key = mac_key if mac_key is not None else read_key(key_path(dir))
+        self._layout_json = json.dumps(self.layout, separators=(",", ":"))
         self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stalwart-memckpt-r{rank}",
                                         initializer=background_thread)
@@ -230,8 +281,10 @@ class MemCheckpointer:
             return
         cap = max(ALIGN, int(nbytes * (1 + self.headroom)) // ALIGN * ALIGN + ALIGN)
         path = slot.base + ".data"
+        check_free(self.dir, cap - (os.stat(path).st_size if os.path.exists(path) else 0),
+                   f"rank {self.rank}'s checkpoint slot")
         slot.buf = None
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, cap)
         finally:
@@ -328,7 +381,15 @@ class MemCheckpointer:
         # (the key order is the format's: "format", "step", "rank" first, see header_step_rank)
         hdr = {"format": FORMAT, "step": step, "rank": self.rank, "layout": self.layout, "nbytes": nbytes,
                "tensors": None, "meta": base64.b64encode(meta).decode(), "hash": HASH, "complete": 1}
-        hdr["checksum"] = checksum(hdr, slot.buf[:nbytes].numpy() if nbytes else b"", meta)
+        data = slot.buf[:nbytes].numpy() if nbytes else b""
+        if self.mac_key is not None:     # (before "hash": where the header's readers expect it)
+            mac = mac_summer(self.mac_key, mac_prefix(self.rank, step, nbytes, self._layout_json, table_json))
+            if nbytes:
+                mac.update(data)
+            mac.update(meta)
+            hdr = {k: v for k, v in hdr.items() if k not in ("hash", "complete")}
+            hdr.update(mac_alg=MAC, mac=mac.hexdigest(), hash=HASH, complete=1)
+        hdr["checksum"] = checksum(hdr, data, meta)
         write_header(slot.base, hdr, _encode_header(hdr, table_json))
         if self.on_commit is not None:
             self.on_commit(step, slot.base + ".hdr")

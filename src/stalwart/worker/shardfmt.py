@@ -16,11 +16,22 @@ the job's ``policy.mem_slots``); other tiers use
 ``rank{r:05d}.step{s:012d}.{data,hdr}``. A *shard path* is the path of the ``.hdr`` file (the
 ``.data`` path or the bare base are accepted too).
 
-Standard library and xxhash only: the agent reads shards without loading torch.
+A shard of a job run under an agent also carries a keyed MAC (the header's ``mac``): keyed
+BLAKE3 (the `blake3` package) of the shard's identity (rank, step, nbytes, layout, tensor table),
+its data and its meta bytes, under the job's checkpoint key. The checksum finds torn and flipped
+bytes; the MAC finds a shard that someone without the key made or changed (a peer's backup, a
+durable copy): xxh3 is not keyed, anyone can forge a matching one. The writer is the worker's
+commit thread (off the training thread), which reads the key from `key_path(shm_dir)`, a 0600
+file the agent writes (the key is never in a worker's environment); the agent verifies the MAC
+before it restores a shard. Measured on 8 MiB, one thread (2026-11-27, a loaded 2-core host):
+keyed BLAKE3 0.40 GiB/s against hashlib's keyed BLAKE2b 0.06 GiB/s (xxh3: ~10 GiB/s), hence blake3.
+
+Standard library, xxhash and blake3 only: the agent reads shards without loading torch.
 """
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import mmap
 import os
@@ -28,6 +39,7 @@ import re
 import threading
 import zlib
 
+import blake3
 import xxhash
 
 FORMAT = "stalwart-shard/1"
@@ -162,10 +174,11 @@ def header_fields(raw: bytes, meta: bool = True) -> dict:
 
 def write_header(base: str, hdr: dict, encoded: bytes | None = None) -> None:
     """Write a header atomically (temp file then rename) — the commit point of a shard.
-    `encoded`: the header's JSON already made (`hdr` unused then)."""
+    `encoded`: the header's JSON already made (`hdr` unused then). Mode 0600: a shard is a
+    rank's model and optimizer state."""
     tmp = f"{base}.hdr.tmp.{os.getpid()}.{threading.get_ident()}"
     data = encoded if encoded is not None else json.dumps(hdr, separators=(",", ":")).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -279,11 +292,101 @@ def step_shards(dir: str, rank: int) -> list[tuple[int, str]]:
     return out
 
 
-def verify_shard(path: str) -> dict:
-    """Re-read a shard's data and check it against its header; returns the header or raises CorruptShard."""
+# ----------------------------------------------------------------------------- space
+
+class NoSpace(OSError):
+    """The shared memory cannot hold a checkpoint slot or backup (the message says how much)."""
+
+
+def check_free(dir: str, need: int, what: str) -> None:
+    """Raise NoSpace when the filesystem of `dir` has fewer than `need` bytes free: a tmpfs
+    (/dev/shm) that fills up while a mapped file is written kills the writer with SIGBUS, so the
+    space is checked before a slot or a backup is sized, never found short by a write."""
+    if need <= 0:
+        return
+    st = os.statvfs(dir)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise NoSpace(f"{what} needs {need / 2**20:.1f} MiB in {dir} but only {free / 2**20:.1f} MiB are "
+                      "free (enlarge /dev/shm, e.g. the container's shm size, or keep fewer slots)")
+
+
+# ----------------------------------------------------------------------------- MAC
+
+MAC = "blake3"          # the keyed MAC of new shards (their header's "mac_alg")
+KEY_BYTES = 32
+KEY_FILE = "ckpt.key"
+
+
+class ForgedShard(CorruptShard):
+    """A shard whose MAC is absent or does not match under the job's key: not restored."""
+
+
+def key_path(shm_dir: str) -> str:
+    """Where the agent keeps the job's checkpoint key, beside the own slots' directory."""
+    return os.path.join(os.path.dirname(os.path.abspath(shm_dir)), KEY_FILE)
+
+
+def write_key(path: str, key: bytes) -> None:
+    """Write `key` to `path` (0600, replaced atomically, never through a symlink)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a checkpoint key is {KEY_BYTES} bytes, got {len(key)}")
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, key)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_key(path: str) -> bytes | None:
+    """The checkpoint key at `path`, or None when there is none (no agent, or none given)."""
+    try:
+        key = _read_small(path)
+    except FileNotFoundError:
+        return None
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{path}: a checkpoint key is {KEY_BYTES} bytes, the file holds {len(key)}")
+    return key
+
+
+def mac_prefix(rank: int, step: int, nbytes: int, layout_json: str, table_json: str) -> bytes:
+    """What the MAC binds besides the bytes: the shard's identity and its tensor table (a shard
+    of another step, rank or shape does not pass for this one)."""
+    return b"%s|mac/1|%d|%d|%d|%s|%s|" % (FORMAT.encode(), rank, step, nbytes, layout_json.encode(),
+                                          table_json.encode())
+
+
+def mac_summer(key: bytes, prefix: bytes):
+    """A running keyed MAC: `update(bytes-like)` with the data then the meta bytes, then
+    `hexdigest()`."""
+    m = blake3.blake3(key=key, max_threads=1)
+    m.update(prefix)
+    return m
+
+
+def _hdr_prefix(hdr: dict) -> bytes:
+    try:
+        return mac_prefix(int(hdr["rank"]), int(hdr["step"]), int(hdr["nbytes"]),
+                          json.dumps(hdr.get("layout") or {}, separators=(",", ":")),
+                          json.dumps(hdr.get("tensors"), separators=(",", ":")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ForgedShard(f"a header without the fields its MAC binds ({e})") from None
+
+
+def verify_shard(path: str, key: bytes | None = None) -> dict:
+    """Re-read a shard's data and check it against its header (and, with `key`, its MAC: a
+    shard without one, or a wrong one, raises ForgedShard); returns the header or raises
+    CorruptShard."""
     hdr = read_header(path)
     if hdr is None:
         raise CorruptShard(f"{base_of(path)}: no complete header")
+    mac = None
+    if key is not None:
+        if hdr.get("mac_alg") != MAC or not isinstance(hdr.get("mac"), str):
+            raise ForgedShard(f"{base_of(path)}: no {MAC} MAC (a shard made without the job's key)")
+        mac = mac_summer(key, _hdr_prefix(hdr))
     s = summer(hdr.get("hash"))
     try:
         with open(base_of(path) + ".data", "rb") as f:
@@ -293,11 +396,18 @@ def verify_shard(path: str) -> dict:
             if hdr["nbytes"]:
                 with mmap.mmap(f.fileno(), hdr["nbytes"], prot=mmap.PROT_READ) as mm:
                     s.update(mm)
+                    if mac is not None:
+                        mac.update(mm)
     except FileNotFoundError:
         raise CorruptShard(f"{base_of(path)}: data file missing") from None
-    s.update(meta_bytes(hdr))
+    meta = meta_bytes(hdr)
+    s.update(meta)
     if s.intdigest() != hdr["checksum"]:
         raise CorruptShard(f"{base_of(path)}: checksum {s.intdigest():x} != header {hdr['checksum']:x}")
+    if mac is not None:
+        mac.update(meta)
+        if not hmac.compare_digest(mac.hexdigest(), hdr["mac"]):
+            raise ForgedShard(f"{base_of(path)}: MAC mismatch (not made with the job's key)")
     return hdr
 
 

@@ -196,7 +196,8 @@ class Executor:
                 peer = act.slots[self.topo.backup_machine(i)]
                 addr = self._addr(peer)
                 backup = p.Backup(machine=peer, addr=addr) if addr else None
-            ckpt = p.CkptPlan(durable_dir=ctl.ckpt_dir(self.job_id), every=self.spec.ckpt_every, backup=backup)
+            ckpt = p.CkptPlan(durable_dir=ctl.ckpt_dir(self.job_id), every=self.spec.ckpt_every, backup=backup,
+                              key=ctl.ckpt_key(self.job_id))
             ctl.send(m, p.Start(spec=spec, workers=workers, ckpt=ckpt,
                                 wait_warm_s=WARM_WAIT_S if m in act.warm else COLD_WAIT_S))
 
