@@ -38,10 +38,11 @@ def small(days: float = 1.0, gpus: int = 128, standby: str = "auto") -> Config:
     return Config(gpus=gpus, pp=4, days=days, standby=standby)
 
 
-def recorded_sim(faults: list[Fault], policy: str = "stalwart") -> tuple[Sim, list]:
+def recorded_sim(faults: list[Fault], policy: str = "stalwart", model: Model | None = None,
+                 cfg: Config | None = None) -> tuple[Sim, list]:
     """Run the simulator, recording every event its job core handled with the time, the cluster the
     core saw then, and the actions it returned."""
-    sim = Sim(small(), peers.POLICIES[policy], load("paper"), Model(), faults, seed=3)
+    sim = Sim(cfg or small(), peers.POLICIES[policy], load("paper"), model or Model(), faults, seed=3)
     log: list = []
     handle = JobCore.handle
 
@@ -72,6 +73,11 @@ def test_the_simulator_and_the_controller_s_core_take_the_same_decisions():
     assert of(acts, a.StartReplayGroup), "the scenario must replay"
     assert of(acts, a.RunChecks) and of(acts, a.TraceStacks) and of(acts, a.Prewarm)
     assert [x for x in of(acts, a.AssignMachine) if x.state == "evicted"]
+    replay_in_core(sim, log)
+
+
+def replay_in_core(sim: Sim, log: list) -> None:
+    """Feed the recorded events to a core set up as the controller sets one up; assert the same actions."""
     segments = {seg for seg, *_ in log}
     for seg in sorted(segments):
         h = Harness(machines=2)                  # replaced by the simulated job's spec and cluster below
@@ -115,11 +121,13 @@ def test_standby_auto_is_the_p99_of_a_binomial():
 
 
 def test_standby_auto_sizes_the_pool_in_the_simulator_and_in_a_core_job():
-    # the simulator: 1,200 machines keep P99(Binomial(1200, 0.12%)) = 5 standbys, the core takes them
+    # the simulator: 1,200 machines keep P99(Binomial(1200, 0.12%)) = 5 warm standbys; the core may
+    # count on a pipeline group (8), the 3 beyond the warm pool being rescheduled when taken
     sim = Sim(Config(days=0.01), peers.STALWART, load("paper"), Model(), [], seed=1)
-    assert sim.standbys == p99_standbys(1200, 0.0012) == 5
+    assert sim.warm_standbys == p99_standbys(1200, 0.0012) == 5 and sim.standbys == 8
     sim.run()
-    assert len(sim.st.pool.standby) == 5 and len(sim.cluster.free()) == 0
+    assert len(sim.st.pool.standby) == 8 and len(sim.cluster.free()) == 0
+    assert Sim(Config(days=0.01), peers.POLICIES["stalwart-no-standby"], load("paper"), Model(), [], seed=1).standbys == 0
     # a job of the controller's core (corekit): 64 machines at 5% per day
     h = Harness(machines=64, gpus=1, standby="auto", spare=20, policy={"daily_failure_rate": 0.05})
     want = p99_standbys(64, 0.05)

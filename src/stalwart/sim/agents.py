@@ -106,12 +106,12 @@ class Agents:
         if not sim.platform.tracer or i is None:
             return []
         fn = "all_reduce"
+        tr = sim.training
         for f, where in sim.active_faults():
             if f.kind == "hang" and f.persistent:
                 if machine in where:
                     fn = "all_gather"
-                elif sim.training is not None and any(
-                        i in sim.pipeline_slots(sim.training.slots.index(w)) for w in where if w in sim.training.slots):
+                elif tr is not None and any(i in sim.pipeline_slots(tr.index[w]) for w in where if w in tr.index):
                     fn = "recv"
             elif f.kind == "slow" and machine in where:
                 fn = "forward"
@@ -145,13 +145,19 @@ class Agents:
         """Which check a faulty machine fails, if it is caught (each fault draws its own luck)."""
         sim = self.sim
         f = sim.bad.get(machine)
-        if f is None or sim.platform.checks == "none":
+        if sim.platform.checks == "none":
             return None
+        if f is None:         # a healthy machine fails a check now and then (a flaky test, a busy link)
+            fp = sim.model.false_positive
+            return "selftest" if fp and "selftest" in checks and self.rng.random() < fp else None
         if sim.platform.checks == "health" and not (f.hard or f.kind == "network"):
             return None
+        recall = sim.model.recall.get(f.kind)
         if f.kind == "nan":
-            return "align" if "align" in checks and sim.draw(f) < sim.profile.align_recall else None
-        if f.hard or sim.draw(f) < sim.profile.checks_recall:
+            r = sim.profile.align_recall if recall is None else recall
+            return "align" if "align" in checks and sim.draw(f) < r else None
+        r = sim.profile.checks_recall if recall is None else recall
+        if (f.hard and recall is None) or sim.draw(f) < r:
             return "inter" if f.kind == "network" and "inter" in checks else "selftest"
         return None
 
@@ -194,13 +200,16 @@ class Agents:
         m = machines[0]
         rank = tr.slots.index(m) if tr is not None and m in tr.slots else 0
         run = tr.run if tr is not None else None
-        kind = f.kind
+        kind = "io" if f.kind == "storage" else f.kind
         if kind in ("gpu", "ecc", "disk", "crash", "oom", "io") or (kind == "network" and not f.persistent):
             sim.freeze(now)
             key = {"gpu": "gpu_ambiguous" if f.ambiguous else "gpu"}.get(kind, kind)
             code, sig = (-9, 9) if kind == "crash" else (1, None)
-            self.send(pr.detect_exit_s, m, p.WorkerExit(run=run, rank=rank, code=code, signal=sig,
-                                                        log_tail=self.tail(key), t=now + pr.detect_exit_s))
+            dt = pr.detect_exit_s
+            lost = sim.model.tail_missing_share and self.rng.random() < sim.model.tail_missing_share
+            self.send(dt, m, p.WorkerExit(run=run, rank=rank, code=code, signal=sig,
+                                          log_tail="" if lost else self.tail(key), t=now + dt))
+            self.cascade(m, run, now + dt)
         elif kind in ("hang", "gpu_lost", "network"):
             sim.freeze(now)
             sim.stuck = True
@@ -221,6 +230,25 @@ class Agents:
         if plat.inspection and kind == "network":
             for x in machines:
                 self.alerts(f, x, run, 1)
+
+    def cascade(self, primary: str, run: int | None, after: float) -> None:
+        """After a rank's crash the others fail in their next collective: `cascade_ranks` machines
+        (the primary's pipeline first, then any) exit with a secondary NCCL error a moment later,
+        and the classifier has to find the primary among them."""
+        sim, tr = self.sim, self.sim.training
+        n = sim.model.cascade_ranks
+        if not n or tr is None or primary not in tr.index:
+            return
+        peers = [tr.slots[j] for j in sim.pipeline_slots(tr.index[primary]) if tr.slots[j] != primary]
+        others = peers[:n]
+        while len(others) < min(n, len(tr.slots) - 1):
+            x = tr.slots[self.rng.randrange(len(tr.slots))]
+            if x != primary and x not in others:
+                others.append(x)
+        for k, x in enumerate(others):
+            dt = after - sim.now + 0.5 + 0.01 * k
+            self.send(dt, x, p.WorkerExit(run=run, rank=tr.index[x], code=1, log_tail=self.tail("network"),
+                                          t=sim.now + dt))
 
     def alerts(self, f: Fault, machine: str, run: int | None, n: int) -> None:
         """A broken link's NIC alert every probe interval while the machine is in the job (a flap

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from stalwart.sim.engine import Config
     from stalwart.sim.failures import Model
 
-DEFAULT_POLICIES = ("requeue,nvrx-like,stalwart,stalwart-no-standby,stalwart-no-inmem-ckpt,"
+DEFAULT_POLICIES = ("requeue,nvrx-like,byterobust,stalwart,stalwart-no-standby,stalwart-no-inmem-ckpt,"
                     "stalwart-no-over-evict,stalwart-no-hot-update")
 
 
@@ -33,7 +33,10 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--gpus-per-machine", type=int, default=8)
     s.add_argument("--pp", type=int, default=8, help="pipeline stages (machines per pipeline)")
     s.add_argument("--days", type=float, default=90.0, help="simulated days (default 90)")
-    s.add_argument("--profile", default="paper", help="durations: paper | measured | a profile JSON file")
+    s.add_argument("--scenario", help="failure scenario: bytedance-dense | bytedance-moe | llama3-16k | a scenario "
+                                      "YAML/JSON file (default: the dense job's three streams alone)")
+    s.add_argument("--profile", help="durations: paper | measured | a profile JSON file (default: the "
+                                     "scenario's, else paper)")
     s.add_argument("--seeds", type=int, default=1, help="traces to run (seeds 1..N); mean and spread")
     s.add_argument("--seed", type=int, default=1, help="the first seed (default 1)")
     s.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -57,8 +60,11 @@ def add_commands(sub: Any) -> None:
 
 
 def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platform]]:
+    """The settings, the failure model (the scenario's, with --set on top) and the policies; sets
+    `a.profile` to the scenario's profile when none was given."""
     from stalwart.sim.engine import Config
     from stalwart.sim.failures import Model
+    from stalwart.sim.scenario import load as load_scenario
     for name in ("gpus", "gpus_per_machine", "pp", "seeds", "jobs"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
@@ -70,6 +76,13 @@ def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platfor
                  durable_every_s=a.durable_every_s, standby=a.standby, compute_times=a.whatif)
     cfg.check()
     model = Model()
+    if a.scenario:
+        sc = load_scenario(a.scenario)
+        model = sc.failures
+        if a.profile is None:
+            a.profile = sc.profile
+    if a.profile is None:
+        a.profile = "paper"
     for kv in a.set:
         key, eq, value = kv.partition("=")
         if not eq:
@@ -147,7 +160,8 @@ def main(a: argparse.Namespace) -> int:
     user = _cpu() - cpu0
     agg = results.aggregate(runs)
     print(f"stalwart sim: {cfg.gpus} GPUs ({cfg.machines} machines x {cfg.gpus_per_machine}), {a.days:g} days, "
-          f"profile {a.profile}, {a.seeds} seed(s), step {cfg.step_s:g} s, durable checkpoint every "
+          f"scenario {a.scenario or '(default)'}, profile {a.profile}, {a.seeds} seed(s), step {cfg.step_s:g} s, "
+          f"durable checkpoint every "
           f"{cfg.durable_every_s:g} s")
     print(results.table(agg))
     print(results.mechanisms_table(agg))

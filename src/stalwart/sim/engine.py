@@ -41,7 +41,7 @@ from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import AgentEvent, Cancel, JobEvent, MachineLost, Tick, VersionRegistered
-from stalwart.controller.pool import standby_count
+from stalwart.controller.pool import p99_standbys
 from stalwart.controller.restore import Availability
 from stalwart.sim.agents import Agents
 from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
@@ -61,13 +61,42 @@ SLOW_WATCH_EXTRA_S = 600.0  # beyond the slowdown detectors' own windows (see `w
 IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
 
 
+class Durations:
+    """The profile's durations, each drawn from the scenario's distribution where it gives one
+    (`Model.durations`); one draw per name and instant, so the events an action sends at once
+    agree on how long it took."""
+
+    def __init__(self, profile: Profile, model: Model, seed: int, clock: Callable[[], float]):
+        self._profile, self._clock = profile, clock
+        self._draw = {k: d.sampler() for k, d in model.durations.items()}
+        self._rng = random.Random(f"{seed}/durations")
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        draw = self.__dict__.get("_draw", {}).get(name)
+        if draw is None:
+            if name in EXTRA:
+                return EXTRA[name]
+            return getattr(self._profile, name)
+        now = self._clock()
+        last = self._last.get(name)
+        if last is None or last[0] != now:
+            last = self._last[name] = (now, draw(self._rng))
+        return last[1]
+
+
+EXTRA = {"storage_outage_s": 1800.0, "slow_replacement_s": 4 * 3600.0, "planned_s": 0.0, "user_fix_s": 5400.0}
+
+
 class Sim:
     def __init__(self, cfg: Config, platform: Platform, profile: Profile, model: Model, faults: list[Fault],
                  seed: int):
         cfg.check()
-        self.cfg, self.platform, self.profile, self.model, self.seed = cfg, platform, profile, model, seed
-        self.faults = faults
+        self.cfg, self.platform, self.model, self.seed = cfg, platform, model, seed
         self.now = T0
+        self.profile: Any = Durations(profile, model, seed, lambda: self.now)
+        self.rng = random.Random(f"{seed}/{platform.name}/sim")
+        self.faults = faults
         self.end = T0 + cfg.days * DAY
         self.heap: list[tuple[float, int, Callable, tuple]] = []
         self._seq = 0
@@ -78,7 +107,7 @@ class Sim:
         self.backed_up_by: list[list[int]] = [[] for _ in range(cfg.machines)]
         for r in range(cfg.machines):
             self.backed_up_by[topo.backup_machine(r)].append(r)
-        self.standbys = standby_count(self.spec)
+        self.standbys = self.spec.standby if isinstance(self.spec.standby, int) else 0
         self.cluster = SimCluster(cfg.machines, cfg.pp, self.dp, free=self.standbys, seed=seed,
                                   show_labels=platform.topology)
         self.agents = Agents(self)
@@ -115,6 +144,8 @@ class Sim:
         self.rngs: dict[int, random.Random] = {}
         self._pipes: dict[int, list[int]] = {}
         self.coming = 0               # machines the scheduler is providing
+        self.storage_until = T0       # the storage service is out until then
+        self.resume_from_memory = False
         self.stats = {"core_events": 0, "ticks": 0, "reports": 0}
 
     # -- the job ----------------------------------------------------------------------------------
@@ -124,9 +155,14 @@ class Sim:
                                   "replay_timeout_s": max(90.0, 2 * pr.replay_phase_s),
                                   "diag_timeout_s": max(10.0, pr.checks_s)}
         policy.update(plat.policy)
-        standby: Any = cfg.standby if plat.standby else 0
-        if isinstance(standby, str) and standby != "auto":
-            standby = int(standby)
+        policy["daily_failure_rate"] = self.model.daily_rate
+        self.warm_standbys = 0
+        if plat.standby:
+            self.warm_standbys = p99_standbys(cfg.machines, self.model.daily_rate) if cfg.standby == "auto" \
+                else int(cfg.standby)
+        # the scheduler reschedules an eviction's shortfall (the paper's policy): the job core may count
+        # on up to a pipeline group of machines, those beyond the warm pool arriving after provision_s
+        standby = max(self.warm_standbys, cfg.pp) if plat.reschedule and plat.standby else self.warm_standbys
         return JobSpec.from_dict({
             "name": "sim", "machines": cfg.machines, "gpus_per_machine": 1, "tp": 1, "pp": cfg.pp,
             "steps": 10 ** 12, "ckpt_every": max(1, round(cfg.durable_every_s / cfg.step_s)),
@@ -410,13 +446,20 @@ class Sim:
             self.bad.pop(act.machine, None)
             self.slow_machines.discard(act.machine)
             self.coming += 1            # the scheduler replaces a drained machine
-            self.later(self.profile.provision_s, self.provision)
+            self.later(self.provision_delay(), self.provision)
 
     def request(self, count: int) -> None:
         """The pool is short and nothing is free: the scheduler provides what is not already coming."""
         for _ in range(max(0, count - self.coming)):
             self.coming += 1
-            self.later(self.profile.provision_s, self.provision)
+            self.later(self.provision_delay(), self.provision)
+
+    def provision_delay(self) -> float:
+        """A replacement arrives after provision_s, or for part of the fleet after hours (repairs,
+        quota, a machine that fails its own node checks first)."""
+        if self.model.slow_replacement_share and self.rng.random() < self.model.slow_replacement_share:
+            return float(self.profile.slow_replacement_s)
+        return float(self.profile.provision_s)
 
     def provision(self) -> None:
         self.coming = max(0, self.coming - 1)
@@ -442,15 +485,23 @@ class Sim:
         else:
             fo = pr.hot_update_s if planned else pr.restart_s if plat.restart == "warm" else pr.peer_restart_s
             durable = any(c and c[0].tier == "durable" for c in act.restore.values()) or \
-                (act.restore_step < 0 and self.seg is not None and self.seg.resume_step > 0)
+                (act.restore_step < 0 and self.seg is not None and self.seg.resume_step > 0
+                 and not self.resume_from_memory)
             if durable:
                 fo += pr.durable_load_s
+            self.resume_from_memory = False
+        new = 0
         for i, m in enumerate(act.slots):
             if first or self.last_slots[i] != m:        # type: ignore[index]
                 home = [job_labels(j, self.cfg.pp, self.dp) for j in self.pipeline_slots(i)]
                 self.penalty[i] = PENALTY[placement.distance(self.cluster.true_labels(m), home)]
                 if not first:
+                    new += 1
                     fo = max(fo, self.warm_at.get(m, self.now) - self.now + pr.restart_s)
+        if new > self.warm_standbys:     # the shortfall beyond the warm pool is rescheduled: pods built
+            fo = max(fo, pr.provision_s + pr.restart_s)
+        if self.storage_until > self.now:    # workers cannot load their data until storage is back
+            fo = max(fo, self.storage_until - self.now + pr.restart_s)
         self.last_slots = list(act.slots)
         start = act.restore_step + 1 if act.restore_step >= 0 else (self.seg.resume_step if self.seg else 0)
         version = act.version if act.version is not None else self.version
@@ -470,6 +521,11 @@ class Sim:
         bug = self.bugs.get(version)
         if bug:                  # a faulty version fails in its first step
             self.later(fo + 0.5 * tr.pace, self._bug, bug, version, tr)
+        elif not first and self.model.restart_fail_share and self.rng.random() < self.model.restart_fail_share:
+            # the restart itself fails (a rendezvous or NCCL set-up error on some machine)
+            slot = self.rng.randrange(len(act.slots))
+            self.later(fo + 0.5 * tr.pace, self.recur, Fault(self.now - T0, "restart_failure", "crash", slot, False,
+                                                            seed=self.rng.getrandbits(32)), act.slots[slot], tr)
 
     def pace(self, slots: list[str]) -> float:
         p_ = self.cfg.step_s * (1 + (self.profile.memckpt_overhead if self.platform.memory_ckpt else 0.0))
@@ -505,12 +561,26 @@ class Sim:
         if f.kind == "update":
             self.update(f)
             return
+        if f.kind == "planned":
+            if self.st is not None and not self.st.terminal:
+                self.deliver(Cancel(reason="planned maintenance"))
+            return
+        if f.kind == "storage":
+            self.storage_until = max(self.storage_until, self.now + float(self.profile.storage_outage_s))
         tr = self.training
+        if f.kind == "user":          # the running code version fails (a data-dependent bug)
+            self.bugs[self.version] = "exception"
+            if tr is not None:
+                self._bug("exception", self.version, tr, "user_code")
+            return
         slots = tr.slots if tr is not None else self.last_slots
         if not slots:
             return
         if f.switch is not None:
-            machines = [m for m in slots if self.cluster.true_labels(m).get("switch") == f.switch]
+            under = set(f.switch)
+            machines = [m for m in slots if self.cluster.true_labels(m).get("switch") in under]
+            if not machines:
+                return
         else:
             machines = [slots[f.slot]]
         if f.persistent:
@@ -531,18 +601,18 @@ class Sim:
 
     def recur(self, f: Fault, machine: str, run: Training) -> None:
         tr = self.training
-        if self.bad.get(machine) is not f or tr is not run or not tr.stepping \
+        if (f.persistent and self.bad.get(machine) is not f) or tr is not run or not tr.stepping \
                 or machine not in tr.slots or self.st is None or self.st.phase != S.JobPhase.RUNNING:
             return
         self.show(f, [machine])
 
-    def _bug(self, kind: str, version: int, run: Training) -> None:
+    def _bug(self, kind: str, version: int, run: Training, category: str = "update") -> None:
         tr = self.training
         if tr is None or tr is not run or not tr.stepping or self.bugs.get(version) != kind or self.st is None \
                 or self.st.phase != S.JobPhase.RUNNING:
             return
         self.flush()
-        self.blame = Fault(self.now - T0, "update", "update", 0, False, bug=kind)
+        self.blame = Fault(self.now - T0, category, "update", 0, False, bug=kind)
         self.agents.bug(kind, version)
         self.last_change = self.now
         self.schedule_tick()
@@ -576,14 +646,18 @@ class Sim:
         pr = self.profile
         last = self.max_step
         durable = last - (last + 1) % self.ckpt_every
+        self.resume_from_memory = False
         if act.state == "cancelled":          # a planned requeue: a checkpoint is written at the stop
             resume, delay, why = last + 1, pr.requeue_s, "requeue"
+            if act.reason == "planned maintenance":
+                delay += pr.planned_s
         else:
             reason = act.reason or ""
             human = "standby machine(s) ready" not in reason
             if human:         # someone finds the bad machines and the bad code, then resubmits
                 sdc = any(f.kind == "nan" for f in self.bad.values())
-                delay = (pr.manual_sdc_s if sdc else pr.manual_s) + pr.requeue_s
+                user = bool(self.bugs.get(self.version))
+                delay = (pr.manual_sdc_s if sdc else pr.user_fix_s if user else pr.manual_s) + pr.requeue_s
                 drain = [m for m in act.machines if m in self.bad]
                 self.bugs[self.version] = None
             else:             # the scheduler drains what the job wanted evicted and requeues it
@@ -593,6 +667,12 @@ class Sim:
             for m in drain:
                 self.assign(a.AssignMachine(machine=m, state="evicted"))
             resume, why = durable + 1, "manual" if human else "requeue"
+            if not human and self.platform.reschedule:
+                # only the shortfall is rescheduled: the other machines keep their memory copies
+                # (backups live outside every parallel group), the job goes on when the pods are up
+                delay = pr.provision_s
+                if self.platform.memory_ckpt:
+                    resume, self.resume_from_memory = last + 1, True
         seg.lost_after = resume - 1
         self.gaps.append((self.now, self.now + delay, why))
         self.later(delay, self.submit, resume)

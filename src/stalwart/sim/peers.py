@@ -48,9 +48,17 @@ class Platform:
     restart: str = "warm"
     topology: bool = True
     nccl_hang: bool = False     # hangs are noticed at the collective timeout, not by the hang watch
+    reschedule: bool = False    # an eviction beyond the warm pool waits for the shortfall's new pods
 
 
-STALWART = Platform("stalwart", "every mechanism on")
+STALWART = Platform("stalwart", "every mechanism on", reschedule=True)
+# ByteRobust as the paper describes it (papers.md 1.4-1.7): a hang is seen when RDMA traffic has been
+# zero for 10 minutes (the profile's nccl_timeout_s), its stacks over-evict the parallel group they
+# point at (the shortfall beyond the P99 warm pool rescheduled), stop-time checks, reattempt, rollback
+# and dual-phase replay, every-step in-memory checkpoints, hot update, warm standby at P99
+BYTEROBUST = replace(STALWART, name="byterobust", about="the paper's design: 10-minute zero-traffic hang "
+                     "signal, over-eviction with the shortfall rescheduled, stop-time checks, dual-phase "
+                     "replay, hot update, warm standby at P99", nccl_hang=True)
 _NO_ANALYSIS = {"replay": False, "alignment_test": False, "over_evict": False, "similarity_evict": False,
                 "failslow_drop": OFF_FAILSLOW}
 POLICIES: dict[str, Platform] = {p.name: p for p in (
@@ -59,11 +67,13 @@ POLICIES: dict[str, Platform] = {p.name: p for p in (
              policy={**_NO_ANALYSIS, "stop_time_checks": False}, inspection=False, log_tails=False,
              tracer=False, checks="none", memory_ckpt=False, hot_update=False, restart="requeue",
              topology=False, nccl_hang=True),
-    Platform("nvrx-like", "in-job restart of every worker from the last durable checkpoint, hot spares, "
-                          "GPU/NIC health checks at restart; no probes while training, no over-eviction, "
-                          "no replay, no hot update",
+    Platform("nvrx-like", "NVRx ft_launcher defaults: in-job restart of every worker from the last durable "
+                          "checkpoint, node health checks at restart, no spare nodes (a dead node requeues "
+                          "the job), a hang ends at the NCCL timeout; no probes while training, no "
+                          "over-eviction, no replay, no hot update",
              policy=dict(_NO_ANALYSIS), inspection=False, log_tails=False, tracer=False, checks="health",
-             memory_ckpt=False, hot_update=False, restart="cold", topology=False),
+             memory_ckpt=False, hot_update=False, restart="cold", topology=False, standby=False, nccl_hang=True),
+    BYTEROBUST,
     STALWART,
     replace(STALWART, name="stalwart-no-standby", about="no warm standbys: an eviction ends the job, "
                                                          "the scheduler requeues it", standby=False),
