@@ -68,7 +68,10 @@ class PoolFlow:
         started = st.best_steps > 0          # the job's first step is done
         if started:
             acts += self.warm_standbys(st)
-        for m in self.ctx.cluster.free()[:max(0, short)]:
+        # the cluster's free list is as of the last actions carried out: a machine this very tick's
+        # start took (or the pool holds) is not free for the pool, whatever the list still says
+        taken = set(st.slots) | set(st.pool.standby)
+        for m in [m for m in self.ctx.cluster.free() if m not in taken][:max(0, short)]:
             st.pool.standby.append(m)
             acts += [AssignMachine(machine=m, state="standby")] + (self.prewarm(st, m) if started else [])
             acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
