@@ -7,6 +7,7 @@ silent fault and says what it found, behind one interface (`base.Detector`).
 | `training.py` | `TrainingAnomalyDetector` | NaN/inf and jumps in loss or gradient norm |
 | `failslow.py` | `FailSlowDetector` | throughput drops; rounds of stacks and per-rank compute times |
 | `peers.py` | `PeerDetector` | machines whose metrics stay unlike their peers' (similarity) |
+| `trace.py` | `TraceDetector` | ranks whose collective traces leave the distribution learned while healthy |
 
 `flows/implicit.py` holds one of each and hands every event, committed step and tick to them; a new
 detector is one more module here and one more entry in its list. This package's `__init__` imports

@@ -1,6 +1,6 @@
 """Implicit failures: the job core's detectors (`controller/job/detectors/`: hangs, NaN and loss
-jumps, fail-slow rounds, peers that stay unlike each other), held here behind one interface. This
-flow hands each of them every agent
+jumps, fail-slow rounds, peers that stay unlike each other, collective traces that leave their
+learned distribution), held here behind one interface. This flow hands each of them every agent
 event, committed step and tick, in a fixed order, and asks nothing else of them."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from stalwart.controller.job.detectors.base import Detector
 from stalwart.controller.job.detectors.failslow import FailSlowDetector
 from stalwart.controller.job.detectors.hang import ABNORMAL_STATES, TRACE_TIMEOUT_S, HangDetector
 from stalwart.controller.job.detectors.peers import PeerDetector, peer_check_period
+from stalwart.controller.job.detectors.trace import TraceDetector
 from stalwart.controller.job.detectors.training import TrainingAnomalyDetector
 from stalwart.controller.job.flows.base import Actions, Ctx
 from stalwart.controller.job.state import JobPhase, JobState, PendingStep, Signals
@@ -29,16 +30,18 @@ class ImplicitFlow:
         self.training = TrainingAnomalyDetector(ctx, incidents)
         self.failslow = FailSlowDetector(ctx, incidents)
         self.peers = PeerDetector(ctx, incidents)
+        self.trace = TraceDetector(ctx, incidents)
         # the order every hook runs in (a tick stops at the first that stops the run); the hang
         # check comes last, as a hang is what the others did not explain
-        self.detectors: tuple[Detector, ...] = (self.training, self.failslow, self.peers, self.hang)
+        self.detectors: tuple[Detector, ...] = (self.training, self.failslow, self.peers, self.trace,
+                                                self.hang)
 
     def new_run(self, st: JobState, now: float) -> None:
         """A run starts: its throughput, peers and traces are judged afresh (the loss history and
-        the fail-slow quiet period carry over)."""
+        the fail-slow quiet period carry over, and so does a trace model learned on the same layout)."""
         old = st.signals
         st.signals = Signals(loss_hist=old.loss_hist, grad_hist=old.grad_hist, step_times=old.step_times,
-                             failslow_quiet_until=old.failslow_quiet_until)
+                             failslow_quiet_until=old.failslow_quiet_until, traces=old.traces)
         for d in self.detectors:
             d.new_run(st, now)
 
