@@ -415,13 +415,28 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
     t: float = 0.0
 
 
+class TraceOp(msgspec.Struct, array_like=True, frozen=True):
+    """One collective a rank entered, from its flight recorder (worker/frhook.py `trace_ops`):
+    kind (``gloo:all_reduce``), group name and description, duration and bytes where recorded,
+    milliseconds since the rank entered its previous collective, and the recorder's id."""
+    kind: str
+    group: str
+    desc: str
+    dur_ms: float | None
+    nbytes: int | None
+    gap_ms: float | None
+    seq: int
+
+
 class Activity(_Msg, tag="activity", kw_only=True):
     """Progress the agent saw in its workers without step reports (agent/progress.py): `ranks` used
     CPU (or wrote to their log) outside a collective since the last sample; `collectives` is, per
-    rank without the SDK, how many collectives it has entered (its flight recorder), when that grew."""
+    rank without the SDK, how many collectives it has entered (its flight recorder), when that grew;
+    `traces`, per rank, the collectives it entered since the last sample (sampled: the newest)."""
     run: int | None = None
     ranks: list[int] = []
     collectives: dict[int, int] = {}
+    traces: dict[int, list[TraceOp]] = {}
     t: float = 0.0
 
 

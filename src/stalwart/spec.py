@@ -108,6 +108,10 @@ _POLICY_RULES: dict[str, tuple[str, float, bool, float, bool]] = {
     "mem_slots": ("int", 2, False, math.inf, False),
     "over_evict": ("bool", 0, False, 0, False),
     "warm_spares": ("bool", 0, False, 0, False),
+    "trace_detector": ("bool", 0, False, 0, False),
+    "trace_evict": ("bool", 0, False, 0, False),
+    "trace_train_s": ("float", 0.0, True, math.inf, False),
+    "trace_window_s": ("float", 0.0, True, math.inf, False),
 }
 
 
@@ -168,6 +172,12 @@ class Policy:
         priority) so that a restart there never waits for imports (true/false). Off where many
         simulated machines share one host's few cores: there the spares' imports compete with
         training, and a fault soon after the start finds them still importing.
+    trace_detector: learn each job's healthy collective traces (the workers' flight recorders)
+        and alert on a rank whose trace leaves them (true/false; docs/trace-detector.md).
+    trace_evict: a trace alert may evict the machines it names, only while the job is slowed
+        and a standby is ready; off: alerts only (true/false).
+    trace_train_s: how long the trace model learns from a healthy run before it judges (> 0).
+    trace_window_s: each rank's trace is scored over windows this long (> 0).
 
     ``from_dict`` also accepts duration strings ("90s", "5m", "24h") for fields ending in _s.
     """
@@ -203,6 +213,10 @@ class Policy:
     mem_slots: int = 4
     over_evict: bool = True
     warm_spares: bool = True
+    trace_detector: bool = True
+    trace_evict: bool = False
+    trace_train_s: float = 120.0
+    trace_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.validate()

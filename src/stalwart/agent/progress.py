@@ -6,13 +6,14 @@ that computes from one that is stuck. Every period this sampler reads, for each 
 - the CPU seconds of its process tree (the worker and its children: data loaders) and the size of
   its log files;
 - the summary its flight-recorder hook wrote (`worker/frhook.py`, in `<workdir>/fr/<pid>.json`):
-  how many collectives it entered and whether it is inside one now.
+  how many collectives it entered and whether it is inside one now, and the collectives entered
+  since the hook's previous summary (its trace: forwarded to the controller's trace detector).
 
 `hangwatch.progressed` judges each worker (a new collective is progress; outside a collective, CPU
 or log growth is; inside one, neither is: NCCL's wait spins), and one `activity` event per period
 tells the controller which ranks progressed and, for ranks without the SDK, their collective counts
-when those grew. Ranks whose SDK reported a step since the last sample are left out (their step said
-it), so a job that steps every period sends no activity at all.
+when those grew, and every rank's new trace operations. Ranks whose SDK reported a step since the last
+sample are left out of `ranks` (their step said it).
 
 The same summaries go with a hang's stacks (`summaries`), where the controller's flight-recorder
 analysis names the ranks that never entered the stuck collective.
@@ -86,6 +87,7 @@ class ProgressWatch:
         self._prev: dict[int, ActivitySample] = {}       # rank -> last sample
         self._steps: dict[int, int] = {}                 # rank -> last step seen at the last sample
         self._sent: dict[int, int] = {}                  # rank -> collective count last sent
+        self._traced: dict[tuple[int, int], int] = {}    # (rank, pid) -> last trace record id sent
         self._lock = threading.Lock()
         self._stop = threading.Event()
         os.makedirs(fr_dir, exist_ok=True)
@@ -102,6 +104,7 @@ class ProgressWatch:
             self._prev.clear()
             self._steps.clear()
             self._sent.clear()
+            self._traced.clear()
             for name in os.listdir(self.fr_dir):
                 try:
                     os.unlink(os.path.join(self.fr_dir, name))
@@ -167,6 +170,7 @@ class ProgressWatch:
         steps = self.last_steps()
         ranks: list[int] = []
         counts: dict[int, int] = {}
+        traces: dict[int, list[p.TraceOp]] = {}
         with self._lock:
             for w in live:
                 rank = w.rank
@@ -186,6 +190,28 @@ class ProgressWatch:
                     ranks.append(rank)
                 if not sdk and cur.collectives is not None and cur.collectives != self._sent.get(rank):
                     counts[rank] = self._sent[rank] = cur.collectives
-        if not ranks and not counts:
+                ops = self._new_ops(rank, summary)
+                if ops:
+                    traces[rank] = ops
+        if not ranks and not counts and not traces:
             return None
-        return p.encode(p.Activity(run=run, ranks=sorted(ranks), collectives=counts, t=now))
+        return p.encode(p.Activity(run=run, ranks=sorted(ranks), collectives=counts, traces=traces, t=now))
+
+    def _new_ops(self, rank: int, summary: dict) -> list[p.TraceOp]:
+        """The trace operations of `summary` not sent yet (a summary is read until the next replaces
+        it); malformed ones are skipped."""
+        raw, pid = summary.get("trace"), summary.get("pid")
+        if not isinstance(raw, list) or not isinstance(pid, int):
+            return []
+        last = self._traced.get((rank, pid), -1)
+        out: list[p.TraceOp] = []
+        for op in raw:
+            try:
+                t = p.TraceOp(str(op[0]), str(op[1]), str(op[2]), op[3], op[4], op[5], int(op[6]))
+            except (TypeError, ValueError, IndexError):
+                continue
+            if t.seq > last:
+                out.append(t)
+        if out:
+            self._traced[(rank, pid)] = max(o.seq for o in out)
+        return out

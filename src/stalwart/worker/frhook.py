@@ -11,9 +11,10 @@ first on the workers' PYTHONPATH) and calls :func:`start`: one daemon thread tha
 ``STALWART_FR_PERIOD`` seconds once ``torch.distributed`` has a process group, dumps the recorder
 and writes a summary to ``STALWART_FR_DIR/<pid>.json`` (atomically): the last entries of every
 process group seen so far, how many collectives the process entered, and whether it is inside one
-now. The agent reads these files for progress (agent/progress.py) and sends them with a hang's
-stacks, where ``analyzer.flightrec.laggards`` names the ranks that never entered the stuck
-collective.
+now, and the collectives entered since the previous summary (``trace``: kind, group, duration,
+bytes, gap; `Tracer`). The agent reads these files for progress (agent/progress.py), forwards the
+traces to the controller's trace detector, and sends the summaries with a hang's stacks, where
+``analyzer.flightrec.laggards`` names the ranks that never entered the stuck collective.
 
 Why a file every period rather than a dump on request: a SIGSTOPped or frozen rank answers no
 request, and the summary it wrote just before it stopped is exactly the evidence needed; the other
@@ -38,8 +39,11 @@ DIR_ENV = "STALWART_FR_DIR"
 PERIOD_ENV = "STALWART_FR_PERIOD"
 RUN_ENV = "STALWART_RUN"
 KEEP = 3                       # entries kept per process group: the stuck one and the two before
+TRACE_MAX = 128                # collectives a summary's trace holds: the newest since the last one
 FIELDS = ("pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "is_p2p", "profiling_name",
           "retired", "record_id", "state", "time_created_ns", "input_sizes")
+DTYPE_BYTES = {"Float": 4, "Half": 2, "BFloat16": 2, "Double": 8, "Int": 4, "Long": 8, "Char": 1, "Byte": 1,
+               "Bool": 1, "Short": 2, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
 
 
 def group_key(entry: dict) -> str:
@@ -91,6 +95,53 @@ class Recorder:
                 "in_collective": newest is not None and not newest.get("retired", True)}
 
 
+def _nbytes(entry: dict) -> int | None:
+    """The bytes of a collective's inputs, where its sizes and dtypes are recorded."""
+    sizes, dtypes = entry.get("input_sizes"), entry.get("input_dtypes")
+    if not isinstance(sizes, list) or not isinstance(dtypes, list) or len(sizes) != len(dtypes) or not sizes:
+        return None
+    total = 0
+    for shape, dt in zip(sizes, dtypes):
+        n = 1
+        for d in shape if isinstance(shape, list) else []:
+            n *= int(d)
+        total += n * DTYPE_BYTES.get(str(dt), 4)
+    return total
+
+
+class Tracer:
+    """The collectives a rank entered since the last call, as the controller's trace detector reads
+    them (`protocol.TraceOp`, as a list): ``[kind, group, description, duration ms or None, bytes or
+    None, ms since the previous collective was entered or None, record id]``. Durations exist where
+    the recorder times collectives (NCCL with timing); with gloo only the entry time is recorded, and
+    the gaps between entries carry the timing. At most `limit` per call, the newest: the dump is
+    taken anyway, so a trace costs a pass over the new entries, and its size stays bounded."""
+
+    def __init__(self, limit: int = TRACE_MAX):
+        self.limit = limit
+        self.last_id = -1
+        self.last_created: int | None = None
+
+    def ops(self, entries: Iterable[dict]) -> list[list]:
+        new = sorted((e for e in entries if int(e.get("record_id", -1)) > self.last_id),
+                     key=lambda e: int(e.get("record_id", -1)))
+        out: list[list] = []
+        for e in new:
+            created = e.get("time_created_ns")
+            gap = ((created - self.last_created) / 1e6 if isinstance(created, int) and self.last_created
+                   and created >= self.last_created else None)
+            if isinstance(created, int) and created > 0:
+                self.last_created = created
+            dur = e.get("duration_ms")
+            pg = e.get("process_group")
+            desc = str(pg[1]) if isinstance(pg, (list, tuple)) and len(pg) > 1 else ""
+            out.append([str(e.get("profiling_name", "")), group_key(e), desc,
+                        float(dur) if isinstance(dur, (int, float)) else None, _nbytes(e),
+                        round(gap, 3) if gap is not None else None, int(e.get("record_id", -1))])
+            self.last_id = max(self.last_id, int(e.get("record_id", -1)))
+        return out[-self.limit:]
+
+
 def _dump(c10d: Any) -> list[dict]:
     raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
     if isinstance(raw, (bytes, bytearray)):
@@ -119,7 +170,7 @@ def _initialized() -> Any:
 
 
 def _loop(directory: str, period: float) -> None:
-    rec = Recorder()
+    rec, tracer = Recorder(), Tracer()
     while True:
         time.sleep(period)
         try:
@@ -128,11 +179,12 @@ def _loop(directory: str, period: float) -> None:
                 return                      # this torch has no flight recorder: nothing to watch
             if c10d is None:
                 continue
-            summary = rec.update(_dump(c10d))
+            entries = _dump(c10d)
+            summary = rec.update(entries)
             if not summary["entries"]:
                 continue                    # no collective yet (or the recorder is off: size 0)
             rank = os.environ.get("RANK")
-            summary.update(pid=os.getpid(), t=time.time(),
+            summary.update(trace=tracer.ops(entries), pid=os.getpid(), t=time.time(),
                            rank=int(rank) if rank and rank.lstrip("-").isdigit() else None,
                            run=os.environ.get(RUN_ENV))
             write_summary(directory, summary)

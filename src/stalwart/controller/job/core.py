@@ -77,9 +77,9 @@ class JobCore:
         if isinstance(ev, p.Ckpt):
             return self.run.on_ckpt(st, ev)
         if isinstance(ev, p.Metrics):
-            return self.implicit.on_metrics(st, machine, ev)
+            return self.implicit.observe(st, machine, ev, now)
         if isinstance(ev, p.Activity):
-            return self.run.on_activity(st, ev, now)
+            return self.run.on_activity(st, ev, now) + self.implicit.observe(st, machine, ev, now)
         if isinstance(ev, p.Script):
             return self.run.on_script(st, ev, now)
         if isinstance(ev, p.WorkerExit):
@@ -89,7 +89,7 @@ class JobCore:
         if isinstance(ev, p.Stopped):
             return self.failure.on_stopped(st, machine, ev, now)
         if isinstance(ev, p.Stacks):
-            return self.implicit.on_stacks(st, machine, ev, now)
+            return self.implicit.observe(st, machine, ev, now)
         if isinstance(ev, p.DiagResult):
             return self.diagnosis.on_result(st, machine, ev, now)
         if isinstance(ev, p.Done):
@@ -132,14 +132,10 @@ class JobCore:
             acts += self.implicit.trace_tick(st, now)
         elif phase == JobPhase.RUNNING:
             acts += self.hotupdate.tick(st, now)
-            if st.phase == JobPhase.RUNNING:
-                acts += self.implicit.failslow_tick(st, now)
-        if st.phase == JobPhase.RUNNING:
-            acts += self.implicit.similarity_tick(st, now)
         if st.phase == JobPhase.RUNNING:
             acts += self.pool.refill(st, now)
             acts += self.failure.network_stall(st, now)
-            acts += self.implicit.check_hang(st, now)
+            acts += self.implicit.tick(st, now)       # the detectors, each while the run trains
         return acts
 
     # -- what the status API shows --------------------------------------------------------------

@@ -32,6 +32,7 @@ import msgspec
 from stalwart import protocol
 from stalwart.analyzer.failslow import FailSlowRounds
 from stalwart.analyzer.replay import ReplayPlan
+from stalwart.analyzer.traces import TraceWatch
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.peerwatch import PeerWatch
 from stalwart.controller.policy import Alert, Exit, Resolution
@@ -241,7 +242,7 @@ class FailSlow:
 
 @dataclass
 class Signals:
-    """Rolling training signals of the current run (NaN/jump, throughput, peers)."""
+    """Rolling training signals of the current run (NaN/jump, throughput, peers, traces)."""
     loss_hist: list[float] = field(default_factory=list)
     grad_hist: list[float] = field(default_factory=list)
     step_durs: list[float] = field(default_factory=list)
@@ -253,6 +254,7 @@ class Signals:
     peerwatch: PeerWatch | None = None
     peer_next_check: float = 0.0
     peer_steps: int = 0
+    traces: TraceWatch | None = None          # the trace detector's windows and model
     step_times: list[tuple[float, int]] = field(default_factory=list)   # (t, step) for steps/s
 
 

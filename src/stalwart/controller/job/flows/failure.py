@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
-IMPLICIT = ("hang", "nan", "loss_spike", "fail_slow", "peer_outlier")
+IMPLICIT = ("hang", "nan", "loss_spike", "fail_slow", "peer_outlier", "trace_outlier")
 CONTROL_PLANE = "control_plane"     # a run the controller's restart cut short
 # Evidence keeps arriving for a moment after the first symptom (the probe alert behind a crash, the
 # second network alert): localize no earlier than this after detection. Probes run every second.

@@ -1,0 +1,143 @@
+"""Partial anomalies from execution traces: a rank whose collectives leave the distribution its job
+showed while healthy (`analyzer.traces`: peer-relative window features, a one-class density model).
+
+The model learns from the first `trace_train_s` of the job's first run that has traces (after the
+run's start-up window, and only while no fail-slow suspicion is open); it is kept across the job's
+later runs (the same layout: the same peers). Every `trace_window_s` each rank's window is scored;
+a rank abnormal in TRACE_STREAK windows in a row raises an implicit alert (`trace_suspect`)
+naming its machine, the parallel group the abnormal ranks share, and the collectives that look
+abnormal. As the paper's rule asks, an eviction must be explained: the alert evicts only with
+`trace_evict` on, while the job is slowed (its recent steps slower than the healthy pace by the
+fail-slow drop), when the machines named are at most half the job and standbys are ready for them;
+otherwise it only alerts, at most once per TRACE_REALERT_S per machine (an alert that may evict is
+raised whenever the rank stays abnormal).
+"""
+from __future__ import annotations
+
+from stalwart import protocol
+from stalwart.analyzer.failslow import slowdown
+from stalwart.analyzer.traces import TraceWatch, describe, op_key
+from stalwart.controller import implicit
+from stalwart.controller.job.detectors.base import Actions, BaseDetector
+from stalwart.controller.job.flows.base import record, save_data
+from stalwart.controller.job.state import JobPhase, JobState
+
+TRACE_STREAK = 2            # abnormal windows in a row before a rank is named
+TRACE_REALERT_S = 60.0      # a machine is named again at most this often
+MIN_TRAIN_WINDOWS = 3       # windows the model needs before it judges
+RECENT_N = 5                # the recent steps that tell whether the job is slowed
+
+
+class TraceDetector(BaseDetector):
+    name = "trace"
+
+    def new_run(self, st: JobState, now: float) -> None:
+        p = self.ctx.policy
+        if not p.trace_detector:
+            st.signals.traces = None
+            return
+        old = st.signals.traces
+        peers = self.peer_groups()
+        model = old.model if old is not None and old.peers == peers else None
+        st.signals.traces = TraceWatch(peers=peers, window_s=p.trace_window_s, train_s=p.trace_train_s,
+                                       model=model)
+
+    def peer_groups(self) -> list[list[int]]:
+        """Ranks that run the same sequence of collectives: those of one pipeline stage."""
+        topo = self.ctx.topo
+        stages: dict[int, list[int]] = {}
+        for r in range(topo.world_size):
+            stages.setdefault(topo.coords(r)["pp"], []).append(r)
+        return list(stages.values())
+
+    def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:
+        tw = st.signals.traces
+        if not isinstance(ev, protocol.Activity) or tw is None or not ev.traces or ev.run != st.run_seq \
+                or st.phase != JobPhase.RUNNING:
+            return []
+        if not tw.window_end:
+            tw.start(now, warmup_s=2 * tw.window_s)
+        world = self.ctx.world
+        for rank, ops in ev.traces.items():
+            if 0 <= rank < world:
+                for op in ops:
+                    tw.add(rank, op_key(op.kind, op.desc), op.group, op.dur_ms, op.gap_ms)
+        return []
+
+    def tick(self, st: JobState, now: float) -> Actions:
+        tw = st.signals.traces
+        if tw is None or not tw.window_end or now < tw.window_end:
+            return []
+        feats = tw.close(now)
+        if tw.model is None:
+            return self._train(st, tw, feats, now)
+        return self._judge(st, tw, feats, now)
+
+    def _train(self, st: JobState, tw: TraceWatch, feats: dict[int, dict[str, float]], now: float) -> Actions:
+        if now <= tw.train_until - tw.train_s:
+            return []                                     # the run's start-up: no healthy pace yet
+        if feats and st.signals.failslow is None:
+            tw.learn(feats)
+        if now < tw.train_until or tw.learned < MIN_TRAIN_WINDOWS:
+            return []
+        model = tw.fit()
+        return [record("trace_model_fitted", now, run=st.run_seq, windows=model.windows,
+                       features=len(model.center), threshold=round(model.threshold, 2))]
+
+    def _judge(self, st: JobState, tw: TraceWatch, feats: dict[int, dict[str, float]], now: float) -> Actions:
+        model = tw.model
+        assert model is not None
+        abnormal: dict[int, tuple[float, list[str]]] = {}
+        for rank, row in feats.items():
+            score, worst = model.score(row)
+            if worst:
+                tw.streak[rank] = tw.streak.get(rank, 0) + 1
+                if tw.streak[rank] >= TRACE_STREAK:
+                    abnormal[rank] = (score, worst)
+            else:
+                tw.streak.pop(rank, None)
+        if not abnormal:
+            return []
+        topo = self.ctx.topo
+        ranks = sorted(abnormal)
+        machines = [st.slots[i] for i in topo.machines_of(ranks)]
+        fresh = [m for m in machines if now - tw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]
+        may_evict = self._why_not_evict(st, machines) is None
+        if not fresh and not may_evict:
+            return []
+        for m in machines:
+            tw.last_alert[m] = now
+        shared = topo.shared_group(ranks)
+        group = (f"{shared[0]} group of {', '.join(st.slots[i] for i in shared[1])}" if shared else
+                 implicit.describe_group(ranks, topo))
+        collectives = sorted({w for _, worst in abnormal.values() for w in describe(worst[:3])})
+        score = max(s for s, _ in abnormal.values())
+        reason = (f"collective traces of rank(s) {ranks} on {', '.join(machines)} left the distribution "
+                  f"learned while healthy (score {score:.1f} > {model.threshold:.1f}): "
+                  f"{'; '.join(collectives)}")
+        acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=ranks,
+                                group=group, score=round(score, 2), collectives=collectives, reason=reason)]
+        if not may_evict:
+            return acts
+        acts += self.incidents.open(st, "trace_outlier", now)
+        inc = st.incident
+        if inc is None:
+            return acts
+        slowed = slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s)
+        inc.implicit_evict = machines
+        inc.reason = f"{reason}; the job runs {slowed:.1f}x slower than its healthy pace"
+        inc.data.update(analysis=inc.reason, trace={"ranks": ranks, "group": group, "collectives": collectives})
+        return acts + [save_data(inc)]
+
+    def _why_not_evict(self, st: JobState, machines: list[str]) -> str | None:
+        """Why an alert must not evict (None: it may): never on a score alone."""
+        p = self.ctx.policy
+        if not p.trace_evict:
+            return "policy.trace_evict is off"
+        if len(machines) > max(1, len(st.slots) // 2):
+            return "the alert names most of the job"
+        if len(machines) > len(self.ctx.ready_standbys(st)):
+            return "no standby for them"
+        if slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s) < 1 / (1 - p.failslow_drop):
+            return "the job is not slowed"
+        return None
