@@ -1,4 +1,5 @@
-"""Who may use the controller's API: one bearer token, and optional TLS.
+"""Who may use the controller's API: the operator's bearer token, the controller's secret that
+the other credentials derive from (`identity`: reader, machine, join tokens), and optional TLS.
 
 Anyone who can call the API runs code on every machine (a job is a command), so every route that
 reads or changes a job needs the token. `stalwart controller` creates it on first start (random,
@@ -17,7 +18,7 @@ import ssl
 import stat
 
 TOKEN_FILE = "token"
-CKPT_SECRET_FILE = "ckpt.secret"    # the controller's secret the jobs' checkpoint keys derive from
+SECRET_FILE = "secret"     # the controller's secret: checkpoint keys and scoped tokens derive from it
 TOKEN_ENV = "STALWART_TOKEN"
 PUBLIC_PATHS = ("/", "/api/health", "/api/openapi.json")
 PUBLIC_PREFIXES = ("/static/",)
@@ -62,10 +63,13 @@ def controller_token(state_dir: str, token_file: str | None = None) -> str:
     return create_token_file(os.path.join(state_dir, TOKEN_FILE))
 
 
-def checkpoint_secret(state_dir: str) -> bytes:
-    """The controller's checkpoint secret (`<state-dir>/ckpt.secret`, random, 0600, made on first
-    start like the token). Controllers that share a database share this file too."""
-    return create_token_file(os.path.join(state_dir, CKPT_SECRET_FILE)).encode()
+def controller_secret(state_dir: str, secret_file: str | None = None) -> bytes:
+    """The controller's secret (`secret_file` when given, else `<state-dir>/secret`, random,
+    0600, made on first start like the token): the jobs' checkpoint keys and the scoped tokens
+    (`identity`) derive from it. Controllers that share a database share this file too."""
+    if secret_file:
+        return read_token_file(secret_file).encode()
+    return create_token_file(os.path.join(state_dir, SECRET_FILE)).encode()
 
 
 def checkpoint_key(secret: bytes, job_id: int) -> str:

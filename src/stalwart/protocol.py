@@ -9,6 +9,7 @@ environment; the environment a worker sees is built here, once, from the command
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -503,6 +504,12 @@ class Registration(msgspec.Struct, kw_only=True):
 # `Registered`, a message the controller cannot read gets `ChannelError` naming the field. The
 # controller pushes commands (`CommandPush`) to the one agent they are for.
 
+# A machine id, checked at the edge (API paths, channels, `stalwart agent --machine-id`): 1-128
+# ASCII letters, digits and ._- starting with a letter or digit (an id with a non-ASCII digit
+# once broke every view that orders machines by number).
+MACHINE_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+MACHINE_ID_RE = re.compile(f"^(?:{MACHINE_ID})$")
+MACHINE_ID_RULE = "a machine id is 1-128 ASCII letters, digits and ._- starting with a letter or digit"
 CHANNEL_PATH = "/api/agents/{machine}/channel"
 MAX_EVENTS = 10_000          # per batch; an agent's outbox sends far fewer
 MAX_MESSAGE = 8 << 20        # one message of a channel (and an HTTP request's body)

@@ -55,19 +55,35 @@ def _unknown_key_error(key: Any, known: list[str], where: str) -> ValueError:
     return ValueError(f"unknown field {key!r} in {where}{hint}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+# The largest count a field takes (an integer JSON, JavaScript and a 64-bit column hold exactly):
+# `steps: 1e30` is refused here, not by the store or a worker later.
+MAX_INT = 2**53 - 1
+MAX_MACHINES = 1_000_000
+MAX_GPUS_PER_MACHINE = 1024
+MAX_FLOAT = 1e12             # (seconds: 30,000 years; factors: far past any meaningful one)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int = MAX_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer (got {value!r})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum} (got {value!r})")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} (got {str(value)[:40]})")
     return value
 
 
 def _check_float(name: str, value: Any, low: float, high: float = math.inf, *,
                  low_open: bool = False, high_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number (got {value!r})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number (got {str(value)[:40]}...)") from None
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number (got {value!r})")
+    high = min(high, MAX_FLOAT)
     if value < low or (low_open and value == low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g} (got {value:g})")
     if value > high or (high_open and value == high):
@@ -312,8 +328,8 @@ class JobSpec:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"name must be 1-63 letters, digits or _.- starting with a letter "
                              f"or digit (got {self.name!r})")
-        _check_int("machines", self.machines, 1)
-        _check_int("gpus_per_machine", self.gpus_per_machine, 1)
+        _check_int("machines", self.machines, 1, MAX_MACHINES)
+        _check_int("gpus_per_machine", self.gpus_per_machine, 1, MAX_GPUS_PER_MACHINE)
         for k in ("tp", "pp", "cp", "ep"):
             _check_int(k, getattr(self, k), 1)
         world = self.machines * self.gpus_per_machine

@@ -107,7 +107,7 @@ def test_requests_without_the_right_token_are_refused_and_change_nothing(tmp_pat
         agent = subprocess.run(CLI + ["agent", "--controller", url, "--machine-id", "m0", "--workdir",
                                       str(tmp_path / "m0")], capture_output=True, text=True, timeout=60,
                                env={k: v for k, v in os.environ.items() if k != "STALWART_TOKEN"})
-        assert agent.returncode == 2 and "needs the controller's token" in agent.stderr, agent.stderr
+        assert agent.returncode == 2 and "needs a credential" in agent.stderr, agent.stderr
     finally:
         kill_tree(proc.pid)
 

@@ -14,8 +14,9 @@ from stalwart.backends.kubernetes import K8sConfig, KubernetesBackend, node_labe
 
 
 def backend(srv: ReplayServer, tmp_path) -> KubernetesBackend:
+    (tmp_path / "secret").write_text("controller-secret\n")      # (the controller pod mounts it)
     cfg = K8sConfig(tag="llm7", namespace="training", image="registry.example.com/llm:1.0", gpus=8,
-                    state_dir=str(tmp_path), machines=5)
+                    state_dir=str(tmp_path), machines=5, secret_file=str(tmp_path / "secret"))
     return KubernetesBackend(cfg, api_client=srv.api_client())
 
 

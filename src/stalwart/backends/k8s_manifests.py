@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 from stalwart.backends.statedir import DB_NAME
-from stalwart.backends.kubernetes import TOKEN_KEY, K8sConfig, agent_pod
+from stalwart import identity
+from stalwart.backends.kubernetes import SECRET_KEY, TOKEN_KEY, K8sConfig, agent_pod
 
 CONTROLLER_LABELS = {"app.kubernetes.io/name": "stalwart-controller"}
 
@@ -100,7 +101,8 @@ def _controller(cfg: K8sConfig, spec: dict[str, Any]) -> list[dict]:
         "name": "controller", "image": cfg.image,
         "command": ["stalwart", "controller"],
         "args": ["--db", db, "--listen", f"0.0.0.0:{cfg.port}", "--state-dir", cfg.state_dir,
-                 "--token-file", "/etc/stalwart-token/token", "--backend", "/etc/stalwart/backend.json",
+                 "--token-file", "/etc/stalwart-token/token", "--secret-file", "/etc/stalwart-token/secret",
+                 "--backend", "/etc/stalwart/backend.json",
                  "--advertise", host, "--store-host", "$(POD_IP)",
                  "--heartbeat", str(policy.get("heartbeat_s", cfg.heartbeat_s)),
                  "--missed-beats", str(policy.get("missed_beats", 3)), "--log-level", "INFO"],
@@ -154,17 +156,19 @@ def render(spec: dict[str, Any], cfg: K8sConfig, spare: int = 0, token: str | No
     js = JobSpec.from_dict(spec)
     cfg = dataclasses.replace(cfg, machines=js.machines + standby_count(js) + spare)
     backend = {"kind": "kubernetes", **dataclasses.asdict(cfg)}
+    secret = secrets.token_urlsafe(32)        # the controller's (--secret-file): agents' join tokens derive from it
     objs: list[dict] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": _meta(cfg, cfg.namespace, namespaced=False)},
         {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(cfg, cfg.token_secret), "type": "Opaque",
-         "stringData": {TOKEN_KEY: token or secrets.token_urlsafe(32)}},
+         "stringData": {TOKEN_KEY: token or secrets.token_urlsafe(32), SECRET_KEY: secret}},
     ]
     objs += _rbac(cfg)
     objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cfg, f"stalwart-{cfg.tag}"),
                  "data": {"job.yaml": yaml.safe_dump(spec, sort_keys=False),
                           "backend.json": json.dumps(backend, indent=1)}})
     objs += _controller(cfg, spec)
-    objs += [agent_pod(cfg, f"m{i}") for i in range(cfg.machines)]
+    objs += [agent_pod(cfg, f"m{i}", identity.join_token(secret.encode(), f"m{i}", ttl_s=7 * 86400))
+             for i in range(cfg.machines)]
     objs.append(_submit_job(cfg))
     return objs
 

@@ -57,6 +57,7 @@ class K8sConfig:
     database_secret: str | None = None   # a Secret whose key `url` holds a PostgreSQL URL
     env: dict[str, str] = field(default_factory=dict)
     machines: int = 0                    # pods m0.. the manifests made; the controller's refills follow
+    secret_file: str = "/etc/stalwart-token/secret"   # the controller's secret (its pod mounts it)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "K8sConfig":
@@ -85,13 +86,22 @@ class K8sConfig:
         return f"stalwart-{self.tag}-{machine}"
 
 
-def agent_pod(cfg: K8sConfig, machine: str) -> dict[str, Any]:
-    """The agent pod of one machine (a manifest, and what a refill creates)."""
+SECRET_KEY = "secret"            # the controller's secret, beside the operator's token in the Secret
+
+
+def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> dict[str, Any]:
+    """The agent pod of one machine (a manifest, and what a refill creates). Its credential: a
+    one-time join token made for this machine (`stalwart.identity`; the controller's refills make
+    one from the controller's secret), never the operator's token, which the user's training
+    code would inherit."""
     labels = {"app.kubernetes.io/name": "stalwart-agent", CLUSTER_LABEL: cfg.tag, MACHINE_LABEL: machine}
     resources: dict[str, Any] = {"limits": {cfg.gpu_resource: str(cfg.gpus)}} if cfg.gpu_resource else {}
+    if join_token is None:
+        from stalwart import auth, identity
+        join_token = identity.join_token(auth.read_token_file(cfg.secret_file).encode(), machine)
     env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "STALWART_TOKEN", "valueFrom": {"secretKeyRef": {"name": cfg.token_secret, "key": TOKEN_KEY}}}]
+           {"name": "STALWART_JOIN_TOKEN", "value": join_token}]
     env += [{"name": k, "value": v} for k, v in sorted(cfg.env.items())]
     spec: dict[str, Any] = {
         "serviceAccountName": f"stalwart-{cfg.tag}-agent",

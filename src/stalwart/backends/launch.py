@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 from typing import Callable
 
 from stalwart.client import ApiError, ControllerUnreachable
@@ -36,7 +37,7 @@ def run_job(cluster, spec, start: Callable[[], None], logs=None, target_given: b
     cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
     try:
         start()
-        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict()})["job"]
+        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict(), "idempotency_key": uuid.uuid4().hex})["job"]
         print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
               f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
         prog = Progress(target_given=target_given)

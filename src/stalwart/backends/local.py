@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Callable
 
-from stalwart import auth
+from stalwart import auth, identity
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
@@ -264,11 +264,19 @@ class LocalCluster(Backend):
         if machine[1:].isdigit():
             for key, value in synthetic_labels(int(machine[1:])).items():
                 extra += ["--label", f"{key}={value}"]
+        # each agent enrolls with a join token made for its machine (its credential then speaks
+        # for that machine alone; the operator's token stays with the operator)
+        workdir = os.path.join(self.state_dir, "machines", machine)
+        os.makedirs(workdir, exist_ok=True)
+        join_file = os.path.join(workdir, "join.token")
+        fd = os.open(join_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(identity.join_token(auth.controller_secret(self.state_dir), machine) + "\n")
         self.agents[machine] = self._spawn(
             _python() + ["agent", "--controller", self.url, "--machine-id", machine,
-                         "--token-file", self.token_file,
+                         "--join-token-file", join_file,
                          "--controller-file", self.controller_file] + extra + [
-                         "--workdir", os.path.join(self.state_dir, "machines", machine),
+                         "--workdir", workdir,
                          "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
                          "--log-level", self.log_level], f"agent-{machine}.log")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import uuid
 
 from stalwart.chaos import catalogue
 from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_help, job_options, need_controller,
@@ -48,7 +49,7 @@ def cmd_submit(a) -> int:
     """Queue a job on a running controller; it starts when enough machines are free (FIFO)."""
     spec = spec_from_args(a)
     client = api_client(a, 30)
-    job = client.post("/api/jobs", {"spec": spec.to_dict()})["job"]
+    job = client.post("/api/jobs", {"spec": spec.to_dict(), "idempotency_key": uuid.uuid4().hex})["job"]
     st = client.get(f"/api/jobs/{job}")
     state = (st.get("live") or {}).get("state") or st.get("state")
     where = f" --state-dir {a.state_dir}" if not a.controller else f" --controller {a.controller}"

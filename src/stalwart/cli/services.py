@@ -8,11 +8,12 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 
-from stalwart import auth
+from stalwart import auth, identity
 from stalwart.backends import statedir
-from stalwart.cli.common import DEFAULT_STATE, UserError, labels, setup_logging, write_atomic
-from stalwart.client import Client
+from stalwart.cli.common import DEFAULT_STATE, UserError, labels, setup_logging, state_options, write_atomic
+from stalwart.client import ApiError, Client, ControllerUnreachable
 
 
 def cmd_controller(a) -> int:
@@ -44,10 +45,14 @@ def cmd_controller(a) -> int:
     try:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
-                         backend=load_backend(a.backend) if a.backend else None)
+                         backend=load_backend(a.backend) if a.backend else None, secret_file=a.secret_file)
     except sa_exc.OperationalError as e:
         raise UserError(f"cannot open the database {db}: {e.orig}") from None
+    except auth.AuthConfigError as e:
+        raise UserError(str(e)) from None
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
+    # the read-only token of Prometheus and the dashboard (stalwart.identity)
+    write_secret(os.path.join(a.state_dir, identity.READER_FILE), identity.reader_token(ctl.secret))
     srv.start()
     from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
     threading.Thread(target=settle_when, args=(ctl.rendezvous.imported,), name="gc-settle", daemon=True).start()
@@ -79,23 +84,75 @@ def cmd_controller(a) -> int:
     os._exit(0)
 
 
-def cmd_agent(a) -> int:
-    from stalwart.agent.daemon import Agent
-    from stalwart.agent.probeset import ProbeSetupError
-    setup_logging(a.log_level)
+def write_secret(path: str, text: str) -> None:
+    """Write a credential to `path`, mode 0600 (replaced atomically)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+CREDENTIAL_FILE = "machine.credential"
+JOIN_ENV = "STALWART_JOIN_TOKEN"
+ENROLL_WAIT_S = 120.0
+
+
+def agent_credential(a, workdir: str) -> str:
+    """The agent's bearer token: its machine's credential (`<workdir>/machine.credential`, got by
+    enrolling with --join-token-file on first start), else --token-file / $STALWART_TOKEN."""
+    cred = os.path.join(workdir, CREDENTIAL_FILE)
     try:
+        if os.path.exists(cred):
+            return auth.read_token_file(cred)
+        join = auth.read_token_file(a.join_token_file) if a.join_token_file else \
+            os.environ.get(JOIN_ENV, "").strip() or None
+        if join:
+            client = Client(a.controller, timeout=10, token=join, ca=a.tls_ca)
+            deadline = time.monotonic() + ENROLL_WAIT_S       # (the controller may still be starting)
+            try:
+                while True:
+                    try:
+                        got = client.post(f"/api/agents/{urllib.parse.quote(a.machine_id, safe='')}/enroll", {})
+                        break
+                    except ControllerUnreachable as e:
+                        if time.monotonic() > deadline:
+                            raise UserError(f"cannot enroll machine {a.machine_id}: {e}") from None
+                        time.sleep(1.0)
+            except ApiError as e:
+                raise UserError(f"cannot enroll machine {a.machine_id}: {e}") from None
+            finally:
+                client.close()
+            os.makedirs(workdir, exist_ok=True)
+            write_secret(cred, got["credential"])
+            return got["credential"]
         token = auth.client_token(a.token_file)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     if token is None:
-        raise UserError(f"the agent needs the controller's token: --token-file FILE or ${auth.TOKEN_ENV} "
-                        f"(the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
+        raise UserError("the agent needs a credential: --join-token-file FILE (a one-time join token: "
+                        "`stalwart join-token` on the controller's host), or the operator's --token-file")
+    return token
+
+
+def cmd_agent(a) -> int:
+    from stalwart.agent.daemon import Agent
+    from stalwart.agent.probeset import ProbeSetupError
+    setup_logging(a.log_level)
+    from stalwart import protocol
+    if not protocol.MACHINE_ID_RE.match(a.machine_id):
+        raise UserError(f"--machine-id {a.machine_id!r}: {protocol.MACHINE_ID_RULE}")
+    workdir = a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id)
+    token = agent_credential(a, workdir)
+    # nothing this agent starts (the user's workers, diagnostics) inherits a credential
+    for name in (auth.TOKEN_ENV, JOIN_ENV):
+        os.environ.pop(name, None)
     try:
         client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     try:
-        agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
+        agent = Agent(client, a.machine_id, workdir,
                       address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
                       kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
                       shared_host=a.shared_host)
@@ -111,6 +168,9 @@ def cmd_agent(a) -> int:
 
 def add_parsers(sub) -> None:
     c = sub.add_parser("controller", help="run the controller service")
+    c.add_argument("--secret-file", help=f"the controller's secret, which checkpoint keys and agents' "
+                   f"credentials derive from (default: <state-dir>/{auth.SECRET_FILE}, made on first start); "
+                   "controllers sharing a database share it")
     c.add_argument("--db", help="SQLAlchemy URL (sqlite:///… or postgresql+psycopg://…; default: "
                                 "<state-dir>/stalwart.db)")
     c.add_argument("--listen", default="127.0.0.1:7420",
@@ -143,7 +203,10 @@ def add_parsers(sub) -> None:
     g.add_argument("--nic", action="append", default=[], metavar="IFACE", help="interface or RDMA device to "
                    "watch (repeatable; default: the default route's interface and every RDMA port)")
     g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
-    g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
+    g.add_argument("--join-token-file", help="a one-time join token: the agent enrolls its machine with it on "
+                   f"first start and keeps the machine's credential in <workdir>/{CREDENTIAL_FILE}")
+    g.add_argument("--token-file", help=f"the operator's token (default: ${auth.TOKEN_ENV}); a machine's "
+                   "credential (--join-token-file) speaks for that machine alone and is what agents should hold")
     g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
                                              "address from when it is unreachable (it may restart elsewhere)")
@@ -151,3 +214,20 @@ def add_parsers(sub) -> None:
                    help="a topology label of this machine, e.g. switch=leaf3 or pod=p1 (repeatable); the "
                         "controller prefers standbys near an evicted machine's group")
     g.set_defaults(fn=cmd_agent)
+
+    j = sub.add_parser("join-token", help="print a one-time join token for an agent (on the controller's host)")
+    state_options(j, controller=False, job=False)
+    j.add_argument("--machine", help="the machine id it enrolls (it may enroll that id again); "
+                                     "default: any one new machine id")
+    j.add_argument("--ttl", type=float, default=identity.JOIN_TTL_S, help="seconds it stays valid")
+    j.set_defaults(fn=cmd_join_token)
+
+
+def cmd_join_token(a) -> int:
+    if not os.path.exists(os.path.join(a.state_dir, auth.SECRET_FILE)):
+        raise UserError(f"no controller secret in {a.state_dir} (run this on the controller's host, "
+                        "with its --state-dir, or ask the API: POST /api/join-tokens)")
+    if not 0 < a.ttl <= 30 * 86400:
+        raise UserError("--ttl must be between 0 and 30 days in seconds")
+    print(identity.join_token(auth.controller_secret(a.state_dir), a.machine, a.ttl))
+    return 0

@@ -19,10 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from aiohttp import web
 
-from stalwart import __version__, auth, protocol
+from stalwart import __version__, auth, identity, protocol
+from stalwart.logtext import loggable
 from stalwart.controller import api_models as models
 from stalwart.controller.channel import Channels, FrontDoor
 from stalwart.controller.dashboard import DashboardViews, static_file
+from stalwart.controller.enroll import Enrollment
 from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
@@ -32,13 +34,19 @@ from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
 
-def _int_query(q: dict, name: str, default: int) -> int:
+def _int_query(q: dict, name: str) -> int:
+    """A query parameter's integer, within its bounds (`api_models.QUERY`)."""
+    schema = models.QUERY[name]
+    low, high = int(schema["minimum"]), int(schema["maximum"])
+    raw = q.get(name, [str(schema["default"])])[0]
+    if len(raw) > 20:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
     try:
-        value = int(q.get(name, [str(default)])[0])
+        value = int(raw)
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer") from None
-    if not 0 <= value < 2**63:
-        raise InvalidRequest(f"{name} must be between 0 and 2**63-1")
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
     return value
 
 
@@ -51,6 +59,17 @@ class Api:
         self.views = DashboardViews(source)
         self.prom = ControllerMetrics(lambda: current_statuses(source, KEEP_ENDED_S), source.machines, source.ping)
         self._openapi = models.openapi(models.ROUTES, __version__)
+        self.enrollment = Enrollment(ctl.store, ctl.secret)
+        self._submit_lock = threading.Lock()
+
+    def agent_enroll(self, m, q, body, ident: identity.Identity | None = None):
+        if ident is None:
+            raise InvalidRequest("enrolling takes a join token (this controller checks no credentials)")
+        return self.enrollment.enroll(m, ident)
+
+    def join_token(self, q, body: models.MakeJoinToken):
+        return {"token": identity.join_token(self.ctl.secret, body.machine, body.ttl_s),
+                "machine": body.machine, "ttl_s": body.ttl_s}
 
     def agent_register(self, m, q, body: protocol.Registration):
         return self.ctl.register(m, body)
@@ -63,11 +82,11 @@ class Api:
 
     async def agent_commands(self, m, q, body):
         try:
-            wait = float(q.get("wait", ["0"])[0])
+            wait = float(q.get("wait", ["0"])[0][:32])
         except ValueError:
             raise InvalidRequest("wait must be a number of seconds") from None
-        if not math.isfinite(wait):
-            raise InvalidRequest("wait must be a number of seconds")
+        if not (math.isfinite(wait) and 0 <= wait <= models.MAX_WAIT_S):
+            raise InvalidRequest(f"wait must be a number of seconds from 0 to {models.MAX_WAIT_S:g}")
         return {"commands": await self.ctl.commands(m, wait)}
 
     def agent_channel(self, m, q, body):
@@ -76,7 +95,16 @@ class Api:
                              "(Upgrade: websocket, Connection: Upgrade, Sec-WebSocket-Key, -Version: 13)")
 
     def job_submit(self, q, body: models.SubmitJob):
-        return {"job": self.ctl.submit(body.spec)}
+        if body.idempotency_key is None:
+            return {"job": self.ctl.submit(body.spec)}
+        key = f"submit:{body.idempotency_key}"
+        with self._submit_lock:           # (the same key twice at once: one job)
+            made = self.ctl.store.get_meta(key)
+            if made is not None:
+                return {"job": int(made), "repeated": True}
+            job = self.ctl.submit(body.spec)
+            self.ctl.store.set_meta(key, str(job))
+        return {"job": job}
 
     def job_status(self, job, q, body):
         return self.ctl.status(self.ctl.resolve_job(job))
@@ -125,7 +153,7 @@ class Api:
         return self.views.overview(job)
 
     def job_series(self, job, q, body):
-        return self.views.series(job, _int_query(q, "since", 0), _int_query(q, "points", 120))
+        return self.views.series(job, _int_query(q, "since"), _int_query(q, "points"))
 
     def job_incident(self, job, inc, q, body):
         try:
@@ -185,6 +213,7 @@ class ApiServer:
     def __init__(self, ctl: Controller, host: str, port: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None):
         self.ctl, self.token, self.tls = ctl, token, tls
+        ctl.verify_identities = token is not None
         self.api = Api(ctl)
         self._handlers = {r.handler: (getattr(self.api, r.handler),
                                       asyncio.iscoroutinefunction(getattr(self.api, r.handler)))
@@ -198,6 +227,9 @@ class ApiServer:
         self.thread = threading.Thread(target=self._serve, name="api", daemon=True)
         self._ready = threading.Event()
         self._failed: BaseException | None = None
+
+    def _identify(self, header: str | None) -> tuple[identity.Identity | None, str]:
+        return identity.from_header(header, self.token, self.ctl.secret)
 
     def start(self) -> None:
         # the socket listens already (agents' connections wait in its backlog): taken-over jobs
@@ -277,13 +309,21 @@ class ApiServer:
             self.api.prom.observe_request(route_name, method, code, time.perf_counter() - t0)
             return resp
 
+        ident = None
         if self.token is not None and not auth.is_public(path):
-            ok, why = auth.bearer_ok(request.headers.get("Authorization"), self.token)
-            if not ok:      # before the body is read: nothing of the request is looked at
-                log.warning("refused %s %s from %s: %s", method, path, request.remote, why)
+            ident, why = self._identify(request.headers.get("Authorization"))
+            if ident is None:      # before the body is read: nothing of the request is looked at
+                log.warning("refused %s %s from %s: %s", method, loggable(path), request.remote, why)
                 return reply(401, {"error": f"unauthorized ({why}): give the controller's token "
                                             f"(--token-file or ${auth.TOKEN_ENV})"},
                              {"WWW-Authenticate": 'Bearer realm="stalwart"'}, close=True)
+            machine = identity.agent_machine(path)        # (request.path is decoded already)
+            denied = identity.permits(ident, method, path, machine)
+            if denied is not None:
+                log.warning("refused %s %s from %s: %s", method, loggable(path), request.remote, denied)
+                return reply(403, {"error": f"forbidden: {denied}"}, close=True)
+            if ident.scope is identity.Scope.AGENT and machine is not None:
+                self.ctl.verified.add(machine)
         if (request.content_length or 0) > models.MAX_BODY:
             return reply(413, {"error": f"request body over {models.MAX_BODY} bytes"}, close=True)
         try:
@@ -302,7 +342,8 @@ class ApiServer:
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
                 return reply(400, {"error": f"invalid request body: {e}"})
             fn, is_async = self._handlers[route.handler]
-            args = (*m.groups(), query, body)
+            args = (*m.groups(), query, body) if route.handler != "agent_enroll" else \
+                (m.group(1), query, body, ident)
             try:
                 if is_async:
                     out = await fn(*args)
@@ -313,7 +354,10 @@ class ApiServer:
             except StalwartError as e:
                 return reply(e.status, {"error": str(e).strip("'\"")})
             except Exception as e:
-                log.exception("%s %s failed", method, path)
+                log.exception("%s %s failed", method, loggable(path))
                 return reply(500, {"error": f"internal error: {e}"})
             return reply(200, out)
-        return reply(404, {"error": f"no route {method} {path}"})
+        if identity.agent_machine(path) is not None and \
+                not models.MACHINE_ID_RE.match(identity.agent_machine(path) or ""):
+            return reply(400, {"error": protocol.MACHINE_ID_RULE})
+        return reply(404, {"error": f"no route {method} {loggable(path, 100)}"})

@@ -34,8 +34,20 @@ class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class SubmitJob(Body):
     """A job to run; `spec` is checked field by field by `stalwart.spec.JobSpec` (unknown fields of
-    the spec and of its policy are refused with their names, too)."""
+    the spec and of its policy are refused with their names, too). `idempotency_key`: a submit
+    sent again with the same key (a retry after a lost answer) returns the job the first made."""
     spec: dict[str, Any]
+    idempotency_key: Annotated[str, Meta(min_length=8, max_length=128, pattern="^[A-Za-z0-9._:-]+$")] | None = None
+
+
+class MakeJoinToken(Body):
+    """A one-time join token: for one machine id (it may enroll again) or, without, any new one."""
+    machine: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    ttl_s: Annotated[float, Meta(gt=0, le=30 * 86400)] = 86400.0
+
+
+class Enroll(Body):
+    """A machine's enrollment (the join token is the request's bearer token)."""
 
 
 class InjectChaos(Body):
@@ -62,6 +74,19 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     workers: Any = None
 
 
+MACHINE_ID, MACHINE_ID_RE = protocol.MACHINE_ID, protocol.MACHINE_ID_RE
+PARAMS = {"machine": MACHINE_ID, "incident": "[0-9]{1,15}", "job": "[^/]{1,64}"}
+# Query parameters: (name, JSON Schema) per route, all bounded (the fuzzer tries them, the
+# handlers check them: `Api._query_int`)
+MAX_POINTS = 2000
+MAX_WAIT_S = 60.0
+QUERY: dict[str, dict[str, Any]] = {
+    "since": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1, "default": 0},
+    "points": {"type": "integer", "minimum": 1, "maximum": MAX_POINTS, "default": 120},
+    "wait": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S, "default": 0},
+}
+
+
 @dataclass(frozen=True)
 class Route:
     method: str
@@ -71,13 +96,15 @@ class Route:
     summary: str = ""
     public: bool = False                 # no token needed: stalwart.auth.is_public decides
     pattern: re.Pattern = re.compile("")
+    query: tuple[str, ...] = ()          # its query parameters (QUERY)
 
     @classmethod
     def of(cls, method: str, template: str, handler: str, body: type | None = None, summary: str = "",
-           param: str = "[^/]+") -> "Route":
-        rx = re.sub(r"\{(\w+)\}", lambda m: f"({r'[0-9]+' if m.group(1) == 'incident' else param})",
+           param: str = "[^/]+", query: tuple[str, ...] = ()) -> "Route":
+        rx = re.sub(r"\{(\w+)\}", lambda m: f"({PARAMS.get(m.group(1), param)})",
                     re.escape(template).replace(r"\{", "{").replace(r"\}", "}"))
-        return cls(method, template, handler, body, summary, auth.is_public(template), re.compile(f"^{rx}$"))
+        return cls(method, template, handler, body, summary, auth.is_public(template), re.compile(f"^{rx}$"),
+                   query)
 
 
 AGENT_BODIES = (protocol.Registration, AgentEvents, Heartbeat)
@@ -95,6 +122,8 @@ def decode(route: Route, raw: bytes) -> Any:
             obj = json.loads(raw or b"{}")
         except ValueError as e:
             raise msgspec.DecodeError(f"JSON is malformed: {e}") from None
+        except RecursionError:
+            raise msgspec.DecodeError("JSON is nested too deeply") from None
         # strict=False: JSON object keys are strings, the models' rank maps have int keys
         return msgspec.convert(obj, type=route.body, strict=False)
     return msgspec.json.decode(raw or b"{}", type=route.body)
@@ -115,10 +144,13 @@ def openapi(routes: list[Route], version: str) -> dict:
                                             "413": {"description": f"body over {MAX_BODY} bytes"},
                                             "500": {"description": "a bug in the controller"}}}
         params = re.findall(r"\{(\w+)\}", r.template)
-        if params:
+        if params or r.query:
             op["parameters"] = [{"name": p, "in": "path", "required": True,
-                                 "schema": {"type": "integer"} if p == "incident" else {"type": "string"}}
-                                for p in params]
+                                 "schema": {"type": "integer", "minimum": 0} if p == "incident" else
+                                 {"type": "string", "pattern": f"^({PARAMS[p]})$"} if p in PARAMS else
+                                 {"type": "string"}}
+                                for p in params] + \
+                                [{"name": q, "in": "query", "required": False, "schema": QUERY[q]} for q in r.query]
         if r.body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": refs[r.body]}}}
         if not r.public:
@@ -139,8 +171,11 @@ ROUTES: list[Route] = [
              "an agent (re-)registers with what it runs"),
     Route.of("POST", "/api/agents/{machine}/heartbeat", "agent_heartbeat", Heartbeat, "an agent's heartbeat"),
     Route.of("POST", "/api/agents/{machine}/events", "agent_events", AgentEvents, "a batch of an agent's events"),
+    Route.of("POST", "/api/agents/{machine}/enroll", "agent_enroll", Enroll,
+             "a machine trades a one-time join token (its bearer token) for its credential"),
+    Route.of("POST", "/api/join-tokens", "join_token", MakeJoinToken, "make a one-time join token (operator)"),
     Route.of("GET", "/api/agents/{machine}/commands", "agent_commands", None,
-             "an agent's commands (long poll: ?wait=SECONDS)"),
+             "an agent's commands (long poll: ?wait=SECONDS)", query=("wait",)),
     Route.of("GET", protocol.CHANNEL_PATH, "agent_channel", None,
              "an agent's channel: a WebSocket (upgrade) carrying its registration, beats and events in "
              "and its commands out, binary frames of MessagePack (stalwart.protocol; 400 without the upgrade)"),
@@ -155,7 +190,8 @@ ROUTES: list[Route] = [
     Route.of("GET", "/api/jobs/{job}/versions", "job_versions", None, "a job's code versions"),
     Route.of("GET", "/api/machines", "machines", None, "the machines and their states"),
     Route.of("GET", "/api/jobs/{job}/dashboard", "job_dashboard", None, "the dashboard's overview"),
-    Route.of("GET", "/api/jobs/{job}/series", "job_series", None, "steps and ETTR series (?since=&points=)"),
+    Route.of("GET", "/api/jobs/{job}/series", "job_series", None, "steps and ETTR series (?since=&points=)",
+             query=("since", "points")),
     Route.of("GET", "/api/jobs/{job}/incidents/{incident}", "job_incident", None, "one incident in full"),
     Route.of("GET", "/api/jobs/{job}/report.html", "job_report_html", None, "the HTML report"),
     Route.of("GET", "/metrics", "metrics", None, "Prometheus exposition"),

@@ -40,13 +40,15 @@ from typing import Any
 
 import msgspec
 
-from stalwart import auth, protocol, websocket as ws
+from stalwart import auth, identity, protocol, websocket as ws
+from stalwart.logtext import loggable
 from stalwart.controller.service import Controller
 from stalwart.errors import StalwartError
 
 log = logging.getLogger("stalwart.api")
 Observe = Callable[[str, str, int, float], None]      # (route, method, code, seconds)
 PATH = re.compile("^" + re.escape(protocol.CHANNEL_PATH).replace(r"\{machine\}", "([^/?]+)") + r"(\?.*)?$")
+HEAD_TIMEOUT_S = 10.0      # a connection's first request head must be complete within this
 MAX_HEAD = 16 << 10
 CLOSE_WAIT_S = 10.0         # how long a closing channel waits for the agent's close
 
@@ -63,6 +65,9 @@ class Channels:
         self.encode = msgspec.msgpack.Encoder().encode
         self.open: dict[str, ChannelConn] = {}
 
+    def _identify(self, header: str | None) -> tuple[identity.Identity | None, str]:
+        return identity.from_header(header, self.token, self.ctl.secret)
+
     # -- the upgrade --------------------------------------------------------------------------------
     def upgrade(self, transport: asyncio.Transport, head: bytes, rest: bytes) -> None:
         """Answer a channel's upgrade request (`head`, through its blank line): 101 and a channel,
@@ -76,16 +81,25 @@ class Channels:
             headers[name.strip().lower()] = value.strip()
         peer = transport.get_extra_info("peername")
         remote = peer[0] if isinstance(peer, tuple) else str(peer)
+        verified = False
         if self.token is not None:
-            ok, why = auth.bearer_ok(headers.get("authorization"), self.token)
-            if not ok:          # before anything else: nothing of the request is looked at
-                log.warning("refused GET %s from %s: %s", lines[0].split(" ")[1][:200], remote, why)
+            ident, why = self._identify(headers.get("authorization"))
+            if ident is None:          # before anything else: nothing of the request is looked at
+                log.warning("refused GET %s from %s: %s", loggable(lines[0].split(" ")[1]), remote, why)
                 self._refuse(transport, 401, f"unauthorized ({why}): give the controller's token "
                              f"(--token-file or ${auth.TOKEN_ENV})", t0,
                              b'WWW-Authenticate: Bearer realm="stalwart"\r\n')
                 return
+            named = urllib.parse.unquote(m.group(1)) if m is not None else None
+            denied = identity.permits(ident, "GET", "/api/agents/channel", named)
+            if denied is not None:
+                log.warning("refused a channel from %s: %s", remote, loggable(denied))
+                self._refuse(transport, 403, f"forbidden: {denied}", t0)
+                return
+            verified = ident.scope is identity.Scope.AGENT
         key = headers.get("sec-websocket-key", "")
         bad = ("not a channel's path" if m is None else
+               protocol.MACHINE_ID_RULE if not protocol.MACHINE_ID_RE.match(urllib.parse.unquote(m.group(1))) else
                "Sec-WebSocket-Version must be 13" if headers.get("sec-websocket-version") != "13" else
                "Connection must include upgrade" if "upgrade" not in headers.get("connection", "").lower() else
                "Sec-WebSocket-Key must be 16 bytes in base64" if not _key_ok(key) else None)
@@ -94,6 +108,8 @@ class Channels:
             return
         assert m is not None
         machine = urllib.parse.unquote(m.group(1))
+        if verified:
+            self.ctl.verified.add(machine)
         transport.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                         b"Sec-WebSocket-Accept: %s\r\n\r\n" % ws.accept_key(key).encode())
         conn = ChannelConn(self, machine, transport, remote)
@@ -108,7 +124,7 @@ class Channels:
 
     def _refuse(self, transport: asyncio.Transport, status: int, error: str, t0: float, extra: bytes = b"") -> None:
         body = msgspec.json.encode({"error": error})
-        reason = {400: b"Bad Request", 401: b"Unauthorized"}[status]
+        reason = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden"}[status]
         transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                         b"Connection: close\r\n%s\r\n%s" % (status, reason, len(body), extra, body))
         transport.close()
@@ -297,23 +313,40 @@ class ChannelConn(asyncio.Protocol):
 class FrontDoor(asyncio.Protocol):
     """The first protocol of every connection to the API: a channel's upgrade request is answered
     by `Channels.upgrade`; anything else is handed to aiohttp (`http()`: its protocol) with the
-    bytes read so far."""
+    bytes read so far, once its head is complete. A connection whose first request head is not
+    complete within HEAD_TIMEOUT_S is closed (one that connects and says nothing, or a slow head:
+    nothing of it is looked at, no token needed to hold it open); aiohttp closes idle kept-alive
+    connections (its keepalive timeout) and agents' channels carry a beat every heartbeat."""
 
-    __slots__ = ("http", "channels", "transport", "buf")
+    __slots__ = ("http", "channels", "transport", "buf", "timer")
 
     def __init__(self, http: Callable[[], asyncio.Protocol], channels: Channels):
         self.http, self.channels = http, channels
         self.transport: asyncio.Transport | None = None
         self.buf = b""
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self.timer = None
+        if self.transport is not None and self.transport.get_protocol() is self:
+            self.transport.close()
+
+    def _done(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf = self.buf + data
-        if not b"GET /api/agents/".startswith(buf[:16]):
-            return self._to_http()
         end = buf.find(b"\r\n\r\n")
+        if not b"GET /api/agents/".startswith(buf[:16]):
+            if end < 0 and len(buf) <= MAX_HEAD:
+                return None                     # (the head is not complete yet)
+            return self._to_http()
         if end < 0:
             if len(buf) > MAX_HEAD:
                 return self._to_http()          # (aiohttp answers an oversized head)
@@ -325,10 +358,12 @@ class FrontDoor(asyncio.Protocol):
                                          if first.count(b" ") == 2 else "") is None:
             return self._to_http()
         assert self.transport is not None
+        self._done()
         self.channels.upgrade(self.transport, head, buf[end + 4:])
         return None
 
     def _to_http(self) -> None:
+        self._done()
         proto, transport, data = self.http(), self.transport, self.buf
         assert transport is not None
         self.buf = b""
@@ -341,7 +376,7 @@ class FrontDoor(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        pass
+        self._done()
 
 
 def _key_ok(key: str) -> bool:

@@ -108,13 +108,18 @@ class MachineView:
 class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
                  heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
-                 backend=None, lease: str | None = None, url: str | None = None, on_lease_lost=None):
-        """`lease`: share the store with other controllers under this holder name ("" for
-        host:pid): wait here until this one holds the lease (`controller/lease.py`); `on_lease_lost`
-        is called with the reason when another takes it (the CLI exits)."""
+                 backend=None, secret_file: str | None = None, lease: str | None = None, url: str | None = None,
+                 on_lease_lost=None):
+        """`secret_file`: the controller's secret (credentials and checkpoint keys derive from it;
+        default: made once in the state dir). `lease`: share the store with other controllers under
+        this holder name ("" for host:pid): wait here until this one holds the lease
+        (`controller/lease.py`); `on_lease_lost` is called with the reason when another takes it
+        (the CLI exits)."""
         self.state_dir = os.path.abspath(state_dir)
         snapshot.mark_state_dir(self.state_dir)
-        self._ckpt_secret = auth.checkpoint_secret(self.state_dir)
+        self.secret = auth.controller_secret(self.state_dir, secret_file)
+        self.verify_identities = False    # (the API sets it when it checks credentials)
+        self.verified: set[str] = set()   # machines whose agent proved its machine's credential
         self.store = Store(db_url)
         self.store.patient()            # (the constructor's thread: a start waits an outage out)
         self.lease = None
@@ -358,7 +363,12 @@ class Controller:
         with self._lock:
             rec = self._machines.setdefault(machine, {"id": machine, "alive": False, "last_beat": None})
             rec.update(state=state, reason=reason, job_id=None if state == "idle" else job_id)
-        if state == "evicted" and self.backend is not None:
+        if state == "evicted" and self.backend is not None and self.verify_identities \
+                and machine not in self.verified:
+            # (draining a Slurm node or cordoning a Kubernetes node named by an agent's labels is
+            # for machines that proved who they are, not for any caller of a machine id)
+            log.warning("not asking the backend to evict %s: its identity was not verified", machine)
+        elif state == "evicted" and self.backend is not None:
             from stalwart.backends.base import drain_reason
             labels = dict((rec.get("info") or {}).get("labels") or {})
             try:
@@ -508,7 +518,7 @@ class Controller:
     # -- jobs ---------------------------------------------------------------------------------------
     def ckpt_key(self, job_id: int) -> str:
         """The job's checkpoint key (hex), for its agents alone (`auth.checkpoint_key`)."""
-        return auth.checkpoint_key(self._ckpt_secret, job_id)
+        return auth.checkpoint_key(self.secret, job_id)
 
     def ckpt_dir(self, job_id: int) -> str:
         return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")

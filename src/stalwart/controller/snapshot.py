@@ -155,17 +155,18 @@ def versionable(src: str | None, state_dir: str, max_files: int = MAX_FILES,
 
 
 def _make_read_only(root: str) -> None:
+    """Take every write permission away, and nothing else: a 0600 file becomes 0400, never
+    readable by others (directories keep who may list and enter them)."""
     for dirpath, dirnames, filenames in os.walk(root, topdown=False):
         for f in filenames:
             full = os.path.join(dirpath, f)
             if not os.path.islink(full):
-                mode = os.lstat(full).st_mode
-                os.chmod(full, 0o555 if mode & stat.S_IXUSR else 0o444)
+                os.chmod(full, stat.S_IMODE(os.lstat(full).st_mode) & ~0o222)
         for d in dirnames:
             full = os.path.join(dirpath, d)
             if not os.path.islink(full):
-                os.chmod(full, 0o555)
-    os.chmod(root, 0o555)
+                os.chmod(full, stat.S_IMODE(os.lstat(full).st_mode) & ~0o222)
+    os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) & ~0o222)
 
 
 def remove_tree(path: str) -> None:
@@ -196,13 +197,18 @@ def snapshot(src_dir: str, state_dir: str) -> tuple[str, str, list[str]]:
     tree = walk(src, exclude=(state,))
     if not tree.entries:
         raise ValueError(f"code directory {src} holds no files (after ignoring caches and state dirs)")
+    if len(tree.entries) > MAX_FILES:
+        raise ValueError(f"code directory {src} holds {len(tree.entries)} files, more than a code version "
+                         f"may ({MAX_FILES}): pass --code DIR with just the training code")
     base = os.path.join(state, "versions")
-    os.makedirs(base, exist_ok=True)
+    os.makedirs(base, mode=0o700, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=base)
+    os.chmod(tmp, 0o755 & ~_umask())        # (mkdtemp's 0700: the snapshot is read like its source)
     try:
         h = hashlib.sha256()
+        budget = [MAX_BYTES]
         for rel, full in tree.entries:
-            h.update(rel.encode() + b"\0" + _copy_entry(full, os.path.join(tmp, *rel.split("/")), rel))
+            h.update(rel.encode() + b"\0" + _copy_entry(full, os.path.join(tmp, *rel.split("/")), rel, src, budget))
         digest_hex = h.hexdigest()
         final = os.path.join(base, digest_hex)
         if os.path.isdir(final):
@@ -218,18 +224,34 @@ def snapshot(src_dir: str, state_dir: str) -> tuple[str, str, list[str]]:
         remove_tree(tmp)
 
 
-def _copy_entry(full: str, dst: str, rel: str) -> bytes:
-    """Copy one file or symlink; return its digest."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _copy_entry(full: str, dst: str, rel: str, root: str, budget: list[int]) -> bytes:
+    """Copy one file or symlink; return its digest. A symlink must stay inside `root` (relative,
+    not climbing out: an absolute link or one out of the tree would let the "immutable" copy
+    change with whatever it points to); `budget[0]`: bytes still allowed (MAX_BYTES in all)."""
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     try:
         st = os.lstat(full)
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(full)
+            inside = os.path.normpath(os.path.join(os.path.dirname(full), target))
+            if os.path.isabs(target) or not (inside == root or inside.startswith(root.rstrip(os.sep) + os.sep)):
+                raise ValueError(f"cannot snapshot {rel}: a symlink to {target}, outside the code directory "
+                                 "(a code version must not change with what it points to)")
             os.symlink(target, dst)
             return hashlib.sha256(b"symlink\0" + target.encode()).digest()
         fh = hashlib.sha256()
         with open(full, "rb") as fin, open(dst, "wb") as fout:
             for chunk in iter(lambda: fin.read(1 << 20), b""):
+                budget[0] -= len(chunk)
+                if budget[0] < 0:
+                    raise ValueError(f"cannot snapshot {rel}: the code directory holds more than "
+                                     f"{MAX_BYTES >> 20} MiB (data inside?): pass --code DIR with just the code")
                 fh.update(chunk)
                 fout.write(chunk)
         os.chmod(dst, st.st_mode & 0o777)

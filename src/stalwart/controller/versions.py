@@ -27,12 +27,13 @@ The table is declared on ``stalwart.controller.store.META``: import this module 
 """
 from __future__ import annotations
 
+import builtins
 import os
 from typing import Any, Iterable, Mapping
 
 import sqlalchemy as sa
 
-from stalwart.controller.snapshot import snapshot
+from stalwart.controller.snapshot import remove_tree, snapshot
 from stalwart.controller.store import META
 
 STATUSES = ("stable", "pending", "urgent", "applied", "rolled-back", "failed", "superseded")
@@ -320,7 +321,30 @@ class Versions:
         found, vid = self.store.write(go)
         if found is not None:
             return found
+        self.collect(state_dir)
         return self.get(vid)  # type: ignore[return-value]
+
+    def collect(self, state_dir: str) -> "builtins.list[str]":
+        """Delete the snapshots no job needs any more (one that is no job's current, last stable
+        or waiting version: superseded, rolled back, failed, older stable ones); the rows stay,
+        the history. Returns the paths removed."""
+        rows = self.store.read(lambda c: [dict(r._mapping) for r in c.execute(sa.select(code_versions))])
+        by_job: dict[int, list[dict]] = {}
+        for r in rows:
+            by_job.setdefault(r["job_id"], []).append(r)
+        needed = set()
+        for job_rows in by_job.values():
+            keep = [current_version(job_rows), last_stable_version(job_rows)]
+            keep += [r for r in job_rows if r["status"] in WAITING or r["status"] == "applied"]
+            needed |= {os.path.abspath(r["path"]) for r in keep if r is not None}
+        base = os.path.join(os.path.abspath(os.path.expanduser(os.fspath(state_dir))), "versions")
+        removed = []
+        for r in rows:
+            path = os.path.abspath(r["path"])
+            if path not in needed and os.path.dirname(path) == base and os.path.isdir(path):
+                remove_tree(path)
+                removed.append(path)
+        return removed
 
     def save(self, row: Mapping[str, Any]) -> None:
         """Write a row the job core changed (status, reason, applied_at, ...)."""
