@@ -63,6 +63,16 @@ class PgServer:
                 time.sleep(0.1)
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
+    def pause(self) -> None:
+        """Stop the server (fast shutdown: clients' connections are cut), keeping its data."""
+        self._run(f"{self.bin}/pg_ctl", "-D", os.path.join(self.dir, "data"), "-m", "fast", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start the stopped server again on the same port and data."""
+        self._run(f"{self.bin}/pg_ctl", "-D", os.path.join(self.dir, "data"), "-w", "-t", "30", "-l",
+                  os.path.join(self.dir, "log"), "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir}",
+                  "start")
+
     def stop(self) -> None:
         data = os.path.join(self.dir, "data")
         if os.path.exists(os.path.join(data, "postmaster.pid")):

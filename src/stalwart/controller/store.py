@@ -188,9 +188,14 @@ def sqlite_path(url: str) -> str | None:
 
 
 def private_file(path: str) -> None:
-    """Create `path` (and its WAL/SHM companions if present) readable by its owner alone."""
+    """Make `path` (created empty where missing) and its WAL/SHM companions readable by their
+    owner alone. An existing database is never opened here: closing any descriptor of a file
+    drops every POSIX lock this process holds on it, SQLite's included (another connection would
+    then think itself the last one and delete the WAL under this process's feet)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    if not os.path.exists(path):
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     for p in (path, path + "-wal", path + "-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(p, 0o600)
