@@ -194,7 +194,7 @@ class RunFlow:
         if not st.script:       # said once: the report shows what is known, not a target it cannot have
             st.script = True
             acts.append(record("script_steps", now, run=st.run_seq, rank=ev.rank))
-        records = [[r.kind, r.n, r.t, r.path, r.dest] for r in ev.records]
+        records = [[r.kind, r.n, r.t, r.path, r.steps if r.kind == "load" else r.dest] for r in ev.records]
         for s in scriptsteps.number(run.script, st.script_marks, ev.rank, records):
             acts += self.on_step(st, protocol.Step(run=ev.run, rank=s.rank, step=s.step, t=s.t, dur=s.dur), now)
         return acts
