@@ -251,7 +251,6 @@ def spec_from_args(a):
         d["command"] = [sys.executable] + d["command"][1:]
     d["code_dir"] = d.get("code_dir") or os.getcwd()
     d["workdir"] = d.get("workdir") or os.getcwd()     # where the user ran the command: relative paths land here
-    check_command(d["command"], d["workdir"])
     if a.env:
         env = dict(d.get("env", {}))
         for kv in a.env:
@@ -267,6 +266,7 @@ def spec_from_args(a):
         from stalwart.controller.pool import standby_count
         catalogue.validate_against(catalogue.parse(c), spec.machines + standby_count(spec),
                                    spec.gpus_per_machine, spec.machines)
+    check_command(spec.command, spec.workdir or os.getcwd())
     return spec
 
 
