@@ -445,12 +445,13 @@ class ScriptRecord(msgspec.Struct, kw_only=True, frozen=True):
     """One record of a plain script's step hook (worker/stephook.py): an optimizer step ended
     (`step`), or the script saved or loaded a file (`save`, `load`, with its absolute `path`), or
     renamed a file it saved (`move`, `path` to `dest`); `n` is the number of steps the process had
-    completed then."""
+    completed then; `steps`: the mark a loaded file carries (worker/stephook.py), if any."""
     kind: str
     n: int
     t: float
     path: str = ""
     dest: str = ""
+    steps: int | None = None
 
 
 class Script(_Msg, tag="script", kw_only=True):

@@ -75,7 +75,9 @@ def render(rep: dict, series: dict | None = None) -> str:
     ETTR curve); without it the throughput and ETTR plots say there is no data."""
     esc = html.escape
     p = plots(rep, series)
-    kpis = [("state", rep["state"]), ("steps", f"{rep['steps_completed']}/{rep['steps_target']}"),
+    steps = (f"{rep['steps_completed']}/{rep['steps_target']}" if rep.get("steps_target")
+             else str(rep["steps_completed"]))          # (a plain script's steps have no target)
+    kpis = [("state", rep["state"]), ("steps", steps),
             ("ETTR", f"{rep['ettr']:.3f}"), ("sliding ETTR", f"{rep.get('window_ettr', 0):.3f}"),
             ("wall", f"{rep['wall_s']:.1f} s"), ("incidents", len(rep["incidents"])),
             ("final loss", rep["final_loss"] if rep["final_loss"] is None else f"{rep['final_loss']:.4f}")]

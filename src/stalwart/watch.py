@@ -31,8 +31,9 @@ def plain_line(rep: dict) -> str:
     """One line of the job's state, for logs."""
     live = rep.get("live") or {}
     counts = ", ".join(f"{n} {s}" for s, n in sorted(_counts(rep).items()))
+    target = f"/{rep['steps_target']}" if rep.get("steps_target") else ""      # none for a plain script
     return (f"job {rep['job']} {live.get('state', rep['state'])}: step {live.get('step', rep['steps_completed'])}"
-            f"/{rep['steps_target']} loss {_f(live.get('loss', rep.get('final_loss')), '.4f')} "
+            f"{target} loss {_f(live.get('loss', rep.get('final_loss')), '.4f')} "
             f"{_f(live.get('steps_per_s'), '.1f')} steps/s ETTR {_f(rep.get('ettr'))} "
             f"(sliding {_f(rep.get('window_ettr'))}) machines: {counts or '-'}; "
             f"incidents {len(rep.get('incidents', []))}")

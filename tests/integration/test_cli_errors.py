@@ -30,6 +30,8 @@ def free_port():
     (["run", "--machines", "2"], "no training command given"),
     (["run", "--machines", "2", "--standby", "many", "--", "python", "x.py"], "--standby takes a number"),
     (["run", "--config", "/nonexistent.yaml", "--", "python", "x.py"], "does not exist"),
+    (["run", "--machines", "1", "nosuch.py", "--epochs", "3"], "script nosuch.py does not exist"),
+    (["run", "--nnodes", "1", "-m", "nosuch_module_xyz"], "module nosuch_module_xyz not found"),
     (["inject", "explode", "--machine", "0", "--controller", "http://127.0.0.1:1"], "unknown chaos kind"),
     (["status", "--watch", "--interval", "0", "--controller", "http://127.0.0.1:1"], "--interval must be > 0"),
     (["controller", "--listen", "127.0.0.1:0", "--db", "sqlite:////nonexistent/dir/x.db"],

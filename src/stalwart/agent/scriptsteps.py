@@ -38,7 +38,8 @@ def _records(raw: object) -> list[p.ScriptRecord]:
             continue
         path = str(r[3]) if len(r) > 3 and r[0] != "s" else ""
         dest = str(r[4]) if len(r) > 4 and r[0] == "move" else ""
-        out.append(p.ScriptRecord(kind="step" if r[0] == "s" else r[0], n=n, t=t, path=path, dest=dest))
+        held = r[4] if len(r) > 4 and r[0] == "load" and isinstance(r[4], int) else None
+        out.append(p.ScriptRecord(kind="step" if r[0] == "s" else r[0], n=n, t=t, path=path, dest=dest, steps=held))
     return out
 
 

@@ -231,6 +231,10 @@ def spec_from_args(a):
         if v is not None:
             d[key] = v
     torchrun_spec(a, d)
+    reshaped = any(getattr(a, k, None) is not None for k in ("machines", "gpus_per_machine", "tp", "pp", "nnodes",
+                                                                "nproc_per_node"))
+    if a.config and reshaped and a.dp is None:
+        d.pop("dp", None)           # the config's dp was derived from its own shape: derive it again
     if a.standby is not None:
         d["standby"] = a.standby if a.standby == "auto" else int_arg("--standby", a.standby)
     if a.chaos:
@@ -245,9 +249,8 @@ def spec_from_args(a):
                         "(or -- python train.py ...)")
     if d["command"][0] in ("python", "python3"):
         d["command"] = [sys.executable] + d["command"][1:]
-    d.setdefault("code_dir", os.getcwd())
-    d.setdefault("workdir", os.getcwd())
-    check_command(d["command"], d["workdir"])
+    d["code_dir"] = d.get("code_dir") or os.getcwd()
+    d["workdir"] = d.get("workdir") or os.getcwd()     # where the user ran the command: relative paths land here
     if a.env:
         env = dict(d.get("env", {}))
         for kv in a.env:
@@ -263,6 +266,7 @@ def spec_from_args(a):
         from stalwart.controller.pool import standby_count
         catalogue.validate_against(catalogue.parse(c), spec.machines + standby_count(spec),
                                    spec.gpus_per_machine, spec.machines)
+    check_command(spec.command, spec.workdir or os.getcwd())
     return spec
 
 

@@ -40,9 +40,19 @@ def cmd_run(a) -> int:
               flush=True)
         from stalwart.backends.launch import run_job
         return run_job(cluster, spec, cluster.start, logs=LogTail(a.state_dir, ranks=shown),
-                       target_given=a.steps is not None or a.config is not None)
+                       target_given=a.steps is not None or config_sets(a.config, "steps"))
     finally:
         lock.release()
+
+
+def config_sets(path: str | None, key: str) -> bool:
+    """Does the job's config file name `key` (rather than leave it to its default)?"""
+    if not path:
+        return False
+    import yaml
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    return isinstance(data, dict) and key in data
 
 
 def cmd_submit(a) -> int:

@@ -19,7 +19,8 @@ def cmd_status(a) -> int:
     rep = report(a)
     live = rep.get("live") or {}
     print(f"job {rep['job']}: {live.get('state', rep['state'])}" + (f" ({rep['reason']})" if rep.get("reason") else ""))
-    print(f"  step {live.get('step', rep['steps_completed'])}/{rep['steps_target']}"
+    target = f"/{rep['steps_target']}" if rep.get("steps_target") else ""       # none for a plain script
+    print(f"  step {live.get('step', rep['steps_completed'])}{target}"
           f"  loss {live.get('loss', rep['final_loss'])}"
           f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
     warm = set(live.get("standby_warm") or ())

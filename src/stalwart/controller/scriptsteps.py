@@ -9,7 +9,9 @@ must carry the numbers they had (the ledger books the earlier executions as lost
 - A `save` of a path after `n` steps of a run whose first step was number `base` is a *mark*: that
   file holds `base + n` completed steps (the job's marks live in its state, keyed by the absolute
   path; a later save of the same path replaces its mark; renaming the file moves its mark).
-- A run's `base` is the mark of the first marked file one of its ranks loaded before stepping;
+- A run's `base` is the mark of the first marked file one of its ranks loaded before stepping (the
+  mark the step hook found on the file itself, an extended attribute, first: it survives a lost
+  machine whose records of the save never arrived; else the job's);
   when rank 0 steps before any such load, the script started over: base 0. Records of other ranks
   wait until the base is known (rank 0 usually loads first; the others may not load at all).
 - Step `n` of a rank is the job's step `base + n - 1`; it lasted from the end of the rank's step
@@ -50,7 +52,10 @@ def number(run: ScriptRun, marks: dict[str, int], rank: int, records: list[Recor
         held = run.waiting.setdefault(rank, [])
         for i, rec in enumerate(records):
             kind, path = rec[0], rec[3] if len(rec) > 3 else ""
-            if kind == "load" and path in marks:
+            mark = rec[4] if kind == "load" and len(rec) > 4 else None
+            if isinstance(mark, int) and not isinstance(mark, bool):
+                run.base = mark             # the file's own mark (it survives a lost machine's records)
+            elif kind == "load" and path in marks:
                 run.base = marks[path]
             elif kind == "step" and rank == 0:
                 run.base = 0

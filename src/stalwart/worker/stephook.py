@@ -16,12 +16,17 @@ A step is counted when the *lead* optimizer steps: the first one that stepped, o
 it is gone. Two optimizers stepping in one iteration (a GAN, an optimizer wrapping another) count
 one step; an optimizer made afresh every epoch takes the lead when its predecessor is collected.
 
-Records (``["s", n, t]`` a step, ``["save", n, t, path]``, ``["load", n, t, path]``, ``["move", n,
-t, path, new_path]`` a saved file renamed (``os.replace``/``os.rename``: an atomic save); ``n`` is the
-number of steps this process has completed) are kept in order in memory and written every
-``STALWART_FR_PERIOD`` seconds by a daemon thread to ``STALWART_FR_DIR/<pid>-<seq>.steps``
-(atomically); the agent reads and deletes them (agent/scriptsteps.py). Standard library only; never
-raises into the training script.
+The steps a snapshot holds also go on the file itself, as an extended attribute
+(``user.stalwart.steps``, where the file system keeps them: ext4, xfs, btrfs, Lustre, tmpfs since
+Linux 6.6), so that a restarted script that loads it knows where it stands even when the records of
+the save died with a lost machine. A save's records are written before ``torch.save`` returns.
+
+Records (``["s", n, t]`` a step, ``["save", n, t, path]``, ``["load", n, t, path, steps]`` (the
+file's mark, or None), ``["move", n, t, path, new_path]`` a saved file renamed (``os.replace``,
+``os.rename``: an atomic save); ``n`` is the number of steps this process has completed) are kept in
+order in memory and written every ``STALWART_FR_PERIOD`` seconds by a daemon thread to
+``STALWART_FR_DIR/<pid>-<seq>.steps`` (atomically); the agent reads and deletes them
+(agent/scriptsteps.py). Standard library only; never raises into the training script.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ from typing import Any
 DIR_ENV = "STALWART_FR_DIR"
 PERIOD_ENV = "STALWART_FR_PERIOD"
 SUFFIX = ".steps"
+XATTR = "user.stalwart.steps"
+_replace = os.replace          # (the hook wraps os.replace; its own writes are no renames of a snapshot)
 
 
 class Steps:
@@ -51,6 +58,10 @@ class Steps:
         self.lead: weakref.ref | None = None
         self.seq = 0
         self.saved: set[str] = set()        # paths this process saved (a rename of one moves its mark)
+        self.base: int | None = None        # the job's steps before this process' first (a loaded mark)
+        self.unmarked = False               # loaded a file without a mark first: base unknown here
+        self.directory: str | None = None   # where the records go (start() sets it)
+        self.flushing = threading.Lock()
 
     def on_step(self, opt: Any) -> None:
         lead = self.lead() if self.lead is not None else None
@@ -67,9 +78,22 @@ class Steps:
         if path is None:
             return
         with self.lock:
-            self.records.append([kind, self.n, time.time(), path])
-            if kind == "save":
+            if kind == "load":
+                held = read_mark(path)
+                if self.n == 0 and self.base is None:
+                    if held is not None:
+                        self.base = held
+                    else:
+                        self.unmarked = True
+                self.records.append([kind, self.n, time.time(), path, held])
+            else:
+                if self.base is None and not self.unmarked:
+                    self.base = 0           # nothing loaded before: the script starts from scratch
+                write_mark(path, None if self.base is None else self.base + self.n)
+                self.records.append([kind, self.n, time.time(), path])
                 self.saved.add(path)
+        if kind == "save" and self.directory:
+            self.flush(self.directory)      # a snapshot's mark is on disk before torch.save returns
 
     def on_move(self, src: Any, dst: Any) -> None:
         """A file this process saved was renamed (the write-then-rename of an atomic save)."""
@@ -90,16 +114,38 @@ class Steps:
 
     def flush(self, directory: str) -> str | None:
         """Write the pending records to a new file of `directory`; its path, or None if none."""
-        records = self.take()
-        if not records:
-            return None
-        self.seq += 1
-        path = os.path.join(directory, f"{os.getpid()}-{self.seq:09d}{SUFFIX}")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(records, f, separators=(",", ":"))
-        os.replace(tmp, path)
-        return path
+        with self.flushing:
+            records = self.take()
+            if not records:
+                return None
+            self.seq += 1
+            path = os.path.join(directory, f"{os.getpid()}-{self.seq:09d}{SUFFIX}")
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(records, f, separators=(",", ":"))
+            _replace(tmp, path)
+            return path
+
+
+def read_mark(path: str) -> int | None:
+    """The steps a snapshot holds, from the extended attribute its save left on it (None where
+    the file has none or the file system keeps none)."""
+    try:
+        return int(os.getxattr(path, XATTR))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_mark(path: str, steps: int | None) -> None:
+    """Tag a saved file with the job's steps it holds (an extended attribute: it travels with the
+    file through a rename, and is there when a restarted script loads it, whatever happened to the
+    records in between). Where the file system keeps none, the controller's marks still number it."""
+    if steps is None:
+        return
+    try:
+        os.setxattr(path, XATTR, str(steps).encode())
+    except (OSError, AttributeError):
+        pass
 
 
 def file_path(f: Any) -> str | None:
@@ -209,6 +255,7 @@ def start() -> threading.Thread | None:
         return None
     if not directory or not period > 0:
         return None
+    STATE.directory = directory
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "optim"):
         install(torch)

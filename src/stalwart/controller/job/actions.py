@@ -114,6 +114,7 @@ class StartRun:
     warm: list[str]
     code_path: str | None
     version: int | None
+    spares: bool = True          # the agents keep spare workers (never for a plain script: none can wait)
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ class Executor:
         ctl = self.ctl
         port = ctl.rendezvous.open(self.job_id, act.run)
         spec = self.run_spec(act.run, act.code_path, act.version, restore_step=act.restore_step,
-                             master=(ctl.store_host, port))
+                             master=(ctl.store_host, port), spares=act.spares and self.spec.policy.warm_spares)
         for i, m in enumerate(act.slots):
             workers = []
             for r in range(i * self.G, (i + 1) * self.G):

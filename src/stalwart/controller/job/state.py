@@ -348,6 +348,10 @@ class JobState:
     code_path: str | None = None         # where the workers' code lives
     script_marks: dict[str, int] = field(default_factory=dict)   # a plain script's snapshots: path -> steps
     script: bool = False                 # its steps come from the step hook (a plain script), not the SDK
+    # the steps of the run before that some rank's report is missing for (its last records died with
+    # it): done if the next run resumes from a snapshot past them (RunFlow.on_script)
+    script_unsettled: dict[int, PendingStep] = field(default_factory=dict)
+    script_unsettled_run: int = 0
     versioning_off: str | None = None
     spares: HotUpdatePrep | None = None
     gaps: list[ControlPlaneGap] = field(default_factory=list)

@@ -49,8 +49,11 @@ class PoolFlow:
                 if m in st.pool.warm and len(st.pool.ready.get(m, ())) >= self.ctx.G]
 
     def warm_standbys(self, st: JobState) -> Actions:
-        """Pre-spawn the workers of the standbys that have none yet."""
+        """Pre-spawn the workers of the standbys that have none yet (not a plain script's: it
+        cannot wait at an activation barrier; its standbys start it when they get its ranks)."""
         acts: Actions = []
+        if st.script:
+            return acts
         for m in [m for m in st.pool.standby if m not in st.pool.warm]:
             acts += self.prewarm(st, m)
         return acts
@@ -73,7 +76,8 @@ class PoolFlow:
         taken = set(st.slots) | set(st.pool.standby)
         for m in [m for m in self.ctx.cluster.free() if m not in taken][:max(0, short)]:
             st.pool.standby.append(m)
-            acts += [AssignMachine(machine=m, state="standby")] + (self.prewarm(st, m) if started else [])
+            acts += [AssignMachine(machine=m, state="standby")] + (
+                self.prewarm(st, m) if started and not st.script else [])
             acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
         short = want - len(st.pool.standby)
         if short > 0 and now >= st.pool.next_request:

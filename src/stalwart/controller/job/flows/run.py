@@ -51,9 +51,14 @@ class RunFlow:
     # -- runs -------------------------------------------------------------------------------------
     def start_run(self, st: JobState, restore_step: int, cands: dict[int, list[dict]], now: float) -> Actions:
         settled = self._settle(st, restore_step)
+        if st.script and st.run is not None:
+            st.script_unsettled = {s: acc for s, acc in st.run.pending.items() if s > st.run.last_committed}
+            st.script_unsettled_run = st.run.seq
         st.run_seq += 1
         start_step = restore_step + 1
-        warm = [m for m in st.slots if m in st.pool.warm]
+        # a plain script has no activation barrier to wait at: no warm workers, no spares (an agent
+        # would wait for them to be ready, then start cold)
+        warm = [] if st.script else [m for m in st.slots if m in st.pool.warm]
         st.pool.warm -= set(warm)
         for m in st.slots:          # the start takes their waiting workers (standby's or spares)
             st.pool.ready.pop(m, None)
@@ -61,7 +66,7 @@ class RunFlow:
                                   location=c.get("location")) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
             StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
-                     warm=warm, code_path=st.code_path, version=st.version_id),
+                     warm=warm, code_path=st.code_path, version=st.version_id, spares=not st.script),
             CreateRun(seq=st.run_seq, start_step=start_step, started_at=now, machines=list(st.slots),
                       restore_step=restore_step),
             record("run_started", now, run=st.run_seq, start_step=start_step, machines=list(st.slots))]
@@ -194,9 +199,19 @@ class RunFlow:
         if not st.script:       # said once: the report shows what is known, not a target it cannot have
             st.script = True
             acts.append(record("script_steps", now, run=st.run_seq, rank=ev.rank))
-        records = [[r.kind, r.n, r.t, r.path, r.dest] for r in ev.records]
-        for s in scriptsteps.number(run.script, st.script_marks, ev.rank, records):
-            acts += self.on_step(st, protocol.Step(run=ev.run, rank=s.rank, step=s.step, t=s.t, dur=s.dur), now)
+        records = [[r.kind, r.n, r.t, r.path, r.steps if r.kind == "load" else r.dest] for r in ev.records]
+        numbered = scriptsteps.number(run.script, st.script_marks, ev.rank, records)
+        base = run.script.base
+        if base is not None and st.script_unsettled:
+            # the run before ran these, and the snapshot this run resumed from holds them: done, as
+            # the reports that came have them (`_settle` for a restore from stalwart's copies)
+            for s in sorted(x for x in st.script_unsettled if x < base):
+                acc = st.script_unsettled[s]
+                acts.append(record("step", acc.t, run=st.script_unsettled_run, step=s, dur=acc.dur, loss=acc.loss,
+                                   grad_norm=acc.grad_norm, tokens=acc.tokens))
+            st.script_unsettled = {}
+        for one in numbered:
+            acts += self.on_step(st, protocol.Step(run=ev.run, rank=one.rank, step=one.step, t=one.t, dur=one.dur), now)
         return acts
 
     def on_done(self, st: JobState, ev: protocol.Done, now: float) -> Actions:

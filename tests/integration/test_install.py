@@ -1,0 +1,99 @@
+"""stalwart installs into the environment people train in, beside the torch already there.
+
+A fresh virtualenv stands for a training image (an NGC container, a conda env): it already holds a
+torch and the usual packages (they are this checkout's own environment, seen through a `.pth` file,
+as a system site-packages would be). stalwart's wheel is installed there with `--no-index`: every
+requirement must be met by what is installed, so pip neither downloads nor replaces anything; the
+torch it finds is the one it keeps. A plain job and an SDK job then run from that environment.
+
+The oldest torch stalwart declares (2.6) is checked with pip's resolver alone (`--dry-run`) against
+an environment holding torch 2.6's metadata: every other torch on the registry is a multi-GB CUDA
+build, too large for a CI run (docs/install.md).
+"""
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "ddp_plain.py")
+
+
+def sh(*cmd, cwd=None, timeout=180) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{' '.join(map(str, cmd))}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def training_env(path, extra_site: str | None = None) -> str:
+    """A fresh virtualenv that sees this environment's packages (torch among them) as installed;
+    `extra_site`: a directory put before them (a torch of another version)."""
+    sh(sys.executable, "-m", "venv", "--without-pip", str(path))
+    py = os.path.join(path, "bin", "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "_training_image.pth"), "w") as f:
+        f.write((extra_site + "\n" if extra_site else "") + sysconfig.get_paths()["purelib"] + "\n")
+    return py
+
+
+def pip(py: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    # this environment's pip, acting on the fresh one (--python): the fresh one has none of its own
+    return sh(sys.executable, "-m", "pip", "--python", py, "--disable-pip-version-check", *args, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    dist = tmp_path_factory.mktemp("dist")
+    sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), ROOT, timeout=300)
+    [name] = [n for n in os.listdir(dist) if n.endswith(".whl")]
+    return os.path.join(dist, name)
+
+
+def torch_of(py: str) -> tuple[str, str]:
+    out = sh(py, "-c", "import torch, os; print(torch.__version__); print(os.path.dirname(torch.__file__))")
+    version, where = out.stdout.split()
+    return version, where
+
+
+@pytest.mark.timeout(420)
+def test_stalwart_installs_beside_the_torch_there_and_runs_a_plain_and_an_sdk_job(tmp_path, wheel):
+    py = training_env(tmp_path / "image")
+    before = torch_of(py)
+    # --no-index: whatever stalwart needs must be met by what is there; nothing is replaced
+    out = pip(py, "install", "--no-index", "--progress-bar=off", f"{wheel}[controller]")
+    assert "torch" not in out.stdout.split("Successfully installed")[-1].split("\n")[0], out.stdout
+    assert torch_of(py) == before
+    bin_dir = os.path.dirname(py)
+    stalwart = os.path.join(bin_dir, "stalwart")
+    sh(py, "-c", "import stalwart, sys; assert stalwart.__file__.startswith(sys.prefix), stalwart.__file__")
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(EXAMPLE) as f:
+        (work / "train.py").write_text(f.read())
+    plain = sh(stalwart, "run", "--state-dir", "st-plain", "--nnodes", "1", "--nproc-per-node", "2",
+               "train.py", "--epochs", "2", "--log-every", "0", cwd=work, timeout=240)
+    assert "[rank0]:epoch 1 done" in plain.stdout and "succeeded" in plain.stdout, plain.stdout[-2000:]
+    assert (work / "snapshot.pt").exists()
+    sdk = sh(stalwart, "run", "--state-dir", "st-sdk", "--machines", "1", "--gpus-per-machine", "2", "--steps", "6",
+             "--", "python", "-m", "stalwart.examples.gpt", "--layers", "1", "--log-every", "0", cwd=work, timeout=240)
+    assert "succeeded" in sdk.stdout and "steps 6/6" in sdk.stdout, sdk.stdout[-2000:]
+
+
+def test_the_oldest_torch_declared_is_accepted_by_pips_resolver(tmp_path, wheel):
+    """torch 2.6's metadata in the environment: pip would install stalwart alone and keep it."""
+    old = tmp_path / "torch26"
+    info = old / "torch-2.6.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.6.0\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text("")
+    py = training_env(tmp_path / "image", extra_site=str(old))
+    out = pip(py, "list", "--format=freeze")
+    assert "torch==2.6.0" in out.stdout, out.stdout
+    out = pip(py, "install", "--dry-run", "--no-index", f"{wheel}[controller]")
+    would = out.stdout.split("Would install")[-1] if "Would install" in out.stdout else ""
+    assert "stalwart" in would and "torch" not in would, out.stdout
