@@ -100,8 +100,10 @@ class MachineView:
 class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
                  heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
-                 backend=None):
+                 backend=None, checkpoint_dir: str | None = None):
         self.state_dir = os.path.abspath(state_dir)
+        # durable checkpoints: a directory every agent sees at the same path, or an fsspec URL
+        self.checkpoint_dir = checkpoint_dir or os.path.join(self.state_dir, "checkpoints")
         snapshot.mark_state_dir(self.state_dir)
         self.store = Store(db_url)
         self.reports = ReportCache(self.store)
@@ -472,7 +474,7 @@ class Controller:
 
     # -- jobs ---------------------------------------------------------------------------------------
     def ckpt_dir(self, job_id: int) -> str:
-        return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")
+        return f"{self.checkpoint_dir.rstrip('/')}/job{job_id}"
 
     def submit(self, spec_dict: dict) -> int:
         try:
