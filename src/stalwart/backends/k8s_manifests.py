@@ -115,7 +115,7 @@ def _controller(cfg: K8sConfig, spec: dict[str, Any]) -> list[dict]:
     else:
         db = f"sqlite:///{cfg.state_dir}/{DB_NAME}"     # (the pod's path, not this machine's)
     host = f"{name}.{cfg.namespace}.svc"
-    container = {
+    container: dict[str, Any] = {
         "name": "controller", "image": cfg.image,
         "command": ["stalwart", "controller"],
         "args": ["--db", db, "--listen", f"0.0.0.0:{cfg.port}", "--state-dir", cfg.state_dir,

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from stalwart.cli import jobs, services, views
-from stalwart.cli.common import UserError
+from stalwart.cli.common import UserError, resolve_slurm_job
 from stalwart.client import ApiError, ControllerUnreachable
 from stalwart.errors import StalwartError
 
@@ -45,6 +45,7 @@ def whole_names(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_slurm_job(args)
         return args.fn(args)
     except (UserError, ValueError, StalwartError, ControllerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
