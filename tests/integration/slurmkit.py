@@ -4,7 +4,9 @@
 As root each node's slurmd runs in its own network namespace (`backends.netns`), so whatever Slurm
 starts on the node (the agent, its workers) lives in that node's network, as on a real host: the
 node's address is its namespace's, its /etc/hosts maps this host's name to it (gloo binds there),
-and slurmctld listens on the bridge's gateway. Without root every node is 127.0.0.1.
+and slurmctld listens on the bridge's gateway. Without root every node is 127.0.0.1. Every node has
+one GPU GRES (backed by /dev/null: the workers' GPUs are simulated), so jobs ask for GPUs as on a
+GPU cluster.
 
 Everything is stopped even when a start fails half-way (`stop` is idempotent); `skip_reason()`
 says why Slurm cannot run here (binaries missing), for a skip with the reason.
@@ -141,11 +143,11 @@ class SlurmTestCluster:
             "SlurmdTimeout=10", "MpiDefault=none", "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "PreemptType=preempt/partition_prio", "PreemptMode=CANCEL", "KillWait=5",
-            "TopologyPlugin=topology/tree", "SchedulerParameters=defer_batch=0",
+            "TopologyPlugin=topology/tree", "SchedulerParameters=defer_batch=0", "GresTypes=gpu",
         ]
         for n in self.nodes:
             lines.append(f"NodeName={n} NodeHostname=localhost NodeAddr={self.node_addr[n]} "
-                         f"Port={_free_port()} CPUs=1 RealMemory=100 Feature=rack{self._switch(n)}")
+                         f"Port={_free_port()} CPUs=1 RealMemory=100 Gres=gpu:1 Feature=rack{self._switch(n)}")
         lines.append("PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1")
         lines.append("PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2")
         (d / "slurm.conf").write_text("\n".join(lines) + "\n")
@@ -154,6 +156,9 @@ class SlurmTestCluster:
                 for s in switches]
         topo.append(f"SwitchName=spine Switches={','.join(f'leaf{s}' for s in switches)}")
         (d / "topology.conf").write_text("\n".join(topo) + "\n")
+        # one "GPU" per node, so jobs can ask for GPUs as on a GPU cluster (--gpus-per-node, --gres);
+        # the workers use simulated GPUs
+        (d / "gres.conf").write_text(f"NodeName={','.join(self.nodes)} Name=gpu File=/dev/null\n")
         if self.cgroup_mount is not None:
             (d / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={self.cgroup_mount}\n")
 

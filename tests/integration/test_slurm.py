@@ -1,16 +1,21 @@
 """The Slurm backend on a real Slurm 22.05 (slurmctld + six `slurmd -N nodeN` on this host, each
-node in its own network namespace as root; `slurmkit.py`), driven through `stalwart slurm submit`.
+node in its own network namespace as root, one GPU GRES each; `slurmkit.py`).
 
-- A job with a GPU Xid on one node and a lost node (its agent and its slurmd killed) on another
-  completes; both nodes are drained with stalwart's reason; the standby pool was refilled through
-  Slurm (single-node allocations whose agents became standbys).
-- A preempted allocation and a cancelled one (`scancel`) end the job, recorded with Slurm's
-  reason, and leave nothing running.
+- `stalwart slurm sbatch`: the submitting process exits at once (the user logs out) and the
+  controller runs in the allocation; a node is lost mid-job (its agent and its slurmd killed): it is
+  drained with stalwart's reason, a standby takes over, the pool is refilled through a single-node
+  allocation like the job's, and the job finishes; `status`/`logs --slurm-job` find it; GPUs were
+  requested.
+- A user's own `#SBATCH` script running `stalwart slurm run`, requeued mid-job (`scontrol
+  requeue`, what a preemption with PreemptMode=REQUEUE does): the next run takes the job over and
+  it finishes from its newest durable checkpoint, not from step 0.
+- Hostlists, jobs and nodes as the backend reads them (`scontrol show hostnames`, `--json`).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +27,8 @@ from jobrun import events, gpt_spec, wait_for
 from slurmkit import SlurmTestCluster, skip_reason
 
 from stalwart import auth
-from stalwart.client import Client, ControllerUnreachable
+from stalwart.backends import slurm_cli
+from stalwart.client import Client
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -37,18 +43,6 @@ def slurm():
         c.stop()
 
 
-def submit(slurm: SlurmTestCluster, state_dir, spec: dict, *extra: str) -> subprocess.Popen:
-    """`stalwart slurm submit` for `spec` (a YAML config) in the background."""
-    os.makedirs(state_dir, exist_ok=True)
-    cfg = os.path.join(state_dir, "job.yaml")
-    with open(cfg, "w") as f:
-        yaml.safe_dump(spec, f)
-    argv = [sys.executable, "-m", "stalwart.cli", "slurm", "submit", "--config", cfg, "--state-dir", str(state_dir),
-            "--advertise", slurm.ctl_addr, "--log-level", "INFO",
-            "--agent-arg=--shared-host", *extra]       # six nodes, one host: one kernel log, one memory
-    return subprocess.Popen(argv, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def client_of(state_dir) -> Client | None:
     try:
         with open(os.path.join(state_dir, "controller.json")) as f:
@@ -58,14 +52,6 @@ def client_of(state_dir) -> Client | None:
     except (OSError, ValueError, KeyError):
         return None
     return Client(url, timeout=5, token=token)
-
-
-def machines(state_dir) -> dict[str, dict]:
-    c = client_of(state_dir)
-    try:
-        return {m["id"]: m for m in c.get("/api/machines")["machines"]} if c else {}
-    except ControllerUnreachable:
-        return {}
 
 
 def agent_nodes(slurm: SlurmTestCluster) -> dict[str, tuple[str, int]]:
@@ -92,16 +78,6 @@ def stalwart_processes(slurm: SlurmTestCluster) -> list[str]:
     return out
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"stalwart slurm submit did not end within {timeout}s:\n{out[-4000:]}")
-    return out
-
-
 def report(state_dir) -> dict:
     from stalwart.controller.report import build_report
     from stalwart.controller.store import Store
@@ -120,96 +96,160 @@ def steps_done(state_dir) -> int:
         return 0
 
 
-@pytest.mark.timeout(420)
-def test_gpu_xid_and_lost_node_drained_and_pool_refilled_through_slurm(slurm, tmp_path):
-    t0 = time.monotonic()
-    slow = tmp_path / "slow"          # steps last 1 s while it exists: the faults happen mid-job
-    slow.touch()
-    spec = gpt_spec(machines=2, gpus=1, steps=200, standby=1, chaos=["gpu-xid@step=3,machine=0"])
-    spec["command"] += ["--slow-while", str(slow)]
-    proc = submit(slurm, tmp_path, spec)
+def slurm_env(slurm: SlurmTestCluster, tmp_path) -> dict[str, str]:
+    """The test cluster's environment, with the registry of submitted jobs in the test's dir."""
+    return dict(slurm.env, STALWART_SLURM_JOBS=str(tmp_path / "registry"))
+
+
+def cli(env: dict[str, str], *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stalwart.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def allocations(state_dir) -> list[str]:
+    """The Slurm jobs the backend made or took as its own (the main allocation first)."""
     try:
-        # the first refill (after the Xid) is a standby: now m1's node is lost (agent, workers, slurmd)
-        assert wait_for(lambda: machines(tmp_path).get("m3", {}).get("state") == "standby"
-                        or proc.poll() is not None, 240, 0.2), "the pool was not refilled through Slurm"
-        assert proc.poll() is None, finish(proc, 5)
-        print(f"first refill a standby after {time.monotonic() - t0:.1f}s")
+        return json.load(open(os.path.join(state_dir, "slurm", "state.json")))["allocations"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def job_of(slurm: SlurmTestCluster, job: str) -> slurm_cli.JobInfo:
+    """Slurm job `job` as the backend reads it (22.05's `squeue --json` lists every job it holds)."""
+    jobs = json.loads(slurm.run("squeue", "--json", "--states=all", f"--jobs={job}"))["jobs"]
+    return slurm_cli.JobInfo.from_json(next(j for j in jobs if str(j["job_id"]) == job))
+
+
+def wait_allocation_gone(slurm: SlurmTestCluster, job: str, timeout: float) -> str:
+    """Wait until Slurm job `job` ends; its final state."""
+    final = {}
+
+    def ended() -> bool:
+        info = job_of(slurm, job)
+        final["state"] = info.state
+        return info.state not in slurm_cli.LIVE_STATES and info.state != "COMPLETING"
+    assert wait_for(ended, timeout, 0.5), f"Slurm job {job} still {final}"
+    return final["state"]
+
+
+def test_hostlists_jobs_and_nodes_as_slurm_gives_them(slurm):
+    env_conf = {"SLURM_CONF": slurm.env["SLURM_CONF"]}
+    old = {k: os.environ.get(k) for k in env_conf}
+    os.environ.update(env_conf)
+    try:
+        assert slurm_cli.hostnames("n[1-3,5],gpu[08-09]-ib[0-1]") == [
+            "n1", "n2", "n3", "n5", "gpu08-ib0", "gpu08-ib1", "gpu09-ib0", "gpu09-ib1"]
+        node = slurm_cli.node_info("n2")
+        assert node is not None and node.address == slurm.node_addr["n2"] and node.features == "rack1"
+        assert slurm_cli.node_labels("n5") == {"slurm.node": "n5", "switch": slurm.switch_of("n5")}
+        assert slurm_cli.job_info("999999") is None
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_then_log_out_a_node_is_lost_and_the_job_finishes(slurm, tmp_path):
+    t0 = time.monotonic()
+    slurm.wait_idle_count(4, 60)
+    env = slurm_env(slurm, tmp_path)
+    slow = tmp_path / "slow"          # steps last 1 s while it exists: the fault happens mid-job
+    slow.touch()
+    spec = gpt_spec(machines=2, gpus=1, steps=40, standby=1)
+    spec["command"] += ["--slow-while", str(slow)]
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(spec))
+    sub = cli(env, "slurm", "sbatch", "--config", str(cfg), "--state-dir", str(tmp_path), "--log-level", "INFO",
+              "--agent-arg=--shared-host", timeout=30)       # six nodes, one host: one kernel log
+    # the submitting process is gone: the job runs in the allocation
+    assert sub.returncode == 0, sub.stderr
+    job = re.search(r"Slurm job (\d+) submitted", sub.stdout).group(1)
+    print(f"sbatch returned after {time.monotonic() - t0:.1f}s")
+    try:
+        assert wait_for(lambda: steps_done(tmp_path) >= 3, 120, 0.5), slurm.run("squeue")
+        info = job_of(slurm, job)
+        assert info.gres == "gpu:1" and info.restarts == 0          # the GPUs were asked for
         nodes = agent_nodes(slurm)
+        assert nodes["m0"][0] == info.batch_host                    # the controller's node holds m0
         lost_node, lost_agent = nodes["m1"]
         client_of(tmp_path).post("/api/jobs/1/inject", {"chaos": "machine-down@machine=1"})
         assert wait_for(lambda: not os.path.exists(f"/proc/{lost_agent}"), 30), "machine-down did not kill the agent"
         slurm.kill_node(lost_node)
-        # its standby took over and the pool refilled again: let the job finish at full speed
-        assert wait_for(lambda: machines(tmp_path).get("m4", {}).get("state") == "standby"
-                        or proc.poll() is not None, 240, 0.2), "the pool was not refilled a second time"
-        print(f"second refill a standby after {time.monotonic() - t0:.1f}s")
+        # its standby takes over; the pool is refilled through Slurm: a single-node allocation
+        # like the job's (its agent registers as m3)
+        assert wait_for(lambda: len(allocations(tmp_path)) >= 2, 120, 0.5), allocations(tmp_path)
+        refill = allocations(tmp_path)[1]
+        assert job_of(slurm, refill).gres == "gpu:1"
+        print(f"refill asked for after {time.monotonic() - t0:.1f}s")
         slow.unlink()
-        out = finish(proc, 300)
+        assert wait_allocation_gone(slurm, job, 120) == "COMPLETED"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
+        slurm.run("scancel", job, check=False)
     rep = report(tmp_path)
-    assert rep["state"] == "succeeded" and rep["steps_completed"] == 200
+    assert rep["state"] == "succeeded" and rep["steps_completed"] == 40, rep["state"]
     incs = rep["incidents"]
-    assert [i["machines_evicted"] for i in incs] == [["m0"], ["m1"]], incs
-    assert incs[0]["symptom"] == "gpu_xid" and incs[1]["symptom"] == "machine_lost", incs
-    # both nodes drained with stalwart's reason (the lost one is also down: its slurmd is dead)
-    xid_node = nodes["m0"][0]
-    for node, n in ((xid_node, 1), (lost_node, 2)):
-        info = slurm.node(node)
-        assert "DRAIN" in info["State"], info
-        assert info["Reason"].startswith(f"stalwart: incident {n}: "), info
-    sinfo = slurm.run("sinfo", "-h", "-R", "-o", "%N|%E")
-    assert f"{xid_node}|stalwart: incident 1: gpu_xid" in sinfo, sinfo
-    # the pool refilled twice through Slurm: single-node allocations whose agents became standbys
+    assert [i["machines_evicted"] for i in incs] == [["m1"]] and incs[0]["symptom"] == "machine_lost", incs
+    node = slurm.node(lost_node)
+    assert "DRAIN" in node["State"] and node["Reason"].startswith("stalwart: incident 1: "), node
     asked = [m for e in events(tmp_path, "machines_requested") for m in e["machines"]]
-    added = [e["machine"] for e in events(tmp_path, "standby_added")]
-    assert asked[:2] == ["m3", "m4"] and {"m3", "m4"} <= set(added), (asked, added)
-    state = json.load(open(tmp_path / "slurm" / "state.json"))
-    refills = state["allocations"][1:]
-    assert len(refills) >= 2
-    for job in refills[:2]:
-        assert "NumNodes=1 " in slurm.run("scontrol", "-o", "show", "job", job)
-    # each agent registered with its node's switch (topology/tree) and node name
-    from stalwart.controller.store import Store
-    store = Store(f"sqlite:///{tmp_path}/stalwart.db")
-    try:
-        labels = {m["id"]: (m["info"] or {}).get("labels", {}) for m in store.machines()}
-    finally:
-        store.close()
-    for m in ("m0", "m1"):
-        node = nodes[m][0]
-        assert labels[m]["slurm.node"] == node and labels[m]["switch"] == slurm.switch_of(node), labels
+    assert asked[:1] == ["m3"], asked
+    assert "NumNodes=1 " in slurm.run("scontrol", "-o", "show", "job", refill)
+    # found from the Slurm job's id alone
+    st = cli(env, "status", "--slurm-job", job)
+    assert st.returncode == 0 and "succeeded" in st.stdout, st.stdout + st.stderr
+    logs = cli(env, "logs", "--slurm-job", job, "-n", "200")
+    assert logs.returncode == 0 and "stalwart: job 1 submitted" in logs.stdout, logs.stdout[-2000:]
     assert wait_for(lambda: not stalwart_processes(slurm), 30), f"left running: {stalwart_processes(slurm)}"
-    print(f"slurm job with two faults: {time.monotonic() - t0:.1f}s")
+    print(f"sbatch job with a lost node: {time.monotonic() - t0:.1f}s")
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["preempt", "scancel"])
-def test_allocation_preempted_or_cancelled_ends_the_job(slurm, tmp_path, how):
+USER_SCRIPT = """#!/bin/sh
+#SBATCH --nodes=2
+#SBATCH --no-kill
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={out}
+exec {python} -m stalwart.cli slurm run --config {cfg} --state-dir {state} --log-level INFO --agent-arg=--shared-host
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_requeued_allocation_resumes_the_job_from_its_durable_checkpoint(slurm, tmp_path):
     t0 = time.monotonic()
     slurm.wait_idle_count(2, 60)
-    spec = gpt_spec(machines=2, gpus=1, steps=100000)
-    proc = submit(slurm, tmp_path, spec)
+    env = slurm_env(slurm, tmp_path)
+    slow = tmp_path / "slow"
+    slow.touch()
+    spec = gpt_spec(machines=2, gpus=1, steps=20)          # durable checkpoints every 5 steps
+    spec["command"] += ["--slow-while", str(slow)]
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(spec))
+    script = tmp_path / "train.sbatch"                      # the user's own batch script
+    script.write_text(USER_SCRIPT.format(out=tmp_path / "slurm-%j.out", python=sys.executable, cfg=cfg,
+                                         state=tmp_path))
+    job = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
     try:
-        assert wait_for(lambda: steps_done(tmp_path) >= 3 or proc.poll() is not None, 180, 0.5)
-        assert proc.poll() is None, finish(proc, 5)
-        main = json.load(open(tmp_path / "slurm" / "state.json"))["main"]
-        if how == "preempt":
-            node = agent_nodes(slurm)["m0"][0]
-            slurm.run("sbatch", "--partition=urgent", f"--nodelist={node}", "--nodes=1",
-                      f"--output={tmp_path}/urgent.out", "--wrap", "sleep 1")
-        else:
-            slurm.run("scancel", main)
-        out = finish(proc, 120)
+        assert wait_for(lambda: steps_done(tmp_path) >= 7, 150, 0.5), slurm.run("squeue")
+        slurm.run("scontrol", "requeue", job)
+        slow.unlink()
+        # Slurm holds a requeued job back a while (BeginTime): let it run as soon as it can
+        assert wait_for(lambda: "PENDING" in slurm.run("squeue", "-h", "-j", job, "-o", "%T"), 60, 0.5)
+        slurm.run("scontrol", "update", f"jobid={job}", "starttime=now")
+        assert wait_allocation_gone(slurm, job, 180) == "COMPLETED"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, out[-4000:]
+        slurm.run("scancel", job, check=False)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "requeued allocation" in out and "job 1 taken over" in out, out[-3000:]
     rep = report(tmp_path)
-    want = {"preempt": "was preempted (PREEMPTED)", "scancel": "was cancelled ("}[how]
-    assert rep["state"] == "cancelled" and rep["reason"].startswith(f"the Slurm allocation {main} {want}"), \
-        (rep["state"], rep["reason"], out[-3000:])
+    assert rep["state"] == "succeeded" and rep["steps_completed"] == 20, (rep["state"], out[-3000:])
+    # every rank restored from the durable tier (the new nodes' memory is empty), at the newest
+    # durable step before the requeue (every 5 steps: at least step index 4 of 7 done)
+    restores = events(tmp_path, "restore_source")
+    assert len(restores) == 2 and {(r["tier"], r["step"]) for r in restores} == {("durable", restores[0]["step"])}
+    assert restores[0]["step"] >= 4, restores
     assert wait_for(lambda: not stalwart_processes(slurm), 30), f"left running: {stalwart_processes(slurm)}"
-    print(f"{how}: {time.monotonic() - t0:.1f}s")
+    print(f"requeued and resumed: {time.monotonic() - t0:.1f}s")

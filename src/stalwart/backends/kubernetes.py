@@ -2,9 +2,12 @@
 `kubernetes` Python client (`pip install stalwart[k8s]`).
 
 - The pods are `stalwart-<tag>-m<i>`, one per node (pod anti-affinity), on the host's network and
-  PID namespace (NIC probes, py-spy on the workers, the node's /dev/kmsg), holding the node's GPUs.
-  `k8s_manifests.py` renders the first N + S + P of them with the controller; this backend makes
-  the refills from the same template (`agent_pod`).
+  PID namespace (NIC probes, py-spy on the workers, the node's /dev/kmsg), holding the node's GPUs,
+  with resource requests, the durable checkpoint volume (a PVC every agent mounts at the same
+  path) and a `training` container that shows a rank's output in `kubectl logs`. The operator's
+  pod template (`k8s_template.py`: tolerations, volumes, resources, nodeSelector, affinity, ...) is
+  merged into each. `k8s_manifests.py` renders the first N + S + P of them with the controller;
+  this backend builds the refills the same way (`agent_pod`, from the same config).
 - Eviction cordons the node (`spec.unschedulable`), labels it `stalwart.io/evicted=incident-<n>`
   with the reason as an annotation (what `kubectl get nodes -l stalwart.io/evicted` lists), and
   deletes the machine's pod.
@@ -24,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.backends import k8s_template
 from stalwart.backends.base import Backend, BackendState
 
 log = logging.getLogger("stalwart.kubernetes")
@@ -32,21 +36,32 @@ REASON_ANNOTATION = "stalwart.io/evicted-reason"
 CLUSTER_LABEL = "stalwart.io/cluster"
 MACHINE_LABEL = "stalwart.io/machine"
 TOKEN_KEY = "token"
+AGENT_WORKDIR = "/var/lib/stalwart-agent"
+CHECKPOINT_MOUNT = "/var/lib/stalwart-checkpoints"
+LOG_CONTAINER = "training"
+AGENT_REQUESTS = {"cpu": "2", "memory": "8Gi"}     # an agent and its workers: raise it for real jobs
 
 
 @dataclass
 class K8sConfig:
     """The cluster's settings: the `kubernetes:` section of a job YAML (`stalwart k8s manifests`)
-    and the controller's backend config (JSON, mounted from a ConfigMap)."""
+    and the controller's backend config (JSON, mounted from a ConfigMap), so the pods the
+    controller makes after an eviction are built as the rendered ones were."""
     tag: str = "job"                     # names the pods: stalwart-<tag>-m<i>
-    namespace: str = "stalwart"
+    namespace: str = "stalwart"          # created by the operator (not part of the bundle)
     image: str = "stalwart:0.1.0"        # an image with stalwart and the training code
+    code_dir: str = "/app"               # the training code in the image (the job's code_dir)
     gpus: int = 1                        # per node (the job's gpus_per_machine)
     gpu_resource: str = "nvidia.com/gpu"  # "" on CPU nodes
     state_dir: str = "/var/lib/stalwart"
     heartbeat_s: float = 1.0
     host_network: bool = True            # the NIC probe and gloo/NCCL see the node's interfaces
     node_selector: dict[str, str] = field(default_factory=dict)
+    pod_template: dict[str, Any] = field(default_factory=dict)             # merged into every agent pod
+    controller_pod_template: dict[str, Any] = field(default_factory=dict)  # ... into the controller's
+    requests: dict[str, str] = field(default_factory=lambda: dict(AGENT_REQUESTS))  # the agent container's
+    checkpoint: dict[str, Any] = field(default_factory=dict)   # the durable tier: claim | size | url
+    log_rank: int = 0                    # whose output `kubectl logs` shows (the pod holding it)
     switch_label: str = "stalwart.io/switch"     # node labels copied to the agents' topology labels
     pod_label: str = "stalwart.io/pod"
     zone_label: str = "topology.kubernetes.io/zone"
@@ -72,6 +87,13 @@ class K8sConfig:
             raise ValueError(f"kubernetes.tag {cfg.tag!r} must be a short DNS label (a-z, 0-9, -)")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", cfg.namespace):
             raise ValueError(f"kubernetes.namespace {cfg.namespace!r} is not a valid namespace name")
+        if not isinstance(cfg.code_dir, str) or not cfg.code_dir.startswith("/"):
+            raise ValueError(f"kubernetes.code_dir {cfg.code_dir!r} must be an absolute path in the image")
+        k8s_template.check(cfg.pod_template, "kubernetes.pod_template")
+        k8s_template.check(cfg.controller_pod_template, "kubernetes.controller_pod_template", "controller")
+        if not isinstance(cfg.requests, dict) or not all(isinstance(v, str) for v in cfg.requests.values()):
+            raise ValueError("kubernetes.requests must map resources to quantities, e.g. {cpu: \"8\", memory: 64Gi}")
+        _check_checkpoint(cfg.checkpoint)
         return cfg
 
     @property
@@ -82,6 +104,22 @@ class K8sConfig:
     def token_secret(self) -> str:
         return f"stalwart-{self.tag}-token"
 
+    @property
+    def checkpoint_claim(self) -> str | None:
+        """The PVC of the durable tier (made by the operator, or rendered from `size`)."""
+        if self.checkpoint.get("claim"):
+            return str(self.checkpoint["claim"])
+        if self.checkpoint.get("size"):
+            return f"stalwart-{self.tag}-checkpoints"
+        return None
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """Where durable checkpoints go, the same path or URL for the controller and every agent."""
+        if self.checkpoint.get("url"):
+            return str(self.checkpoint["url"])
+        return CHECKPOINT_MOUNT if self.checkpoint_claim else None
+
     def pod_name(self, machine: str) -> str:
         return f"stalwart-{self.tag}-{machine}"
 
@@ -89,13 +127,26 @@ class K8sConfig:
 SECRET_KEY = "secret"            # the controller's secret, beside the operator's token in the Secret
 
 
+def _check_checkpoint(ck: Any) -> None:
+    if not isinstance(ck, dict):
+        raise ValueError("kubernetes.checkpoint must be a mapping: {claim: PVC} or {size: 1Ti} or {url: s3://...}")
+    unknown = sorted(set(ck) - {"claim", "size", "storage_class", "url"})
+    if unknown:
+        raise ValueError(f"kubernetes.checkpoint: unknown key(s) {', '.join(unknown)} "
+                         "(known: claim, size, storage_class, url)")
+    if sum(bool(ck.get(k)) for k in ("claim", "size", "url")) > 1:
+        raise ValueError("kubernetes.checkpoint: one of claim (an existing PVC), size (a new one) or url")
+
+
 def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> dict[str, Any]:
-    """The agent pod of one machine (a manifest, and what a refill creates). Its credential: a
-    one-time join token made for this machine (`stalwart.identity`; the controller's refills make
-    one from the controller's secret), never the operator's token, which the user's training
-    code would inherit."""
+    """The agent pod of one machine (a manifest, and what a refill creates), the operator's
+    `pod_template` merged in. Its credential: a one-time join token made for this machine
+    (`stalwart.identity`; the controller's refills make one from the controller's secret), never
+    the operator's token, which the user's training code would inherit."""
     labels = {"app.kubernetes.io/name": "stalwart-agent", CLUSTER_LABEL: cfg.tag, MACHINE_LABEL: machine}
-    resources: dict[str, Any] = {"limits": {cfg.gpu_resource: str(cfg.gpus)}} if cfg.gpu_resource else {}
+    resources: dict[str, Any] = {"requests": dict(cfg.requests)}
+    if cfg.gpu_resource:
+        resources["limits"] = {cfg.gpu_resource: str(cfg.gpus)}
     if join_token is None:
         from stalwart import auth, identity
         join_token = identity.join_token(auth.read_token_file(cfg.secret_file).encode(), machine)
@@ -103,6 +154,16 @@ def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> di
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "STALWART_JOIN_TOKEN", "value": join_token}]
     env += [{"name": k, "value": v} for k, v in sorted(cfg.env.items())]
+    mounts = [{"name": "shm", "mountPath": "/dev/shm"},
+              {"name": "work", "mountPath": AGENT_WORKDIR},
+              {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},       # in-memory checkpoints
+        {"name": "work", "emptyDir": {}},
+        {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}}]
+    if cfg.checkpoint_claim:
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": cfg.checkpoint_claim}})
     spec: dict[str, Any] = {
         "serviceAccountName": f"stalwart-{cfg.tag}-agent",
         "restartPolicy": "Never",           # a lost machine is replaced by the controller, not restarted here
@@ -114,28 +175,35 @@ def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> di
             "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "stalwart-agent", CLUSTER_LABEL: cfg.tag}},
             "topologyKey": "kubernetes.io/hostname"}]}},
         "containers": [{
-            "name": "agent",
+            "name": k8s_template.AGENT_CONTAINER,
             "image": cfg.image,
             "command": ["python", "-m", "stalwart.backends.k8s_agent"],
             "args": ["--machine-id", machine, "--controller", cfg.controller_url, "--gpus", str(cfg.gpus),
                      "--heartbeat", str(cfg.heartbeat_s), "--switch-label", cfg.switch_label,
-                     "--pod-label", cfg.pod_label, "--zone-label", cfg.zone_label],
+                     "--pod-label", cfg.pod_label, "--zone-label", cfg.zone_label, "--workdir", AGENT_WORKDIR],
             "env": env,
             "resources": resources,
             "securityContext": {"capabilities": {"add": ["SYS_PTRACE", "SYSLOG", "NET_ADMIN"]}},
-            "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"},
-                             {"name": "work", "mountPath": "/var/lib/stalwart-agent"},
-                             {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True}],
+            "volumeMounts": mounts,
+        }, {
+            # `kubectl logs POD` shows this one: the training output of rank `log_rank` (the pod
+            # holding it), else of the pod's first rank; the agent's own log is `-c agent`
+            "name": LOG_CONTAINER,
+            "image": cfg.image,
+            "command": ["python", "-m", "stalwart.backends.k8s_agent", "follow-logs"],
+            "args": ["--logs", f"{AGENT_WORKDIR}/{machine}/logs", "--rank", str(cfg.log_rank)],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+            "volumeMounts": [{"name": "work", "mountPath": AGENT_WORKDIR, "readOnly": True}],
         }],
-        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}},       # in-memory checkpoints
-                    {"name": "work", "emptyDir": {}},
-                    {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}}],
+        "volumes": volumes,
     }
     if cfg.node_selector:
         spec["nodeSelector"] = dict(cfg.node_selector)
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": cfg.pod_name(machine), "namespace": cfg.namespace, "labels": labels},
-            "spec": spec}
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": cfg.pod_name(machine), "namespace": cfg.namespace, "labels": labels,
+                        "annotations": {"kubectl.kubernetes.io/default-container": LOG_CONTAINER}},
+           "spec": spec}
+    return k8s_template.apply(pod, cfg.pod_template)
 
 
 class KubernetesBackend(Backend):

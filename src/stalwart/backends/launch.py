@@ -28,18 +28,22 @@ def poll(cluster, path: str, patience_s: float = 90.0) -> dict:
             time.sleep(0.5)
 
 
-def run_job(cluster, spec, start: Callable[[], None], logs=None, target_given: bool = True) -> int:
-    """`start()` the cluster, run `spec` on it to the end; the exit code (0 succeeded, 1 not,
-    130 interrupted). The cluster is stopped whatever happens. `logs`: the workers' output to show
-    (a `cli.logs.LogTail`), printed above the progress line as it comes."""
+def run_job(cluster, spec, start: Callable[[], None], job: int | None = None,
+            tick: Callable[[], None] | None = None, logs=None, target_given: bool = True) -> int:
+    """`start()` the cluster, run `spec` on it to the end (or follow `job`, already submitted: a
+    controller that took it over); the exit code (0 succeeded, 1 not, 130 interrupted). `tick` is
+    called at each refresh. `logs`: the workers' output to show (a `cli.logs.LogTail`), printed
+    above the progress line as it comes. The cluster is stopped whatever happens."""
     from stalwart.progress import Progress, summary
-    rep = job = None
+    rep = None
     cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
     try:
         start()
-        job = cluster.client().post("/api/jobs", {"spec": spec.to_dict(), "idempotency_key": uuid.uuid4().hex})["job"]
-        print(f"stalwart: job {job} submitted: {' '.join(spec.command)}\n"
-              f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
+        if job is None:
+            job = cluster.client().post("/api/jobs", {"spec": spec.to_dict(),
+                                                      "idempotency_key": uuid.uuid4().hex})["job"]
+            print(f"stalwart: job {job} submitted: {' '.join(spec.command)}", flush=True)
+        print(f"stalwart: dashboard at {cluster.url}/#token={cluster.token}", flush=True)
         prog = Progress(target_given=target_given)
         full: dict = {}
         seen, polls = None, 0
@@ -50,6 +54,8 @@ def run_job(cluster, spec, start: Callable[[], None], logs=None, target_given: b
                 full = st = poll(cluster, f"/api/jobs/{job}")
             seen, polls = (live.get("run"), live.get("state")), polls + 1
             prog.update({**full, **st})
+            if tick is not None:
+                tick()
             if st["state"] != "running":
                 rep = st
                 break

@@ -1,162 +1,48 @@
 """Slurm: the job's machines are the nodes of Slurm allocations, driven by Slurm's own CLI
-(`sbatch`, `srun`, `scontrol`, `squeue`, `scancel`; the PyPI `pyslurm` does not fit Debian's
-Slurm 22.05, and the CLI is what every Slurm version keeps stable).
+(`backends/slurm_cli.py`).
 
-- The cluster's machines: one `sbatch --no-kill --exclusive -N K` allocation whose batch script
-  `srun`s one agent per node (`backends/slurm_agent.py` names it `m<first + SLURM_NODEID>` and
-  gives it the node's topology labels). `--no-kill` keeps the allocation, and the other nodes'
-  agents, when one node fails.
+- The cluster's machines: one `--no-kill` allocation of K nodes whose agents `srun` runs, one per
+  node (`backends/slurm_agent.py` names it `m<first + SLURM_NODEID>` and gives it the node's
+  topology labels). `--no-kill` keeps the allocation, and the other nodes' agents, when one node
+  fails. Either the controller runs inside that allocation, on its first node (`stalwart slurm
+  sbatch`, or a user's `#SBATCH` script that runs `stalwart slurm run`: `inside`), or elsewhere
+  (`stalwart slurm submit`, the controller on the submitting host, which submits the allocation).
 - Eviction drains the node: `scontrol update nodename=N state=drain reason="stalwart: incident 3:
-  gpu_xid 79 ..."`, so Slurm hands it to nobody until an administrator resumes it.
-- A refill is a new single-node allocation of the same kind (`m<next>`).
+  gpu_xid 79 ..."`, so Slurm hands it to nobody until an administrator resumes it. Without
+  operator rights (Slurm refuses the drain), or with `drain: never`, the node is excluded from the
+  job's refills (`sbatch --exclude`) and the user is told (the controller's log and
+  `slurm/notes.log`, which `stalwart slurm run` prints to the job's output).
+- A refill is a new single-node allocation of the same kind (`m<next>`), never on an excluded node.
 - The allocation's end while the job runs (a time limit, a preemption, `scancel`) is read from
-  `scontrol show job` and ends the job, cancelled with that reason.
-- Every allocation is named `stalwart-<tag>`; `release` cancels them all.
+  Slurm and ends the job, cancelled with that reason, when the controller runs elsewhere. Inside
+  the allocation the controller ends with it: a requeued allocation (`--requeue`, a preemption
+  with PreemptMode=REQUEUE) runs `stalwart slurm run` again, which takes the job over and resumes
+  it from its newest checkpoint (the durable tier, on storage every node sees).
+- Every allocation is named `stalwart-<tag>`; `release` cancels them all (but the one the
+  controller runs in, which ends when the controller does).
 
 The launcher and the controller share the config (`<state-dir>/slurm/backend.json`) and the state
-next to it (the main allocation's id, the next machine index), so a restarted controller carries on.
+next to it (the main allocation's id, the next machine index, the excluded nodes), so a restarted
+controller carries on.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 import shlex
-import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stalwart.backends.base import Backend, BackendState
+from stalwart.backends.slurm_cli import (  # noqa: F401  (re-exported: the backend's vocabulary)
+    ENDED, LIVE_STATES, JobInfo, NodeInfo, SlurmError, ended_reason, hostnames, job_info, node_info, node_labels,
+    parse_record, run_cli, switch_labels)
 
 log = logging.getLogger("stalwart.slurm")
-CLI_TIMEOUT_S = 30.0
-LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
-               "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED"}
-ENDED = {"PREEMPTED": "was preempted", "TIMEOUT": "reached its time limit", "CANCELLED": "was cancelled",
-         "NODE_FAIL": "lost its nodes", "DEADLINE": "reached its deadline", "BOOT_FAIL": "failed to boot",
-         "OUT_OF_MEMORY": "ran out of memory", "FAILED": "failed", "COMPLETED": "ended", "GONE": "is gone"}
-
-
-class SlurmError(RuntimeError):
-    """A Slurm command failed (its stderr says why)."""
-
-
-def run_cli(argv: list[str], timeout: float = CLI_TIMEOUT_S) -> str:
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmError(f"{argv[0]} not found: is Slurm's client installed (Debian slurm-client)?") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(argv[:3])} did not answer within {timeout:.0f}s") from None
-    if p.returncode != 0:
-        raise SlurmError(f"{' '.join(argv[:3])}: {p.stderr.strip() or f'exit code {p.returncode}'}")
-    return p.stdout
-
-
-# -- parsing Slurm's output (pure) ------------------------------------------------------------
-_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
-
-
-def parse_record(line: str) -> dict[str, str]:
-    """One `scontrol -o show …` record as a dict. Values may hold spaces (`Reason=`, `OS=`): a
-    value runs to the next ` Key=`; `Reason`, always last, keeps the rest of the line."""
-    out: dict[str, str] = {}
-    line = line.strip()
-    reason_at = line.find(" Reason=") if not line.startswith("JobId=") else -1
-    tail = None
-    if reason_at >= 0:
-        line, tail = line[:reason_at], line[reason_at + len(" Reason="):]
-    keys = list(_KEY.finditer(line))
-    for i, m in enumerate(keys):
-        end = keys[i + 1].start() if i + 1 < len(keys) else len(line)
-        out[m.group(1)] = line[m.end():end].strip()
-    if tail is not None:
-        out["Reason"] = tail.strip()
-    return out
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """`n[1-3,5],gpu[08-09]` -> n1 n2 n3 n5 gpu08 gpu09 (Slurm's hostlist syntax, one bracket
-    per name, ranges keep their zero padding)."""
-    out: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", expr):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            out.append(part)
-            continue
-        pre, body, post = m.groups()
-        for r in body.split(","):
-            lo, _, hi = r.partition("-")
-            if not hi:
-                out.append(f"{pre}{lo}{post}")
-                continue
-            for i in range(int(lo), int(hi) + 1):
-                out.append(f"{pre}{str(i).zfill(len(lo))}{post}")
-    return out
-
-
-def switch_labels(topology: str, node: str) -> dict[str, str]:
-    """From `scontrol show topology` (topology/tree): `switch` = the lowest-level switch holding
-    the node, `pod` = the switch above it when there is one (the tree's root over several leaves
-    is everybody's, not a pod)."""
-    switches = []
-    for line in topology.splitlines():
-        rec = parse_record(line)
-        if "SwitchName" in rec:
-            switches.append((int(rec.get("Level", "0") or 0), rec["SwitchName"],
-                             expand_hostlist(rec.get("Nodes", "")), rec.get("Switches", "").split(",")))
-    mine = sorted((level, name) for level, name, nodes, _ in switches if node in nodes)
-    if not mine:
-        return {}
-    labels = {"switch": mine[0][1]}
-    above = [(level, name) for level, name, _, children in switches if mine[0][1] in children]
-    top = max(level for level, *_ in switches)
-    if above and above[0][0] < top:
-        labels["pod"] = above[0][1]
-    return labels
-
-
-def node_labels(node: str) -> dict[str, str]:
-    """A node's topology labels where Slurm knows them: its switch (and pod) from topology/tree,
-    else its features (`features=a,b`); always `slurm.node`."""
-    labels = {"slurm.node": node}
-    try:
-        labels.update(switch_labels(run_cli(["scontrol", "show", "topology", node]), node))
-    except SlurmError:
-        pass                       # no topology plugin configured
-    if "switch" not in labels:
-        try:
-            rec = parse_record(run_cli(["scontrol", "-o", "show", "node", node]))
-        except SlurmError:
-            rec = {}
-        feats = rec.get("ActiveFeatures", "")
-        if feats and feats != "(null)":
-            labels["features"] = feats
-    return labels
-
-
-def ended_reason(job_id: str, rec: dict[str, str] | None) -> str | None:
-    """Why allocation `job_id` is over, from its `scontrol -o show job` record (None: no record,
-    the job is gone), or None while it lives."""
-    if rec is None:
-        state = "GONE"
-    else:
-        state = rec.get("JobState", "")
-        if state in LIVE_STATES:
-            return None
-        if state == "COMPLETING":
-            # being torn down (its final state shows once every step ended, after KillWait): say
-            # why now. With no preemption and no time limit it was cancelled: the batch script
-            # never ends by itself while its agents run, and --no-kill survives failed nodes.
-            if rec.get("PreemptTime", "None") not in ("None", ""):
-                state = "PREEMPTED"
-            elif rec.get("Reason") == "TimeLimit":
-                state = "TIMEOUT"
-            else:
-                return f"the Slurm allocation {job_id} was cancelled (COMPLETING)"
-    return f"the Slurm allocation {job_id} {ENDED.get(state, 'ended')} ({state})"
+NOTES = "notes.log"          # what the user must know (a node that could not be drained), one per line
 
 
 # -- the backend ------------------------------------------------------------------------------
@@ -171,11 +57,14 @@ class SlurmConfig:
     heartbeat_s: float = 1.0
     log_level: str = "INFO"
     python: str = sys.executable
-    sbatch_args: list[str] = field(default_factory=list)      # --partition, --time, --account ...
-    agent_prefix: list[str] = field(default_factory=list)     # e.g. a container launcher
+    sbatch_args: list[str] = field(default_factory=list)      # --partition, --time, --account, GPUs ...
+    srun_args: list[str] = field(default_factory=list)        # the agents' srun: --container-image, --mpi ...
+    agent_prefix: list[str] = field(default_factory=list)     # e.g. numactl
     workdir: str = "{state_dir}/machines/{machine}"
     env: dict[str, str] = field(default_factory=dict)         # for the agents (and their workers)
     agent_args: list[str] = field(default_factory=list)       # more `stalwart agent` options
+    inside: bool = False          # the controller runs in the main allocation (it ends with it)
+    drain: str = "auto"           # auto: drain an evicted node, exclude it where Slurm refuses; never
 
     @property
     def dir(self) -> str:
@@ -211,7 +100,7 @@ class SlurmBackend(Backend):
     def __init__(self, cfg: SlurmConfig):
         self.cfg = cfg
         os.makedirs(os.path.join(cfg.dir, "logs"), exist_ok=True)
-        self.state = BackendState(cfg.dir, {"main": None, "next": 0, "allocations": []})
+        self.state = BackendState(cfg.dir, {"main": None, "next": 0, "allocations": [], "excluded": []})
 
     @classmethod
     def from_config(cls, d: dict[str, Any]) -> "SlurmBackend":
@@ -226,17 +115,22 @@ class SlurmBackend(Backend):
         return list(self.cfg.agent_prefix) + [self.cfg.python, "-m", "stalwart.backends.slurm_agent",
                                               "--config", self.cfg.path, "--first", str(first)]
 
+    def srun_argv(self, first: int, nodes: int | None = None) -> list[str]:
+        """The step that starts one agent per node; a node's failure kills no other."""
+        return (["srun", "--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1"]
+                + ([f"--nodes={nodes}"] if nodes else []) + list(self.cfg.srun_args) + self.agent_command(first))
+
     def batch_script(self, first: int) -> str:
-        """The allocation's batch script: one agent per node, a node's failure kills no other."""
+        """The batch script of an allocation of agents (no controller)."""
         env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(self.cfg.env.items()))
         return ("#!/bin/sh\n# stalwart's agents: one per node of this allocation (generated)\n" + env +
-                "exec srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 " +
-                " ".join(shlex.quote(a) for a in self.agent_command(first)) + "\n")
+                "exec " + " ".join(shlex.quote(a) for a in self.srun_argv(first)) + "\n")
 
     def sbatch_argv(self, nodes: int, script: str) -> list[str]:
+        excluded = self.state.read().get("excluded") or []
         return (["sbatch", "--parsable", "--no-kill", "--exclusive", f"--nodes={nodes}",
                  f"--job-name={self.cfg.name}", f"--output={self.cfg.dir}/logs/slurm-%j.out"]
-                + list(self.cfg.sbatch_args) + [script])
+                + list(self.cfg.sbatch_args) + ([f"--exclude={','.join(excluded)}"] if excluded else []) + [script])
 
     def _submit(self, nodes: int, first: int, main: bool) -> str:
         script = os.path.join(self.cfg.dir, f"agents-{first}.sh")
@@ -272,8 +166,28 @@ class SlurmBackend(Backend):
         if not node:
             log.warning("cannot drain %s: its agent did not say which Slurm node it runs on", machine)
             return
-        run_cli(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"])
-        log.info("drained Slurm node %s (%s): %s", node, machine, reason)
+        if self.cfg.drain != "never":
+            try:
+                run_cli(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"])
+            except SlurmError as e:
+                why = str(e)
+            else:
+                log.info("drained Slurm node %s (%s): %s", node, machine, reason)
+                return
+        else:
+            why = "drain: never"
+
+        def exclude(st: dict[str, Any]) -> None:
+            st["excluded"] = sorted(set(st.get("excluded") or []) | {node})
+        self.state.read(exclude)
+        self.tell(f"Slurm node {node} ({machine}) is excluded from this job's refills; it was not drained "
+                  f"({why}): tell your Slurm administrators. {reason}")
+
+    def tell(self, note: str) -> None:
+        """Something the user must know: the controller's log and `slurm/notes.log`."""
+        log.warning("%s", note)
+        with open(os.path.join(self.cfg.dir, NOTES), "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n")
 
     def request(self, count: int) -> list[str]:
         names = []
@@ -284,24 +198,21 @@ class SlurmBackend(Backend):
         return names
 
     def ended(self) -> str | None:
+        if self.cfg.inside:
+            return None         # the controller runs in the main allocation: it ends with it
         job = self.main_allocation()
         if job is None:
             return None
-        try:
-            out = run_cli(["scontrol", "-o", "show", "job", job])
-        except SlurmError as e:
-            if "Invalid job id" in str(e):
-                return ended_reason(job, None)
-            raise
-        return ended_reason(job, parse_record(out.splitlines()[0]) if out.strip() else None)
+        return ended_reason(job, job_info(job))
 
     def allocation_state(self, job_id: str) -> tuple[str, str]:
         """(state, reason) of an allocation, e.g. ("PENDING", "Resources")."""
-        rec = parse_record(run_cli(["scontrol", "-o", "show", "job", job_id]).splitlines()[0])
-        return rec.get("JobState", "?"), rec.get("Reason", "")
+        info = job_info(job_id)
+        return (info.state, info.reason) if info else ("GONE", "")
 
     def release(self) -> None:
-        jobs = self.state.read().get("allocations", [])
+        st = self.state.read()
+        jobs = [j for j in st.get("allocations", []) if not (self.cfg.inside and j == st.get("main"))]
         if jobs:
             try:
                 run_cli(["scancel", "--quiet"] + list(jobs))

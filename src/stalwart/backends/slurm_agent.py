@@ -13,13 +13,14 @@ import os
 import socket
 import sys
 
-from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, parse_record, run_cli
+from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, node_info
 
 
 def node_address(node: str) -> str:
     """The node's address as Slurm reaches it (NodeAddr), else its host name's."""
     try:
-        addr = parse_record(run_cli(["scontrol", "-o", "show", "node", node])).get("NodeAddr", "")
+        info = node_info(node)
+        addr = info.address if info else ""
         ipaddress.ip_address(addr)
         return addr
     except (SlurmError, ValueError):
@@ -68,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {a.config}: {e}", file=sys.stderr)
         return 2
     args = agent_argv(cfg, a.first, dict(os.environ))
+    # a machine that starts here is new (a refill, or a requeued allocation on whatever nodes it
+    # got): checkpoint memory at its path is an earlier agent's, never this one's
+    import shutil
+
+    from stalwart.agent.paths import ckpt_root
+    workdir = args[args.index("--workdir") + 1]
+    shutil.rmtree(ckpt_root(workdir), ignore_errors=True)
     os.environ.update(cfg.env)
     sys.stdout.flush()
     os.execv(args[0], args)

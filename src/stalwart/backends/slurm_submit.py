@@ -1,4 +1,5 @@
-"""`stalwart slurm submit`: a job on Slurm nodes, with the controller on the submitting host.
+"""`stalwart slurm submit`: a job on Slurm nodes, with the controller on the submitting host (which
+must stay up for the job's whole life: `stalwart slurm sbatch` runs it inside the allocation).
 
     stalwart slurm submit --nodes 4 --standby 1 --gpus-per-node 8 --partition gpu --time 24:00:00 \\
         -- python train.py
@@ -41,14 +42,16 @@ class SlurmCluster(LocalCluster):
     def __init__(self, state_dir: str, nodes: int, gpus_per_node: int, advertise: str,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, log_level: str = "INFO",
                  sbatch_args: list[str] | None = None, agent_prefix: list[str] | None = None,
-                 env: dict[str, str] | None = None, agent_args: list[str] | None = None):
+                 env: dict[str, str] | None = None, agent_args: list[str] | None = None,
+                 srun_args: list[str] | None = None):
         super().__init__(state_dir, nodes, gpus_per_node, heartbeat_s=heartbeat_s, missed_beats=missed_beats,
                          log_level=log_level, network="loopback")
         self.advertise = advertise
         self.cfg = SlurmConfig(state_dir=self.state_dir, tag=os.urandom(3).hex(), token_file=self.token_file,
                                gpus=gpus_per_node, heartbeat_s=heartbeat_s, log_level=log_level,
                                sbatch_args=list(sbatch_args or []), agent_prefix=list(agent_prefix or []),
-                               env=dict(env or {}), agent_args=list(agent_args or []))
+                               env=dict(env or {}), agent_args=list(agent_args or []),
+                               srun_args=list(srun_args or []))
         self.backend = SlurmBackend(self.cfg)
         self.names: list[str] = []
         self.on_wait = None          # called with (registered, wanted, allocation state) while waiting
@@ -107,7 +110,8 @@ def cmd_slurm_submit(a) -> int:
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
-    sbatch = list(a.sbatch_arg or [])
+    from stalwart.backends.slurm_alloc import gpu_request
+    sbatch = gpu_request(a, spec.gpus_per_machine) + list(a.sbatch_arg or [])
     if a.partition:
         sbatch.append(f"--partition={a.partition}")
     if a.time:
@@ -116,7 +120,8 @@ def cmd_slurm_submit(a) -> int:
     cluster = SlurmCluster(a.state_dir, total, spec.gpus_per_machine, a.advertise or default_advertise(),
                            heartbeat_s=spec.policy.heartbeat_s, missed_beats=spec.policy.missed_beats,
                            log_level=a.log_level, sbatch_args=sbatch, agent_prefix=shlex.split(a.agent_prefix or ""),
-                           agent_args=list(a.agent_arg))
+                           agent_args=list(a.agent_arg), srun_args=list(a.srun_arg))
+    cluster.cfg.drain = a.drain
     if a.dry_run:
         print("# " + " ".join(shlex.quote(x) for x in cluster.backend.sbatch_argv(total, "agents.sh")))
         print(cluster.backend.batch_script(0), end="")
@@ -145,10 +150,21 @@ def cmd_slurm_submit(a) -> int:
 def add_parser(sub, job_options) -> None:
     s = sub.add_parser("slurm", help="run jobs on a Slurm cluster", conflict_handler="resolve").add_subparsers(
         dest="slurm_cmd", required=True)
-    p = s.add_parser("submit", help="a job on Slurm nodes (controller here, agents in an allocation)")
+    from stalwart.backends import slurm_alloc
+    slurm_alloc.add_parsers(s, job_options)
+    p = s.add_parser("submit", help="a job on Slurm nodes, the controller here until the job ends (slurm sbatch "
+                                    "runs it in the allocation instead)")
     job_options(p)
     p.add_argument("--nodes", dest="machines", type=int, help="active nodes (the job's machines)")
-    p.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int)
+    p.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int,
+                   help="GPUs per node: the job's, and sbatch --gpus-per-node unless --gres says otherwise")
+    p.add_argument("--gres", help="sbatch --gres instead of --gpus-per-node, e.g. gpu:h100:8")
+    p.add_argument("--no-gpu-request", action="store_true", help="ask Slurm for no GPUs (CPU nodes, simulated GPUs)")
+    p.add_argument("--srun-arg", action="append", default=[],
+                   help="one more option for the agents' srun, e.g. --srun-arg=--container-image=IMAGE (repeatable)")
+    p.add_argument("--drain", choices=("auto", "never"), default="auto",
+                   help="auto (default): drain an evicted node, or exclude it from refills where Slurm refuses; "
+                        "never: only exclude it")
     p.add_argument("--spare", type=int, default=0, help="more idle nodes in the allocation (default 0)")
     p.add_argument("--partition", help="sbatch --partition")
     p.add_argument("--time", help="sbatch --time (the allocation's time limit)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from stalwart.cli import jobs, logs, services, views
-from stalwart.cli.common import UserError, missing_extra_line
+from stalwart.cli.common import UserError, missing_extra_line, resolve_slurm_job
 from stalwart.client import ApiError, ControllerUnreachable
 from stalwart.errors import StalwartError
 
@@ -46,6 +46,7 @@ def whole_names(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_slurm_job(args)
         return args.fn(args)
     except ModuleNotFoundError as e:     # an extra this command needs is not installed: say which
         line = missing_extra_line(f"stalwart {args.cmd}", e.name)

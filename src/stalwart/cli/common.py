@@ -286,11 +286,19 @@ def client_options(p: argparse.ArgumentParser) -> None:
 def state_options(p: argparse.ArgumentParser, controller: bool = True, job: bool = True) -> None:
     """--state-dir, and for the commands that talk to a controller --controller, its credentials and --job."""
     p.add_argument("--state-dir", default=DEFAULT_STATE)
+    p.add_argument("--slurm-job", metavar="ID", help="the Slurm job (stalwart slurm sbatch/run) whose state dir to use")
     if controller:
         p.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
         client_options(p)
     if job:
         p.add_argument("--job", default="latest")
+
+
+def resolve_slurm_job(a) -> None:
+    """--slurm-job ID: the state dir is the one that Slurm job runs in."""
+    if getattr(a, "slurm_job", None):
+        from stalwart.backends.slurm_alloc import state_dir_of
+        a.state_dir = state_dir_of(a.slurm_job)
 
 
 def controller_url(a) -> str:

@@ -45,7 +45,8 @@ def cmd_controller(a) -> int:
     try:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
-                         backend=load_backend(a.backend) if a.backend else None, secret_file=a.secret_file)
+                         backend=load_backend(a.backend) if a.backend else None, secret_file=a.secret_file,
+                         checkpoint_dir=a.checkpoint_dir)
     except sa_exc.OperationalError as e:
         raise UserError(f"cannot open the database {db}: {e.orig}") from None
     except auth.AuthConfigError as e:
@@ -189,6 +190,9 @@ def add_parsers(sub) -> None:
                         "(their machines are gone: a fresh local cluster)")
     c.add_argument("--backend", metavar="CONFIG", help="the cluster's backend (JSON: slurm, kubernetes)")
     c.add_argument("--advertise", help="host the agents reach this controller at (in controller.json)")
+    c.add_argument("--checkpoint-dir", metavar="DIR|URL", help="where durable checkpoints go: a directory every "
+                   "agent sees at the same path, or an fsspec URL such as s3://bucket/llm (default: "
+                   "<state-dir>/checkpoints)")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")

@@ -1,4 +1,4 @@
-"""Commands that read a job: `status`, `report`, `machines`, `versions`, `stacks`."""
+"""Commands that read a job: `status`, `report`, `machines`, `versions`, `stacks`, `logs`."""
 from __future__ import annotations
 
 import json
@@ -93,6 +93,47 @@ def cmd_stacks(a) -> int:
     return 0
 
 
+def _tail(path: str, lines: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 256 * 1024))
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def log_files(state_dir: str, rank: int | None, machine: str | None, slurm_job: str | None) -> list[str]:
+    """The logs `stalwart logs` shows: a rank's newest training output, a machine's agent, or the
+    controller's (and the Slurm job's output)."""
+    import glob
+    import re
+    if rank is not None:
+        found = []
+        for path in glob.glob(os.path.join(state_dir, "machines", "*", "logs", f"run*_rank{rank}.out")):
+            m = re.search(r"run(\d+)_rank", os.path.basename(path))
+            found.append((int(m.group(1)) if m else -1, os.path.getmtime(path), path))
+        return [max(found)[2]] if found else []
+    if machine is not None:
+        return [p for p in (os.path.join(state_dir, "logs", f"agent-{machine}.log"),
+                            os.path.join(state_dir, "logs", "agents-step.log")) if os.path.exists(p)][:1]
+    out = [os.path.join(state_dir, "logs", "controller.log")]
+    if slurm_job:
+        out.append(os.path.join(state_dir, "slurm", "logs", f"slurm-{slurm_job}.out"))
+    return [p for p in out if os.path.exists(p)]
+
+
+def cmd_logs(a) -> int:
+    files = log_files(a.state_dir, a.rank, a.machine, getattr(a, "slurm_job", None))
+    if not files:
+        what = (f"rank {a.rank}'s output" if a.rank is not None else
+                f"machine {a.machine}'s agent log" if a.machine else "a controller log")
+        raise UserError(f"no {what} in {os.path.abspath(a.state_dir)}")
+    for path in files:
+        if len(files) > 1:
+            print(f"==> {path} <==")
+        print(_tail(path, a.lines))
+    return 0
+
+
 def add_parsers(sub) -> None:
     for name, fn, hlp in (("status", cmd_status, "live state of the current/last job"),
                           ("report", cmd_report, "the job's report (ETTR, incidents)"),
@@ -111,6 +152,15 @@ def add_parsers(sub) -> None:
     v = sub.add_parser("versions", help="the job's code versions")
     state_options(v)
     v.set_defaults(fn=cmd_versions)
+
+    lg = sub.add_parser("logs", help="the controller's log (and a Slurm job's output), a machine's agent log, or a "
+                                     "rank's training output")
+    lg.add_argument("--state-dir", default=DEFAULT_STATE)
+    lg.add_argument("--slurm-job", metavar="ID", help="the Slurm job (stalwart slurm sbatch/run) whose logs to show")
+    lg.add_argument("--rank", type=int, help="this rank's training output (its newest run)")
+    lg.add_argument("--machine", help="this machine's agent log, e.g. m3")
+    lg.add_argument("-n", "--lines", type=int, default=50, help="the last this many lines (default 50)")
+    lg.set_defaults(fn=cmd_logs)
 
     st = sub.add_parser("stacks", help="stacks captured for an incident (hangs, fail-slow)")
     st.add_argument("incident", type=int)

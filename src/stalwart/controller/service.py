@@ -109,13 +109,15 @@ class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
                  heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
                  backend=None, secret_file: str | None = None, lease: str | None = None, url: str | None = None,
-                 on_lease_lost=None):
+                 on_lease_lost=None, checkpoint_dir: str | None = None):
         """`secret_file`: the controller's secret (credentials and checkpoint keys derive from it;
         default: made once in the state dir). `lease`: share the store with other controllers under
         this holder name ("" for host:pid): wait here until this one holds the lease
         (`controller/lease.py`); `on_lease_lost` is called with the reason when another takes it
-        (the CLI exits)."""
+        (the CLI exits). `checkpoint_dir`: where durable checkpoints go (default: the state dir's)."""
         self.state_dir = os.path.abspath(state_dir)
+        # durable checkpoints: a directory every agent sees at the same path, or an fsspec URL
+        self.checkpoint_dir = checkpoint_dir or os.path.join(self.state_dir, "checkpoints")
         snapshot.mark_state_dir(self.state_dir)
         self.secret = auth.controller_secret(self.state_dir, secret_file)
         self.verify_identities = False    # (the API sets it when it checks credentials)
@@ -521,7 +523,7 @@ class Controller:
         return auth.checkpoint_key(self.secret, job_id)
 
     def ckpt_dir(self, job_id: int) -> str:
-        return os.path.join(self.state_dir, "checkpoints", f"job{job_id}")
+        return f"{self.checkpoint_dir.rstrip('/')}/job{job_id}"
 
     def submit(self, spec_dict: dict) -> int:
         try:
