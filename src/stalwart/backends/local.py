@@ -269,7 +269,7 @@ class LocalCluster(Backend):
                          "--token-file", self.token_file,
                          "--controller-file", self.controller_file] + extra + [
                          "--workdir", os.path.join(self.state_dir, "machines", machine),
-                         "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
+                         "--gpus-per-machine", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
                          "--log-level", self.log_level], f"agent-{machine}.log")
 
     def wait_registered(self, timeout: float) -> None:

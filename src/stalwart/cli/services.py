@@ -1,6 +1,7 @@
 """`stalwart controller` and `stalwart agent`: the two long-running services."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ import time
 
 from stalwart import auth
 from stalwart.backends import statedir
-from stalwart.cli.common import DEFAULT_STATE, UserError, labels, setup_logging, write_atomic
+from stalwart.cli.common import DEFAULT_STATE, TOKEN_FILE_ENV, UserError, controller_options, labels, write_atomic
 from stalwart.client import Client
 
 
@@ -20,7 +21,6 @@ def cmd_controller(a) -> int:
 
     from stalwart.controller.api import ApiServer
     from stalwart.controller.service import Controller
-    setup_logging(a.log_level)
     host, _, port = a.listen.rpartition(":")
     if not port.isdigit():
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
@@ -82,21 +82,24 @@ def cmd_controller(a) -> int:
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
     from stalwart.agent.probeset import ProbeSetupError
-    setup_logging(a.log_level)
+    if a.gpus is not None:
+        logging.getLogger("stalwart").warning("--gpus is deprecated: it is --gpus-per-machine (the GPUs of "
+                                              "this machine; `stalwart sim --gpus` is the whole job's)")
+        a.gpus_per_machine = a.gpus
     try:
         token = auth.client_token(a.token_file)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     if token is None:
-        raise UserError(f"the agent needs the controller's token: --token-file FILE or ${auth.TOKEN_ENV} "
-                        f"(the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
+        raise UserError(f"the agent needs the controller's token: --token-file FILE, ${TOKEN_FILE_ENV} or "
+                        f"${auth.TOKEN_ENV} (the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
     try:
         client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     try:
         agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
-                      address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                      address=a.address, gpus=a.gpus_per_machine, heartbeat_s=a.heartbeat, network_file=a.network_file,
                       kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
                       shared_host=a.shared_host)
     except ProbeSetupError as e:
@@ -132,19 +135,18 @@ def add_parsers(sub) -> None:
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
-    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420")
+    controller_options(g, required=True)
     g.add_argument("--machine-id", required=True)
     g.add_argument("--workdir")
     g.add_argument("--address", default="127.0.0.1")
-    g.add_argument("--gpus", type=int, default=1)
+    g.add_argument("--gpus-per-machine", type=int, default=1, help="GPUs of this machine (default 1)")
+    g.add_argument("--gpus", type=int, help=argparse.SUPPRESS)      # (deprecated: --gpus-per-machine)
     g.add_argument("--heartbeat", type=float, default=1.0)
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
     g.add_argument("--kmsg", help="host kernel log to follow: FILE or off (default: /dev/kmsg when readable)")
     g.add_argument("--nic", action="append", default=[], metavar="IFACE", help="interface or RDMA device to "
                    "watch (repeatable; default: the default route's interface and every RDMA port)")
     g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
-    g.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV})")
-    g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
                                              "address from when it is unreachable (it may restart elsewhere)")
     g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
