@@ -23,11 +23,17 @@ TOKEN = "cli-test-token"
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    """(url, token file, job id) of a controller whose one job failed after 2 incidents."""
+    """(url, token file, job id, what-if job id) of a controller whose first job failed after 2
+    incidents; its second has the per-rank times of 5 steps, rank 3 the slowest."""
     d = tmp_path_factory.mktemp("cli")
     store = Store(f"sqlite:///{d}/stalwart.db")
     try:        # (a running job with no saved state: the controller fails it as it starts)
         job = write_synthetic_job(store, machines=12, standby=2, incidents=2, steps=300, gpus=8)
+        spec = {"name": "w", "machines": 4, "gpus_per_machine": 2, "tp": 2, "pp": 2, "command": ["python", "t.py"]}
+        slow = store.create_job("w", spec, now=1.0, submitted=True)
+        for i in range(5):
+            comp = [2.0 if r == 3 else 1.0 for r in range(8)]
+            store.add_event(slow, "rank_times", {"step": 20 * i, "step_s": [2.2] * 8, "compute_s": comp}, t=10.0 + i)
     finally:
         store.close()
     ctl = Controller(f"sqlite:///{d}/stalwart.db", str(d))
@@ -36,7 +42,7 @@ def api(tmp_path_factory):
         srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
         srv.start()
         (d / "token").write_text(TOKEN + "\n")
-        yield f"http://127.0.0.1:{srv.port}", str(d / "token"), job
+        yield f"http://127.0.0.1:{srv.port}", str(d / "token"), job, slow
     finally:
         if srv is not None:
             srv.stop()
@@ -46,7 +52,7 @@ def api(tmp_path_factory):
 @pytest.fixture
 def remote(api, monkeypatch):
     """The controller and its token from the environment alone, as an operator's shell sets them."""
-    url, token_file, job = api
+    url, token_file, job, _ = api
     monkeypatch.setenv("STALWART_CONTROLLER", url)
     monkeypatch.setenv("STALWART_TOKEN_FILE", token_file)
     monkeypatch.delenv("STALWART_TOKEN", raising=False)
@@ -104,10 +110,11 @@ def test_version(capsys):
 
 
 def test_json_outputs_parse(remote, capsys, tmp_path):
-    url, _, job = remote
+    url, _, job, _ = remote
     j = ["--job", str(job)]
     for argv, check in ((["status", "--json", *j], lambda d: d["job_id"] == job and d["state"] == "failed"),
                         (["machines", "--json"], lambda d: len(d["machines"]) == 12),
+                        (["whatif", "--json", *j[:1], str(remote[3])], lambda d: d["steps"] == 5),
                         (["versions", "--json", *j], lambda d: d["versions"] == []),
                         (["report", "--json", *j], lambda d: len(d["incidents"]) == 2 and "live" not in d),
                         (["report", "--json", "-", *j], lambda d: d["job_id"] == job)):
@@ -130,13 +137,26 @@ def test_submit_json(remote, capsys, tmp_path, monkeypatch):
 
 
 def test_stacks_through_the_api_and_from_the_store(remote, capsys, tmp_path):
-    url, token_file, job = remote
+    url, token_file, job, _ = remote
     assert run(["stacks", "1", "--job", str(job)]) == 0
     via_api = capsys.readouterr().out
     assert via_api.startswith("incident 1: gpu_xid") and "process(es)" in via_api
     db = f"sqlite:///{token_file.rsplit('/', 1)[0]}/stalwart.db"
     assert run(["stacks", "1", "--job", str(job), "--db", db]) == 0
     assert capsys.readouterr().out == via_api
+
+
+def test_whatif_through_the_api_is_the_stores_answer(remote, capsys):
+    url, token_file, _, slow = remote
+    db = f"sqlite:///{token_file.rsplit('/', 1)[0]}/stalwart.db"
+    answers = []
+    for where in ([], ["--db", db]):
+        assert run(["whatif", "--job", str(slow), "--microbatches", "4", "--json", *where]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0] == answers[1]
+    assert answers[0]["job_id"] == slow and answers[0]["scenarios"]["rank"]["slowest"] == 3
+    assert run(["whatif", "--job", str(slow)]) == 0
+    assert "without its slowest rank" in capsys.readouterr().out
 
 
 def test_log_level_and_json_logs():
