@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import socket
+import time
 
 import pytest
 from synthjob import write_synthetic_job
@@ -14,6 +15,7 @@ from synthjob import write_synthetic_job
 from stalwart import __version__
 from stalwart.cli import build_parser, main, views
 from stalwart.cli.common import EXIT, log_handler
+from stalwart.client import Client
 from stalwart.controller.api import ApiServer
 from stalwart.controller.service import Controller
 from stalwart.controller.store import Store
@@ -134,6 +136,13 @@ def test_submit_json(remote, capsys, tmp_path, monkeypatch):
     assert isinstance(out["job"], int) and out["state"]
     assert run(["status", "--job", str(out["job"]), "--json"]) == 0     # (the controller has it)
     assert json.loads(capsys.readouterr().out)["job_id"] == out["job"]
+    # (no machine will come: cancelled, its runner's thread ends with it)
+    client = Client(remote[0], token=TOKEN)
+    client.post(f"/api/jobs/{out['job']}/cancel", {})
+    deadline = time.monotonic() + 30
+    while client.get(f"/api/jobs/{out['job']}")["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.get(f"/api/jobs/{out['job']}")["state"] == "cancelled"
 
 
 def test_stacks_through_the_api_and_from_the_store(remote, capsys, tmp_path):
