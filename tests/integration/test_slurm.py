@@ -200,7 +200,7 @@ def test_sbatch_then_log_out_a_node_is_lost_and_the_job_finishes(slurm, tmp_path
     # found from the Slurm job's id alone
     st = cli(env, "status", "--slurm-job", job)
     assert st.returncode == 0 and "succeeded" in st.stdout, st.stdout + st.stderr
-    logs = cli(env, "logs", "--slurm-job", job, "-n", "200")
+    logs = cli(env, "logs", "--slurm-job", job, "--controller-log", "-n", "200")
     assert logs.returncode == 0 and "stalwart: job 1 submitted" in logs.stdout, logs.stdout[-2000:]
     assert wait_for(lambda: not stalwart_processes(slurm), 30), f"left running: {stalwart_processes(slurm)}"
     print(f"sbatch job with a lost node: {time.monotonic() - t0:.1f}s")

@@ -277,7 +277,7 @@ class LocalCluster(Backend):
                          "--join-token-file", join_file,
                          "--controller-file", self.controller_file] + extra + [
                          "--workdir", workdir,
-                         "--gpus", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
+                         "--gpus-per-machine", str(self.gpus), "--heartbeat", str(self.heartbeat_s), "--shared-host",
                          "--log-level", self.log_level], f"agent-{machine}.log")
 
     def wait_registered(self, timeout: float) -> None:

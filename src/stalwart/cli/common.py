@@ -1,4 +1,5 @@
-"""What every command shares: the user's mistakes, the state dir, the controller's client, the job options."""
+"""What every command shares: exit codes, the user's mistakes, logging, the state dir, the controller's
+client (its URL and credentials from options or the environment), the job options, JSON output."""
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,11 @@ from stalwart.chaos import catalogue
 from stalwart.client import Client, ControllerUnreachable
 from stalwart.errors import UserError
 
-__all__ = ["DEFAULT_STATE", "EXTRAS", "UserError", "chaos_help", "api_client", "client_options", "controller_url",
-           "job_options", "labels", "missing_extra_line", "need_controller", "offline_report", "report",
-           "setup_logging", "spec_from_args", "state_options", "torchrun_options", "write_atomic"]
+__all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "TLS_CA_ENV", "TOKEN_FILE_ENV",
+           "UserError", "chaos_help", "api_client", "client_options", "controller_options", "controller_url",
+           "job_options", "labels", "log_handler", "log_level", "missing_extra_line", "need_controller",
+           "offline_report", "print_json", "report", "setup_logging", "spec_from_args", "state_options",
+           "torchrun_options", "write_atomic"]
 
 DEFAULT_STATE = ".stalwart"
 
@@ -52,9 +55,53 @@ def need_controller(command: str) -> None:
             raise UserError(missing_extra_line(command, mod))
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+class EXIT:
+    """The command's exit codes (docs/cli.md): what a script can tell apart without reading stderr."""
+    OK = 0
+    JOB_FAILED = 1          # the job ran and failed or was cancelled (`run`, `status --watch`)
+    USAGE = 2               # a mistake in the command line or the files it names (argparse's own too)
+    UNREACHABLE = 3         # the controller did not answer
+    REFUSED = 4             # the controller answered with an error (unknown job, unauthorized, conflict)
+    INTERRUPTED = 130       # Ctrl-C (128 + SIGINT)
+
+
+# where every command that talks to a controller finds it, when no option says
+CONTROLLER_ENV = "STALWART_CONTROLLER"
+TOKEN_FILE_ENV = "STALWART_TOKEN_FILE"
+TLS_CA_ENV = "STALWART_TLS_CA"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """argparse type of --log-level: one of LOG_LEVELS, in any case."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (got {text!r})")
+    return text.upper()
+
+
+def log_handler(fmt: str = "text") -> logging.Handler:
+    """A log handler on stderr: plain lines, or one JSON object per record (`json`: python-json-logger,
+    with time, logger, level, message and any `extra` fields)."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+        handler.setFormatter(JsonFormatter("%(asctime)s %(name)s %(levelname)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    return handler
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """The process's logging (once per process: a no-op where the root logger has a handler)."""
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[log_handler(fmt)])
+
+
+def print_json(obj) -> None:
+    """`--json`: the object on stdout, one document that json.loads reads (nothing else goes there)."""
+    json.dump(obj, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def chaos_help() -> str:
@@ -278,9 +325,20 @@ def int_arg(name: str, v: str) -> int:
 
 
 def client_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token-file", help=f"the controller's token (default: ${auth.TOKEN_ENV}, else "
-                                        f"<state-dir>/{auth.TOKEN_FILE})")
-    p.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
+    p.add_argument("--token-file", default=os.environ.get(TOKEN_FILE_ENV) or None,
+                   help=f"the controller's token (default: ${TOKEN_FILE_ENV}, else ${auth.TOKEN_ENV} (the token "
+                        f"itself), else <state-dir>/{auth.TOKEN_FILE})")
+    p.add_argument("--tls-ca", default=os.environ.get(TLS_CA_ENV) or None,
+                   help=f"CA file to verify an https controller's certificate (default: ${TLS_CA_ENV})")
+
+
+def controller_options(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """--controller URL (default $STALWART_CONTROLLER) and its credentials."""
+    env = os.environ.get(CONTROLLER_ENV) or None
+    p.add_argument("--controller", default=env, required=required and env is None,
+                   help=f"controller URL, e.g. http://10.0.0.1:7420 (default: ${CONTROLLER_ENV}"
+                        + (")" if required else ", else the one of --state-dir)"))
+    client_options(p)
 
 
 def state_options(p: argparse.ArgumentParser, controller: bool = True, job: bool = True) -> None:
@@ -288,10 +346,9 @@ def state_options(p: argparse.ArgumentParser, controller: bool = True, job: bool
     p.add_argument("--state-dir", default=DEFAULT_STATE)
     p.add_argument("--slurm-job", metavar="ID", help="the Slurm job (stalwart slurm sbatch/run) whose state dir to use")
     if controller:
-        p.add_argument("--controller", help="controller URL (default: the one of --state-dir)")
-        client_options(p)
+        controller_options(p)
     if job:
-        p.add_argument("--job", default="latest")
+        p.add_argument("--job", default="latest", help="job id, or latest (default)")
 
 
 def resolve_slurm_job(a) -> None:

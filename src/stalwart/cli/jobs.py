@@ -7,7 +7,7 @@ import uuid
 
 from stalwart.chaos import catalogue
 from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_help, job_options, need_controller,
-                                 spec_from_args, state_options, torchrun_options)
+                                 print_json, spec_from_args, state_options, torchrun_options)
 
 
 def cmd_run(a) -> int:
@@ -62,6 +62,9 @@ def cmd_submit(a) -> int:
     job = client.post("/api/jobs", {"spec": spec.to_dict(), "idempotency_key": uuid.uuid4().hex})["job"]
     st = client.get(f"/api/jobs/{job}")
     state = (st.get("live") or {}).get("state") or st.get("state")
+    if a.json:
+        print_json({"job": job, "state": state})
+        return 0
     where = f" --state-dir {a.state_dir}" if not a.controller else f" --controller {a.controller}"
     print(f"stalwart: job {job} submitted ({state}): {' '.join(spec.command)}\n"
           f"stalwart: follow it with: stalwart status --job {job} --watch{where}", flush=True)
@@ -135,6 +138,7 @@ def add_parsers(sub) -> None:
     job_options(sb)
     torchrun_options(sb)
     state_options(sb, job=False)
+    sb.add_argument("--json", action="store_true", help="print {\"job\": ID, \"state\": ...} on stdout")
     sb.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     sb.set_defaults(fn=cmd_submit)
 

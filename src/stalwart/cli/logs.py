@@ -1,4 +1,5 @@
-"""The workers' output: on `stalwart run`'s console as torchrun shows it, and `stalwart logs`.
+"""The workers' output: on `stalwart run`'s console as torchrun shows it, and `stalwart logs`
+(which also shows a machine's agent log, and the controller's with a Slurm job's output).
 
 Each agent writes a worker's stdout and stderr to `<state-dir>/machines/<m>/logs/run<N>_rank<R>.out`
 and `.err` (agent/workers.py; a warm worker's files take that name when it gets its rank). A
@@ -97,7 +98,40 @@ def _job_running(a) -> bool:
     return StateDirLock(a.state_dir).held_elsewhere() is not None
 
 
+def _tail(path: str, lines: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 256 * 1024))
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def service_logs(state_dir: str, machine: str | None, slurm_job: str | None) -> list[str]:
+    """A machine's agent log (`machine`), else the controller's and the Slurm job's output."""
+    if machine is not None:
+        return [p for p in (os.path.join(state_dir, "logs", f"agent-{machine}.log"),
+                            os.path.join(state_dir, "logs", "agents-step.log")) if os.path.exists(p)][:1]
+    out = [os.path.join(state_dir, "logs", "controller.log")]
+    if slurm_job:
+        out.append(os.path.join(state_dir, "slurm", "logs", f"slurm-{slurm_job}.out"))
+    return [p for p in out if os.path.exists(p)]
+
+
+def cmd_service_logs(a) -> int:
+    files = service_logs(a.state_dir, a.machine, a.slurm_job)
+    if not files:
+        what = f"machine {a.machine}'s agent log" if a.machine else "a controller log"
+        raise UserError(f"no {what} in {os.path.abspath(a.state_dir)}")
+    for path in files:
+        if len(files) > 1:
+            print(f"==> {path} <==")
+        print(_tail(path, a.lines))
+    return 0
+
+
 def cmd_logs(a) -> int:
+    if a.machine is not None or a.controller_log:
+        return cmd_service_logs(a)
     if not os.path.isdir(os.path.join(a.state_dir, "machines")):
         raise UserError(f"no workers' logs in {os.path.abspath(a.state_dir)} (run a job first, or pass --state-dir)")
     files = log_files(a.state_dir)
@@ -123,12 +157,20 @@ def cmd_logs(a) -> int:
 
 
 def add_parsers(sub) -> None:
-    g = sub.add_parser("logs", help="the workers' output (stdout and stderr), prefixed [rankR]:")
+    g = sub.add_parser("logs", help="the workers' output (stdout and stderr, prefixed [rankR]:), a machine's "
+                                    "agent log, or the controller's")
     g.add_argument("--rank", type=int, help="only this rank (default: every rank)")
     g.add_argument("--run", type=int, help="this run (default: the newest)")
     g.add_argument("--all-runs", action="store_true", help="every run, oldest first")
     g.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    g.add_argument("--machine", help="this machine's agent log instead, e.g. m3")
+    g.add_argument("--controller-log", action="store_true",
+                   help="the controller's log instead (and the Slurm job's output with --slurm-job)")
+    g.add_argument("-n", "--lines", type=int, default=50,
+                   help="with --machine or --controller-log: the last this many lines (default 50)")
     g.add_argument("--state-dir", default=DEFAULT_STATE)
+    g.add_argument("--slurm-job", metavar="ID",
+                   help="the Slurm job (stalwart slurm sbatch/run) whose state dir to read")
     g.set_defaults(fn=cmd_logs)
 
 

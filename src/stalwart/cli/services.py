@@ -1,6 +1,7 @@
 """`stalwart controller` and `stalwart agent`: the two long-running services."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import urllib.parse
 
 from stalwart import auth, identity
 from stalwart.backends import statedir
-from stalwart.cli.common import DEFAULT_STATE, UserError, labels, setup_logging, state_options, write_atomic
+from stalwart.cli.common import DEFAULT_STATE, UserError, controller_options, labels, state_options, write_atomic
 from stalwart.client import ApiError, Client, ControllerUnreachable
 
 
@@ -21,7 +22,6 @@ def cmd_controller(a) -> int:
 
     from stalwart.controller.api import ApiServer
     from stalwart.controller.service import Controller
-    setup_logging(a.log_level)
     host, _, port = a.listen.rpartition(":")
     if not port.isdigit():
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
@@ -139,8 +139,11 @@ def agent_credential(a, workdir: str) -> str:
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
     from stalwart.agent.probeset import ProbeSetupError
-    setup_logging(a.log_level)
     from stalwart import protocol
+    if a.gpus is not None:
+        logging.getLogger("stalwart").warning("--gpus is deprecated: it is --gpus-per-machine (the GPUs of "
+                                              "this machine; `stalwart sim --gpus` is the whole job's)")
+        a.gpus_per_machine = a.gpus
     if not protocol.MACHINE_ID_RE.match(a.machine_id):
         raise UserError(f"--machine-id {a.machine_id!r}: {protocol.MACHINE_ID_RULE}")
     workdir = a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id)
@@ -154,7 +157,7 @@ def cmd_agent(a) -> int:
         raise UserError(str(e)) from None
     try:
         agent = Agent(client, a.machine_id, workdir,
-                      address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
+                      address=a.address, gpus=a.gpus_per_machine, heartbeat_s=a.heartbeat, network_file=a.network_file,
                       kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
                       shared_host=a.shared_host)
     except ProbeSetupError as e:
@@ -196,11 +199,12 @@ def add_parsers(sub) -> None:
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
-    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420")
+    controller_options(g, required=True)
     g.add_argument("--machine-id", required=True)
     g.add_argument("--workdir")
     g.add_argument("--address", default="127.0.0.1")
-    g.add_argument("--gpus", type=int, default=1)
+    g.add_argument("--gpus-per-machine", type=int, default=1, help="GPUs of this machine (default 1)")
+    g.add_argument("--gpus", type=int, help=argparse.SUPPRESS)      # (deprecated: --gpus-per-machine)
     g.add_argument("--heartbeat", type=float, default=1.0)
     g.add_argument("--network-file", help="local backend: JSON of the machines' network namespaces")
     g.add_argument("--kmsg", help="host kernel log to follow: FILE or off (default: /dev/kmsg when readable)")
@@ -209,9 +213,6 @@ def add_parsers(sub) -> None:
     g.add_argument("--shared-host", action="store_true", help="other agents share this host: no host-wide probes")
     g.add_argument("--join-token-file", help="a one-time join token: the agent enrolls its machine with it on "
                    f"first start and keeps the machine's credential in <workdir>/{CREDENTIAL_FILE}")
-    g.add_argument("--token-file", help=f"the operator's token (default: ${auth.TOKEN_ENV}); a machine's "
-                   "credential (--join-token-file) speaks for that machine alone and is what agents should hold")
-    g.add_argument("--tls-ca", help="CA file to verify an https controller's certificate")
     g.add_argument("--controller-file", help="JSON file {\"url\": ...} to re-read the controller's "
                                              "address from when it is unreachable (it may restart elsewhere)")
     g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",

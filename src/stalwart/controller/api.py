@@ -29,7 +29,7 @@ from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
 from stalwart.controller.store import StoreUnavailable
-from stalwart.errors import InvalidRequest, StalwartError
+from stalwart.errors import Conflict, InvalidRequest, StalwartError
 from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
@@ -161,6 +161,21 @@ class Api:
         except ValueError:
             raise InvalidRequest("an incident id is a number") from None
         return self.views.incident(job, inc_id)
+
+    def job_whatif(self, job, q, body):
+        from stalwart.analyzer.whatif import analyze
+        from stalwart.spec import JobSpec
+        job_id = self.ctl.resolve_job(job)
+        microbatches = _int_query(q, "microbatches", 8)
+        if microbatches < 1:
+            raise InvalidRequest("microbatches must be >= 1")
+        row = self.ctl.store.job(job_id)
+        assert row is not None              # (resolve_job found it)
+        records = [e["data"] for e in self.ctl.store.events(job_id, kinds=["rank_times"])]
+        try:
+            return {"job_id": job_id, **analyze(records, JobSpec.from_dict(row["spec"]).topology(), microbatches)}
+        except ValueError as e:         # no step with every rank's compute time (yet)
+            raise Conflict(str(e)) from None
 
     def job_report_html(self, job, q, body):
         return render_html(self.ctl.status(self.ctl.resolve_job(job)), self.views.series(job, 0, 200))

@@ -194,6 +194,8 @@ ROUTES: list[Route] = [
              query=("since", "points")),
     Route.of("GET", "/api/jobs/{job}/incidents/{incident}", "job_incident", None, "one incident in full"),
     Route.of("GET", "/api/jobs/{job}/report.html", "job_report_html", None, "the HTML report"),
+    Route.of("GET", "/api/jobs/{job}/whatif", "job_whatif", None,
+             "what-if straggler analysis: the step without the slowest rank / machine / stage (?microbatches=8)"),
     Route.of("GET", "/metrics", "metrics", None, "Prometheus exposition"),
 ]
 # open routes (stalwart.auth.is_public): liveness, this description, the dashboard's page shell

@@ -8,6 +8,7 @@ UserError by the caller).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -29,7 +30,8 @@ def add_commands(sub: Any) -> None:
     """`stalwart sim` and `stalwart whatif` (the heavy modules load when they run)."""
     s = sub.add_parser("sim", help="simulate one long job on a large cluster under several policies (ETTR)",
                        description=__doc__.split("\n\n")[0])
-    s.add_argument("--gpus", type=int, default=9600, help="GPUs of the job (default 9600)")
+    s.add_argument("--gpus", type=int, default=9600, help="GPUs of the whole job, all machines together "
+                                                          "(default 9600)")
     s.add_argument("--gpus-per-machine", type=int, default=8)
     s.add_argument("--pp", type=int, default=8, help="pipeline stages (machines per pipeline)")
     s.add_argument("--days", type=float, default=90.0, help="simulated days (default 90)")
@@ -47,7 +49,9 @@ def add_commands(sub: Any) -> None:
                    help="durable checkpoint interval (default 1800 s)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a failure-model value (daily_rate, multi_machine_share, ...)")
-    s.add_argument("--json", help="write the results as JSON to this file")
+    s.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write the results as JSON to FILE, or on stdout with - or no FILE (the tables then "
+                        "go to stderr)")
     s.add_argument("--plot", help="write the ETTR-over-time plot (SVG) to this file")
     s.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="simulations run side by side in processes (default: the CPU count)")
@@ -88,7 +92,7 @@ def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platfor
         if not eq:
             raise ValueError(f"--set wants KEY=VALUE (got {kv!r})")
         model.set(key.strip(), value.strip())
-    for path in (a.json, a.plot):
+    for path in (a.json if a.json != "-" else None, a.plot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"cannot write {path}: no such directory")
     return cfg, model, peers.parse(a.policies)
@@ -108,7 +112,7 @@ def one(cfg: "Config", model: "Model", profile_name: str, policy: str, seed: int
     r = results.summarize(sim, time.perf_counter() - t0)
     r["faults_total"] = len(faults)
     if cfg.compute_times:             # the what-if mode: the run's recorded per-rank times
-        from stalwart.sim import whatif
+        from stalwart.analyzer import whatif
         recs = [e["data"] for seg in sim.segments for e in seg.log if e["kind"] == "rank_times"]
         try:
             r["whatif"] = whatif.analyze(recs, sim.spec.topology())
@@ -159,26 +163,26 @@ def main(a: argparse.Namespace) -> int:
     runtime = time.perf_counter() - t0
     user = _cpu() - cpu0
     agg = results.aggregate(runs)
+    out = sys.stderr if a.json == "-" else sys.stdout       # (stdout holds the JSON alone then)
     print(f"stalwart sim: {cfg.gpus} GPUs ({cfg.machines} machines x {cfg.gpus_per_machine}), {a.days:g} days, "
           f"scenario {a.scenario or '(default)'}, profile {a.profile}, {a.seeds} seed(s), step {cfg.step_s:g} s, "
-          f"durable checkpoint every "
-          f"{cfg.durable_every_s:g} s")
-    print(results.table(agg))
-    print(results.mechanisms_table(agg))
+          f"durable checkpoint every {cfg.durable_every_s:g} s", file=out)
+    print(results.table(agg), file=out)
+    print(results.mechanisms_table(agg), file=out)
     for r in runs if a.whatif else []:
         w = r.get("whatif") or {}
         if "error" in w:
-            print(f"what-if ({r['policy']}, seed {r['seed']}): {w['error']}")
+            print(f"what-if ({r['policy']}, seed {r['seed']}): {w['error']}", file=out)
         elif w:
-            from stalwart.sim.whatif import render
+            from stalwart.analyzer.whatif import render
             who = f"what-if ({r['policy']}, seed {r['seed']}, one rank per machine):"
-            print(render(0, w).replace("job 0:", who, 1))
+            print(render(0, w).replace("job 0:", who, 1), file=out)
     slowest = max(runs, key=lambda r: r["runtime_s"])
     print(f"runtime {runtime:.1f} s (CPU {user:.1f} s) for {len(runs)} simulation(s) in {min(a.jobs, len(runs))} "
           f"process(es); the slowest simulation took {slowest['runtime_s']:.1f} s ({slowest['policy']}, "
-          f"seed {slowest['seed']})")
+          f"seed {slowest['seed']})", file=out)
     if a.json:
-        with open(a.json, "w") as f:
+        with (open(a.json, "w") if a.json != "-" else contextlib.nullcontext(sys.stdout)) as f:
             json.dump(results.json_doc(cfg, a.profile, agg, runs, runtime, round(user, 2)), f, indent=1)
             f.write("\n")
     if a.plot:
