@@ -213,10 +213,10 @@ def options() -> dict[str, list[tuple[str, argparse.Action]]]:
 
 def test_one_meaning_per_option():
     opts = options()
-    # --job names a job (an id or latest) wherever it is; the k8s group's spec file option is
-    # that group's own (backends/k8s_manifests.py)
+    # --job names a job (an id or latest) wherever it is (`k8s manifests --job` is the deprecated,
+    # hidden alias of its --config)
     for cmd, act in opts["--job"]:
-        if not cmd.startswith("k8s"):
+        if act.help != argparse.SUPPRESS:
             assert act.default == "latest" and "job id" in act.help, cmd
     # --gpus-per-machine is a machine's GPUs everywhere; --gpus (the whole job's) only in sim
     assert [cmd for cmd, act in opts["--gpus"] if act.help != argparse.SUPPRESS] == ["sim"]

@@ -8,6 +8,7 @@ render, no Namespace."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -177,7 +178,8 @@ def carries_the_operators_shape(pod):
     assert mounts["checkpoints"] == "/var/lib/stalwart-checkpoints" and mounts["dataset"] == "/data"
     assert agent["resources"]["requests"] == {"cpu": "96", "memory": "1500Gi"}
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in agent["env"]
-    assert any(e["name"] == "STALWART_TOKEN" for e in agent["env"])       # stalwart's own env stays
+    assert any(e["name"] == "STALWART_JOIN_TOKEN" for e in agent["env"])  # stalwart's own env stays
+    assert not any(e["name"] == "STALWART_TOKEN" for e in agent["env"])  # never the operator's token
     assert agent["command"] == ["python", "-m", "stalwart.backends.k8s_agent"]
 
 
@@ -204,6 +206,9 @@ def test_the_replacement_pod_after_an_eviction_carries_them_too(job, tmp_path):
     objs = objects(job)
     backend_json = json.loads(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["backend.json"])
     backend_json["state_dir"] = str(tmp_path)
+    secret = next(o for o in objs if o["kind"] == "Secret")["stringData"]["secret"]
+    (tmp_path / "secret").write_text(secret + "\n")           # as mounted in the controller's pod
+    backend_json["secret_file"] = str(tmp_path / "secret")
     created = {"kind": "Pod", "apiVersion": "v1", "metadata": {"name": "stalwart-llm7-m5", "namespace": "training"}}
     with ReplayServer([{"request": {"method": "POST", "path": "/api/v1/namespaces/training/pods",
                                     "body": {"metadata": {"name": "stalwart-llm7-m5"}}},
@@ -227,7 +232,9 @@ def test_two_renders_give_the_same_token_secret(job, tmp_path, capsys):
     assert secret(a) == secret(b) and len(secret(a)["stringData"]["token"]) >= 32
     kept = tmp_path / "stalwart-llm7.token"          # next to the job YAML, made by the first render
     assert kept.read_text().strip() == secret(a)["stringData"]["token"] and oct(kept.stat().st_mode & 0o777) == "0o600"
-    assert a.read_text() == b.read_text()
+    # the rest is the same too, but for each agent pod's one-time join token (it carries its expiry)
+    join = re.compile(r"(name: STALWART_JOIN_TOKEN\n\s+value: )\S+")
+    assert join.sub(r"\1X", a.read_text()) == join.sub(r"\1X", b.read_text())
 
 
 def test_a_pod_template_that_is_no_pod_spec_is_refused_in_one_line(job, tmp_path, capsys):

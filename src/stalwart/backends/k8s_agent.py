@@ -26,7 +26,7 @@ log = logging.getLogger("stalwart.kubernetes")
 
 def agent_argv(a: argparse.Namespace, labels: dict[str, str], env: dict[str, str]) -> list[str]:
     argv = [sys.executable, "-m", "stalwart.cli", "agent", "--controller", a.controller, "--machine-id", a.machine_id,
-            "--workdir", os.path.join(a.workdir, a.machine_id), "--gpus", str(a.gpus),
+            "--workdir", os.path.join(a.workdir, a.machine_id), "--gpus-per-machine", str(a.gpus_per_machine),
             "--heartbeat", str(a.heartbeat), "--address", env.get("POD_IP") or "127.0.0.1"]
     for k, v in sorted(labels.items()):
         argv += ["--label", f"{k}={v}"]
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stalwart.backends.k8s_agent")
     ap.add_argument("--machine-id", required=True)
     ap.add_argument("--controller", required=True)
-    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpus-per-machine", type=int, default=1)
     ap.add_argument("--heartbeat", type=float, default=1.0)
     ap.add_argument("--workdir", default="/var/lib/stalwart-agent")
     ap.add_argument("--switch-label", default="stalwart.io/switch")

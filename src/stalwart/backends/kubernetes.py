@@ -178,7 +178,7 @@ def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> di
             "name": k8s_template.AGENT_CONTAINER,
             "image": cfg.image,
             "command": ["python", "-m", "stalwart.backends.k8s_agent"],
-            "args": ["--machine-id", machine, "--controller", cfg.controller_url, "--gpus", str(cfg.gpus),
+            "args": ["--machine-id", machine, "--controller", cfg.controller_url, "--gpus-per-machine", str(cfg.gpus),
                      "--heartbeat", str(cfg.heartbeat_s), "--switch-label", cfg.switch_label,
                      "--pod-label", cfg.pod_label, "--zone-label", cfg.zone_label, "--workdir", AGENT_WORKDIR],
             "env": env,

@@ -51,7 +51,7 @@ def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str]) -> list[str]:
             "--machine-id", machine, "--token-file", cfg.token_file,
             "--controller-file", os.path.join(cfg.state_dir, "controller.json"),
             "--workdir", cfg.workdir.format(state_dir=cfg.state_dir, machine=machine, node=node),
-            "--gpus", str(cfg.gpus), "--heartbeat", str(cfg.heartbeat_s), "--address", node_address(node),
+            "--gpus-per-machine", str(cfg.gpus), "--heartbeat", str(cfg.heartbeat_s), "--address", node_address(node),
             "--log-level", cfg.log_level]
     for k, v in sorted(labels.items()):
         argv += ["--label", f"{k}={v}"]

@@ -166,9 +166,7 @@ class Api:
         from stalwart.analyzer.whatif import analyze
         from stalwart.spec import JobSpec
         job_id = self.ctl.resolve_job(job)
-        microbatches = _int_query(q, "microbatches", 8)
-        if microbatches < 1:
-            raise InvalidRequest("microbatches must be >= 1")
+        microbatches = _int_query(q, "microbatches")
         row = self.ctl.store.job(job_id)
         assert row is not None              # (resolve_job found it)
         records = [e["data"] for e in self.ctl.store.events(job_id, kinds=["rank_times"])]

@@ -84,6 +84,7 @@ QUERY: dict[str, dict[str, Any]] = {
     "since": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1, "default": 0},
     "points": {"type": "integer", "minimum": 1, "maximum": MAX_POINTS, "default": 120},
     "wait": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S, "default": 0},
+    "microbatches": {"type": "integer", "minimum": 1, "maximum": 4096, "default": 8},
 }
 
 
@@ -195,7 +196,8 @@ ROUTES: list[Route] = [
     Route.of("GET", "/api/jobs/{job}/incidents/{incident}", "job_incident", None, "one incident in full"),
     Route.of("GET", "/api/jobs/{job}/report.html", "job_report_html", None, "the HTML report"),
     Route.of("GET", "/api/jobs/{job}/whatif", "job_whatif", None,
-             "what-if straggler analysis: the step without the slowest rank / machine / stage (?microbatches=8)"),
+             "what-if straggler analysis: the step without the slowest rank / machine / stage",
+             query=("microbatches",)),
     Route.of("GET", "/metrics", "metrics", None, "Prometheus exposition"),
 ]
 # open routes (stalwart.auth.is_public): liveness, this description, the dashboard's page shell
