@@ -276,3 +276,14 @@ def test_cli_writes_them_and_refuses_bad_input_in_one_line(job, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: kubernetes: unknown key(s) imagee") and "\n" not in err
     assert main(["k8s", "manifests", "--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_the_controller_puts_durable_checkpoints_where_it_is_told(tmp_path):
+    """The rendered controller's --checkpoint-dir (the agents' shared volume, or a URL); without
+    it, <state-dir>/checkpoints."""
+    from stalwart.controller.service import Controller
+    ctl = Controller(f"sqlite:///{tmp_path}/s.db", str(tmp_path), checkpoint_dir="s3://bucket/llm/")
+    try:
+        assert ctl.ckpt_dir(3) == "s3://bucket/llm/job3"
+    finally:
+        ctl.close()
