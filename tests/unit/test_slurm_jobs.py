@@ -7,7 +7,7 @@ import pytest
 from stalwart.backends import slurm_alloc
 from stalwart.backends.slurm import JobInfo
 from stalwart.cli import main
-from stalwart.cli.views import log_files
+from stalwart.cli.logs import service_logs
 from stalwart.errors import UserError
 
 
@@ -37,12 +37,14 @@ def test_logs_shows_a_ranks_newest_run_an_agent_or_the_controller(tmp_path, monk
     (tmp_path / "logs" / "controller.log").write_text("controller up\n")
     (tmp_path / "slurm" / "logs").mkdir(parents=True)
     (tmp_path / "slurm" / "logs" / "slurm-9.out").write_text("stalwart: job 1 submitted\n")
-    assert log_files(str(tmp_path), 0, None, None) == [str(logs / "run10_rank0.out")]
-    assert main(["logs", "--state-dir", str(tmp_path), "--rank", "0", "-n", "2"]) == 0
-    assert capsys.readouterr().out == "step 98\nstep 99\n"
+    assert main(["logs", "--state-dir", str(tmp_path), "--rank", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()          # the newest run's (10, not 2)
+    assert len(out) == 100 and out[0] == "[rank0]:step 0" and out[-1] == "[rank0]:step 99"
+    assert service_logs(str(tmp_path), None, "9") == [str(tmp_path / "logs" / "controller.log"),
+                                                      str(tmp_path / "slurm" / "logs" / "slurm-9.out")]
     monkeypatch.setenv(slurm_alloc.REGISTRY_ENV, str(tmp_path / "registry"))
     slurm_alloc.remember("9", str(tmp_path))
-    assert main(["logs", "--slurm-job", "9"]) == 0
+    assert main(["logs", "--slurm-job", "9", "--controller-log", "-n", "5"]) == 0
     out = capsys.readouterr().out
     assert "controller up" in out and "stalwart: job 1 submitted" in out
     assert main(["logs", "--state-dir", str(tmp_path), "--machine", "m7"]) == 2
