@@ -211,3 +211,19 @@ def test_a_connection_without_a_complete_request_head_is_closed(api, monkeypatch
         assert s.recv(100) == b""                       # closed by the controller, no answer
         assert time.monotonic() - t0 < 5
     assert Client(url, token=TOKEN).get("/api/health") == {"ok": True}
+
+
+@pytest.mark.timeout(30)
+def test_a_silent_channel_is_closed(api, monkeypatch):
+    from stalwart.controller import channel
+    _, url = api
+    monkeypatch.setattr(channel, "CHANNEL_IDLE_S", 0.5)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(url + "/api/agents/m0/channel",
+                                    headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+                msg = await ws.receive(timeout=10)          # says nothing: the controller closes it
+                return msg.type, ws.close_code
+    kind, code = asyncio.run(asyncio.wait_for(main(), 20))
+    assert kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and code == 1001
