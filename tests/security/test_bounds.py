@@ -154,6 +154,7 @@ def test_a_code_version_keeps_permissions_and_refuses_links_out_of_its_tree(tmp_
         os.symlink(target, link)
         with pytest.raises(ValueError, match="outside the code directory"):
             snapshot.snapshot(str(code), str(tmp_path / "state"))
+        assert "outside it" in (snapshot.versionable(str(code), str(tmp_path / "state")) or "")   # hot update off
         link.unlink()
 
 
