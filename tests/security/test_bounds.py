@@ -154,6 +154,7 @@ def test_a_code_version_keeps_permissions_and_refuses_links_out_of_its_tree(tmp_
         os.symlink(target, link)
         with pytest.raises(ValueError, match="outside the code directory"):
             snapshot.snapshot(str(code), str(tmp_path / "state"))
+        assert "outside it" in (snapshot.versionable(str(code), str(tmp_path / "state")) or "")   # hot update off
         link.unlink()
 
 
@@ -211,3 +212,19 @@ def test_a_connection_without_a_complete_request_head_is_closed(api, monkeypatch
         assert s.recv(100) == b""                       # closed by the controller, no answer
         assert time.monotonic() - t0 < 5
     assert Client(url, token=TOKEN).get("/api/health") == {"ok": True}
+
+
+@pytest.mark.timeout(30)
+def test_a_silent_channel_is_closed(api, monkeypatch):
+    from stalwart.controller import channel
+    _, url = api
+    monkeypatch.setattr(channel, "CHANNEL_IDLE_S", 0.5)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(url + "/api/agents/m0/channel",
+                                    headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+                msg = await ws.receive(timeout=10)          # says nothing: the controller closes it
+                return msg.type, ws.close_code
+    kind, code = asyncio.run(asyncio.wait_for(main(), 20))
+    assert kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and code == 1001

@@ -253,3 +253,25 @@ def test_short_shared_memory_is_refused_before_a_slot_is_allocated(tmp_path, mon
         with pytest.raises(memckpt.NoSpace, match="MiB are free"):
             mem.snapshot({"w": torch.ones(1 << 20)}, 0)
     assert not any(n.endswith(".data") for n in os.listdir(tmp_path / "own"))
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_restarts_keeps_its_jobs_key_and_nobody_elses(tmp_path):
+    root = str(tmp_path / "m")
+    first = CkptManager("mA", root, lambda e: None, peer_host="127.0.0.1")
+    first.configure(None, every=2, backup=None, key=KEY)
+    first.close()
+    again = CkptManager("mA", root, lambda e: None, peer_host="127.0.0.1")
+    try:
+        with PeerClient(key=KEY) as right:
+            assert right.list(again.peer_addr)["backup"] == {}
+        with PeerClient(key=WRONG) as wrong, pytest.raises(PeerError):
+            wrong.list(again.peer_addr)
+    finally:
+        again.close()
+    fresh = CkptManager("mB", str(tmp_path / "other"), lambda e: None, peer_host="127.0.0.1")
+    try:                                                # no job yet: it serves nobody
+        with PeerClient(key=KEY) as right, pytest.raises(PeerError):
+            right.list(fresh.peer_addr)
+    finally:
+        fresh.close()

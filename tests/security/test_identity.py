@@ -180,3 +180,18 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     with pytest.raises(Stop):
         services.cmd_agent(args)
     assert "STALWART_TOKEN" not in started and "STALWART_JOIN_TOKEN" not in started and started
+
+
+@pytest.mark.timeout(30)
+def test_a_slurm_agent_enrolls_with_a_token_for_its_machine(tmp_path):
+    from stalwart import auth
+    from stalwart.backends.slurm import SlurmConfig
+    from stalwart.backends.slurm_agent import agent_argv, join_token_file
+    secret = auth.controller_secret(str(tmp_path))
+    cfg = SlurmConfig(state_dir=str(tmp_path), tag="t", token_file=str(tmp_path / "token"))
+    path = join_token_file(cfg, "m3", str(tmp_path / "w"))
+    assert path is not None and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    ident, _ = identity.identify(open(path).read().strip(), None, secret)
+    assert ident is not None and ident.scope is identity.Scope.JOIN and ident.machine == "m3"
+    argv = agent_argv(cfg, 3, {"SLURMD_NODENAME": "localhost", "SLURM_NODEID": "0"}, path)
+    assert "--join-token-file" in argv and "--token-file" not in argv

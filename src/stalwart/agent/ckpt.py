@@ -16,7 +16,8 @@ The job's checkpoint key comes with each `start` (`CkptPlan.key`): the peer serv
 authenticate every connection with it (`peerauth`), and the workers' commit threads MAC their
 shards with it, reading it from a 0600 file in this machine's private memory directory
 (`memckpt.key_path`; never their environment). Until a job's key arrives the server holds a
-random one: it serves nobody. It listens on the machine's address, not on every interface.
+random one: it serves nobody (an agent that restarted takes the key its memory directory
+holds). It listens on the machine's address, not on every interface.
 """
 from __future__ import annotations
 
@@ -68,17 +69,21 @@ class CkptManager:
         secure_dir(root)                        # (a rank's state: this user's alone)
         for d in (self.shm_dir, self.backup_dir, self.restore_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
-        self.key: bytes | None = None           # the job's checkpoint key (configure)
         # peers' backups: keep more than the controller counts on, so a report still in flight
         # never points at a pruned copy
         self.store = ShardStore(self.shm_dir, self.backup_dir, keep_backup=4)
         # the holder of a backup reports it (it may wait for company in the outbox: the copy dies
         # with this machine), not its pusher (whose report had to go at once, a request per rank
         # per step: the pusher may die right after the push, its backup living on here)
+        # an agent that restarted finds its job's key where it left it (the memory outlives it)
+        try:
+            self.key = memckpt.read_key(memckpt.key_path(self.shm_dir))
+        except ValueError:
+            self.key = None
         self.server = PeerServer(peer_host, 0, self.store, on_stored=self._stored,
-                                 key=secrets.token_bytes(memckpt.KEY_BYTES)).start()
+                                 key=self.key or secrets.token_bytes(memckpt.KEY_BYTES)).start()
         self.peer_addr = (peer_host, self.server.address[1])
-        self.client = PeerClient()
+        self.client = PeerClient(key=self.key)
         self._cfg_lock = threading.Lock()
         self._backup: dict | None = None        # {"machine": id, "addr": [host, port]}
         self._every = 10

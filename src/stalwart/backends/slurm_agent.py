@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from stalwart import auth, identity
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, node_info
 
 
@@ -41,14 +42,34 @@ def controller_url(cfg: SlurmConfig) -> str:
         return cfg.controller_url
 
 
-def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str]) -> list[str]:
+def machine_of(first: int, env: dict[str, str]) -> str:
+    return f"m{first + int(env.get('SLURM_NODEID', '0'))}"
+
+
+def join_token_file(cfg: SlurmConfig, machine: str, workdir: str) -> str | None:
+    """A join token made for `machine` (0600, in its workdir), when this node can read the
+    controller's secret in the shared state dir (as it could its token): the agent then holds
+    its machine's credential only, and the controller may drain its node. None: the state dir
+    holds no secret (the agent uses the token file)."""
+    if not os.path.exists(os.path.join(cfg.state_dir, auth.SECRET_FILE)):
+        return None
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "join.token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(identity.join_token(auth.controller_secret(cfg.state_dir), machine) + "\n")
+    return path
+
+
+def agent_argv(cfg: SlurmConfig, first: int, env: dict[str, str], join_file: str | None = None) -> list[str]:
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    machine = f"m{first + int(env.get('SLURM_NODEID', '0'))}"
+    machine = machine_of(first, env)
     labels = SlurmBackend(cfg).labels(node)
     if env.get("SLURM_JOB_ID"):
         labels["slurm.job"] = env["SLURM_JOB_ID"]
     argv = [cfg.python, "-m", "stalwart.cli", "agent", "--controller", controller_url(cfg),
-            "--machine-id", machine, "--token-file", cfg.token_file,
+            "--machine-id", machine, *(["--join-token-file", join_file] if join_file else
+                                       ["--token-file", cfg.token_file]),
             "--controller-file", os.path.join(cfg.state_dir, "controller.json"),
             "--workdir", cfg.workdir.format(state_dir=cfg.state_dir, machine=machine, node=node),
             "--gpus-per-machine", str(cfg.gpus), "--heartbeat", str(cfg.heartbeat_s), "--address", node_address(node),
@@ -68,14 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(f"error: cannot read {a.config}: {e}", file=sys.stderr)
         return 2
-    args = agent_argv(cfg, a.first, dict(os.environ))
+    env = dict(os.environ)
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    machine = machine_of(a.first, env)
+    workdir = cfg.workdir.format(state_dir=cfg.state_dir, machine=machine, node=node)
     # a machine that starts here is new (a refill, or a requeued allocation on whatever nodes it
     # got): checkpoint memory at its path is an earlier agent's, never this one's
     import shutil
 
     from stalwart.agent.paths import ckpt_root
-    workdir = args[args.index("--workdir") + 1]
     shutil.rmtree(ckpt_root(workdir), ignore_errors=True)
+    args = agent_argv(cfg, a.first, env, join_token_file(cfg, machine, workdir))
     os.environ.update(cfg.env)
     sys.stdout.flush()
     os.execv(args[0], args)

@@ -49,6 +49,7 @@ log = logging.getLogger("stalwart.api")
 Observe = Callable[[str, str, int, float], None]      # (route, method, code, seconds)
 PATH = re.compile("^" + re.escape(protocol.CHANNEL_PATH).replace(r"\{machine\}", "([^/?]+)") + r"(\?.*)?$")
 HEAD_TIMEOUT_S = 10.0      # a connection's first request head must be complete within this
+CHANNEL_IDLE_S = 300.0     # an agent's channel that carries nothing this long is closed
 MAX_HEAD = 16 << 10
 CLOSE_WAIT_S = 10.0         # how long a closing channel waits for the agent's close
 
@@ -220,7 +221,7 @@ class Channels:
 class ChannelConn(asyncio.Protocol):
     """One agent's open channel (the connection's protocol once upgraded)."""
 
-    __slots__ = ("channels", "machine", "transport", "remote", "frames", "held", "waiting", "closing")
+    __slots__ = ("channels", "machine", "transport", "remote", "frames", "held", "waiting", "closing", "heard")
 
     def __init__(self, channels: Channels, machine: str, transport: asyncio.Transport, remote: str):
         self.channels, self.machine, self.transport, self.remote = channels, machine, transport, remote
@@ -228,8 +229,25 @@ class ChannelConn(asyncio.Protocol):
         self.held: deque[tuple[int, bytes]] | None = None     # messages behind a registration
         self.waiting = False
         self.closing = False        # our close was sent: only the agent's answer is awaited
+        loop = asyncio.get_running_loop()
+        self.heard = loop.time()    # when the agent last sent anything (see _idle)
+        loop.call_later(CHANNEL_IDLE_S, self._idle)
+
+    def _idle(self) -> None:
+        """A channel that carried nothing for CHANNEL_IDLE_S (an agent beats every heartbeat) is
+        closed: its agent is gone or stuck, and it reconnects if it is not."""
+        if self.transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self.heard
+        if quiet >= CHANNEL_IDLE_S:
+            log.warning("channel of %s from %s closed: silent for %.0f s", self.machine, self.remote, quiet)
+            self.close(1001, "idle")
+            return
+        loop.call_later(CHANNEL_IDLE_S - quiet, self._idle)
 
     def data_received(self, data: bytes) -> None:
+        self.heard = asyncio.get_running_loop().time()
         for opcode, payload in self.frames.feed(data):
             if self.closing:
                 if opcode == ws.OP_CLOSE:

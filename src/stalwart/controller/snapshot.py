@@ -141,12 +141,18 @@ def versionable(src: str | None, state_dir: str, max_files: int = MAX_FILES,
     if not src or not os.path.isdir(src):
         return f"code dir {src!r} does not exist"
     entries = walk(src, exclude=(state_dir,)).entries
+    root = os.path.abspath(src)
     size = 0
-    for n, (_, full) in enumerate(entries, 1):
+    for n, (rel, full) in enumerate(entries, 1):
         try:
-            size += os.lstat(full).st_size
+            st = os.lstat(full)
         except OSError:
-            pass
+            continue
+        size += st.st_size
+        if stat.S_ISLNK(st.st_mode) and not _link_inside(full, root):
+            return (f"code dir {src} holds a symlink {rel} to {os.readlink(full)}, outside it (a code version "
+                    f"must not change with what it points to): pass --code DIR with just the training code "
+                    f"to enable hot update")
         if n > max_files or size > max_bytes:
             return (f"code dir {src} is too large to version (more than {max_files} files or "
                     f"{max_bytes >> 20} MiB; data inside?): pass --code DIR with just the training "
@@ -224,6 +230,13 @@ def snapshot(src_dir: str, state_dir: str) -> tuple[str, str, list[str]]:
         remove_tree(tmp)
 
 
+def _link_inside(full: str, root: str) -> bool:
+    """Whether the symlink at `full` is relative and stays inside `root`."""
+    target = os.readlink(full)
+    inside = os.path.normpath(os.path.join(os.path.dirname(full), target))
+    return not os.path.isabs(target) and (inside == root or inside.startswith(root.rstrip(os.sep) + os.sep))
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -239,8 +252,7 @@ def _copy_entry(full: str, dst: str, rel: str, root: str, budget: list[int]) -> 
         st = os.lstat(full)
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(full)
-            inside = os.path.normpath(os.path.join(os.path.dirname(full), target))
-            if os.path.isabs(target) or not (inside == root or inside.startswith(root.rstrip(os.sep) + os.sep)):
+            if not _link_inside(full, root):
                 raise ValueError(f"cannot snapshot {rel}: a symlink to {target}, outside the code directory "
                                  "(a code version must not change with what it points to)")
             os.symlink(target, dst)
