@@ -110,6 +110,10 @@ def test_an_unchanged_ddp_script_survives_a_crash_and_a_lost_machine_and_is_book
     assert progress and max(int(s) for s in progress) > 0 and "/100" not in text, text[-3000:]
     last = max(int(m) for m in re.findall(r"^\[rank0\]:epoch \d+ done: snapshot saved at step (\d+)", text, re.M))
     assert f"steps {last} (counted by the step hook)" in text, text[-1500:]
+    # every run's output of a rank, from the state dir
+    logs = subprocess.run([STALWART, "logs", "--rank", "0", "--all-runs", "--state-dir", state], capture_output=True,
+                          text=True, timeout=30)
+    assert logs.returncode == 0 and logs.stdout.count("[rank0]:resumed from snapshot.pt") == 2, logs.stderr
     # the snapshot where the user ran the job, not in a code snapshot
     assert (work / "snapshot.pt").exists()
     assert not [p for p, _, files in os.walk(os.path.join(state, "versions")) if "snapshot.pt" in files]

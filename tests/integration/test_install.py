@@ -97,3 +97,30 @@ def test_the_oldest_torch_declared_is_accepted_by_pips_resolver(tmp_path, wheel)
     out = pip(py, "install", "--dry-run", "--no-index", f"{wheel}[controller]")
     would = out.stdout.split("Would install")[-1] if "Would install" in out.stdout else ""
     assert "stalwart" in would and "torch" not in would, out.stdout
+
+
+BLOCK = """
+import importlib.abc, sys
+CONTROL_PLANE = {"sqlalchemy", "aiohttp", "uvloop", "scipy", "prometheus_client", "rich", "psycopg", "kubernetes"}
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in CONTROL_PLANE:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+def test_a_training_image_without_the_control_plane_runs_the_agent_and_the_sdk(tmp_path):
+    """The base install's import paths (worker SDK, hooks, agent) import no control-plane package;
+    a command that needs one says which extra, in one line."""
+    ok = subprocess.run([sys.executable, "-c", BLOCK + "import stalwart.worker.context, stalwart.agent.daemon\n"
+                         "from stalwart.cli import build_parser; build_parser()"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    (tmp_path / "train.py").write_text("print(1)\n")
+    for cmd in ("run", "controller"):
+        args = ["run", "--nnodes", "1", "train.py"] if cmd == "run" else ["controller", "--state-dir", str(tmp_path)]
+        r = subprocess.run([sys.executable, "-c", BLOCK + "import sys; from stalwart.cli import main; "
+                            f"sys.exit(main({args!r}))"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.strip() == f"error: stalwart {cmd} needs the controller: pip install 'stalwart[controller]'"

@@ -144,8 +144,13 @@ class Agent:
 
     def _refill_due(self) -> bool:
         """Spares are started once the run is through its start-up: as soon as a rank here
-        reported a step (a script without the SDK reports none: a minute after the run began)."""
+        reported a step (a script without the SDK reports none: a minute after the run began).
+        Never for a run whose step hook reported (a plain script: it has no activation barrier, so
+        a spare of it cannot wait for its ranks)."""
         if self._refill_at is None:
+            return False
+        if self._run is not None and self.progress.script_run == self._run:
+            self._refill_at = None
             return False
         return bool(self._last_step) or time.time() - self._refill_at[0] >= PLAIN_REFILL_AFTER_S
 

@@ -88,6 +88,7 @@ class ProgressWatch:
         self._steps: dict[int, int] = {}                 # rank -> last step seen at the last sample
         self._sent: dict[int, int] = {}                  # rank -> collective count last sent
         self._traced: dict[tuple[int, int], int] = {}    # (rank, pid) -> last trace record id sent
+        self.script_run: int | None = None              # the last run whose step hook reported here
         self._lock = threading.Lock()
         self._stop = threading.Event()
         os.makedirs(fr_dir, exist_ok=True)
@@ -135,7 +136,10 @@ class ProgressWatch:
             trees[w.rank] = {w.proc.pid} | {proc.pid for proc in process_tree(w.proc.pid)}
         sdk = {w.proc.pid for w in workers if self.has_sdk(w.proc.pid)}
         with self._lock:
-            return scriptsteps.collect(self.fr_dir, trees, run, skip=sdk, keep_others=only is not None)
+            events = scriptsteps.collect(self.fr_dir, trees, run, skip=sdk, keep_others=only is not None)
+        if events:
+            self.script_run = run
+        return events
 
     def summaries(self, trees: dict[int, set[int]]) -> dict[int, dict]:
         """The newest flight-recorder summary of each worker (rank -> summary), given each rank's
