@@ -148,7 +148,7 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     from stalwart.backends.k8s_manifests import render
     from stalwart.backends.kubernetes import K8sConfig
     spec = {"name": "llm", "machines": 2, "gpus_per_machine": 1, "steps": 10, "command": ["python", "train.py"]}
-    objs = render(spec, K8sConfig(tag="sec", namespace="training"))
+    objs = render(spec, K8sConfig(tag="sec", namespace="training"), token="operator-token-" + "x" * 32)
     secret = next(o for o in objs if o["kind"] == "Secret")["stringData"]["secret"].encode()
     pods = [o for o in objs if o["kind"] == "Pod"]
     assert len(pods) >= 2
