@@ -14,8 +14,9 @@ Printed: heartbeat round-trip p50/p99 over the measurement window (the round tri
 message or request that carried a machine's beat, to its answer: as the real agent, a simulated
 one whose batch of events went through skips its heartbeat, so while the job trains the beat
 rides on the events), machines the controller called lost although their agents kept beating
-(false losses), and the controller's CPU per agent; the same for the controller as it was
-before issue 12 (from git, `--before REF`), side by side; and the load generator's own figures:
+(false losses), and the controller's CPU per agent; the same for
+the thread-per-request controller of commit 9740bb6 (from git, `--before REF`), side
+by side; and the load generator's own figures:
 its lag (how late it sent, p99) and its CPU per agent. `--json FILE` writes the current controller's figures:
 {"agents", "heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent"}
 (`controller_cpu_per_agent`: CPU-seconds per second per agent, i.e. the share of a core).
@@ -45,8 +46,8 @@ from scale_agents import load_process
 from stalwart.client import ApiError, Client, ControllerUnreachable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the last commit before issue 12 (auth, typed API, several jobs, agents' backoff)
-BEFORE_ISSUE_12 = "9740bb6"
+# the thread-per-request controller: the last commit before the auth, typed API, several jobs and agents' backoff
+THREAD_PER_REQUEST = "9740bb6"
 
 
 # -- the controller under test --------------------------------------------------------------------
@@ -224,9 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of training before measuring")
     ap.add_argument("--ramp", type=float, default=10.0, help="seconds over which the agents start")
     ap.add_argument("--procs", type=int, default=2, help="load-generating processes (default 2)")
-    ap.add_argument("--before", default=BEFORE_ISSUE_12,
-                    help=f"git ref of the controller to compare with (default {BEFORE_ISSUE_12}, the last "
-                         "commit before issue 12); 'none' to skip")
+    ap.add_argument("--before", default=THREAD_PER_REQUEST,
+                    help=f"git ref of the controller to compare with (default {THREAD_PER_REQUEST}, the last "
+                         "thread-per-request controller); 'none' to skip")
     ap.add_argument("--json", help="write this controller's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the controllers' state dirs (logs, database)")
     ap.add_argument("--profile", help="py-spy the controller during the window; collapsed stacks here")
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
             print(f"no comparison: cannot unpack {args.before} from git ({e})", file=sys.stderr)
         else:
             try:
-                label = f"before issue 12 ({args.before})" if args.before == BEFORE_ISSUE_12 else f"at {args.before}"
+                label = (f"thread-per-request ({args.before})" if args.before == THREAD_PER_REQUEST
+                         else f"at {args.before}")
                 rows.append((label, measure(args.agents, src, args, label)))
             except (RuntimeError, ApiError, ControllerUnreachable) as e:
                 print(f"the controller of {args.before} failed under {args.agents} agents: {e}")

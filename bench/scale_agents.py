@@ -2,7 +2,7 @@
 processes, speaking to a real controller what the real agent (`stalwart.agent`) speaks, over real
 sockets.
 
-With a controller that serves agents' channels (issue 12): each agent opens its WebSocket with
+With a controller that serves agents' channels: each agent opens its WebSocket with
 the same client code as the real agent (`stalwart.websocket`), registers with a full
 `Registration` over it, sends its beats and batches of events as MessagePack messages (each
 answered by an ack, whose round trip is the figure measured) and gets its commands pushed. As

@@ -1,4 +1,4 @@
-"""Issue 12, the agents' channel (controller/channel.py, agent/link.py): one WebSocket per agent.
+"""The agents' channel (controller/channel.py, agent/link.py): one WebSocket per agent.
 
 The token is checked at the upgrade (401, no socket, nothing done); TLS works end to end; a message
 that is invalid is answered with an error naming the field and the channel goes on, an oversized

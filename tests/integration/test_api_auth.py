@@ -1,4 +1,4 @@
-"""Issue 12, item 1: the API needs the controller's token (401 otherwise, logged, nothing done),
+"""The API needs the controller's token (401 otherwise, logged, nothing done),
 bodies are bounded (413), and TLS works end to end: a controller on HTTPS with a certificate this
 test makes, an agent that verifies it with --tls-ca and registers."""
 import json

@@ -1,4 +1,4 @@
-"""Issue 12, item 6: schemathesis generates requests from the OpenAPI document of a live controller
+"""Schemathesis generates requests from the OpenAPI document of a live controller
 (its own `GET /api/openapi.json`) and sends them over a real socket: whatever the body, path or
 query, the answer is never a 5xx, no request hangs, and the controller still answers afterwards.
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 2: typed request bodies (unknown fields and wrong types refused with the field's
+"""Typed request bodies (unknown fields and wrong types refused with the field's
 name), bounded sizes, a handler bug is a 500, and the OpenAPI document describes every route.
 A real controller and API server in this process, spoken to over a real socket."""
 import json

@@ -66,7 +66,7 @@ def test_report_without_state(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_second_job_from_the_same_directory_runs(tmp_path):
-    """Issue 11: the second `stalwart run` in a directory holding the first one's state dir (live
+    """The second `stalwart run` in a directory holding the first one's state dir (live
     sockets, a database) snapshots the code without it and trains."""
     code = tmp_path / "proj"
     code.mkdir()

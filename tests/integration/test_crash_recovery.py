@@ -1,4 +1,4 @@
-"""Issue 2: a worker crash is reattempted and training continues bit for bit; a lost machine is
+"""A worker crash is reattempted and training continues bit for bit; a lost machine is
 replaced by a standby."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""Issue 15: the operator's view of a real local job with a fault (2 machines x 2 workers, one warm
+"""The operator's view of a real local job with a fault (2 machines x 2 workers, one warm
 standby, a GPU Xid on m1): the dashboard in headless Chromium, /metrics parsed with
 prometheus_client's parser and compared with the job's report, `stalwart status --watch` on a
 terminal and in a pipe, and `stalwart report --html` rendered in the browser. Screenshots go to

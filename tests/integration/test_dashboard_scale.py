@@ -1,4 +1,4 @@
-"""Issue 15: the dashboard of a 1,024-machine job (a synthetic store, a real controller and API, a
+"""The dashboard of a 1,024-machine job (a synthetic store, a real controller and API, a
 real headless Chromium) is interactive within 2 s and stays responsive while it polls."""
 import time
 

@@ -1,4 +1,4 @@
-"""Issue 3: one real local cluster per explicit fault kind. Each asserts the symptom, the evicted
+"""One real local cluster per explicit fault kind. Each asserts the symptom, the evicted
 machine (or none), that the job finishes (or fails clearly), and that detection time is recorded."""
 import os
 

@@ -1,4 +1,4 @@
-"""Issue 13, item 4: an agent on a real host watches the host's interfaces and kernel log.
+"""An agent on a real host watches the host's interfaces and kernel log.
 
 Each test starts a controller and one agent the way the README's "Several real machines" section
 does (no `--shared-host`, no network namespace), gives it a job, and acts on this host for real: a

@@ -1,4 +1,4 @@
-"""Issue 4: hot update (urgent, lazy, windowed) in place from the in-memory checkpoint, and the
+"""Hot update (urgent, lazy, windowed) in place from the in-memory checkpoint, and the
 automatic rollback of a version that fails with a user-code error."""
 import sys
 import textwrap

@@ -1,4 +1,4 @@
-"""Issue 5: implicit failures on real local clusters — a silent hang (SIGSTOP), a frozen machine
+"""Implicit failures on real local clusters — a silent hang (SIGSTOP), a frozen machine
 (cgroup freezer) and NaN gradients from one machine. Each is detected with its time recorded, the
 culprit is inside the evicted set, the evicted set is no larger than the culprit's parallel group,
 and the job completes."""

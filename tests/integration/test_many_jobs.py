@@ -1,4 +1,4 @@
-"""Issue 12, item 3: one controller runs several jobs at once on disjoint machines; a job that
+"""One controller runs several jobs at once on disjoint machines; a job that
 finds too few free machines waits (FIFO) until a finished job gives its machines back. Six local
 machines: A (2 + 1 standby) and B (2 + 1 standby) each lose a machine to a GPU Xid and complete on
 their standby; C (2 machines) waits until one of them ends and then runs on the machines it freed."""

@@ -1,4 +1,4 @@
-"""Issue 5: the peer-similarity detector at run time — a machine whose metrics stay unlike its
+"""The peer-similarity detector at run time — a machine whose metrics stay unlike its
 peers' (here a hot, throttled GPU: temperature up, SM clock down) past the continuity window is
 reported and evicted, with no probe alert or crash to go on."""
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 13, item 5: a plain torch.distributed script (no SDK) under stalwart. Its progress comes
+"""A plain torch.distributed script (no SDK) under stalwart. Its progress comes
 from the workers themselves (CPU time outside a collective, and the collectives each rank's flight
 recorder saw: agent/progress.py, worker/frhook.py), so a long pause is not a hang; a SIGSTOPped rank
 still is, and the flight recorder names it.

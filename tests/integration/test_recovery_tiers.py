@@ -1,4 +1,4 @@
-"""Issue 4: warm standbys and every-step in-memory checkpoints with over-eviction-aware backups."""
+"""Warm standbys and every-step in-memory checkpoints with over-eviction-aware backups."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 6: a soak of 100 faults in a row in one job.
+"""A soak of 100 faults in a row in one job.
 
 A random mix (seeded) of crash, machine-down, gpu-xid, sigstop and nan goes into one running job,
 one fault at a time: each on a random active machine, once the previous incident is resolved and

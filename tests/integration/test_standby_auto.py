@@ -1,5 +1,5 @@
 """`standby: auto` on a real local job: the controller keeps the P99 of Binomial(machines, daily
-failure rate) standbys, no more, though more machines are free (issue 14; the simulator's and the
+failure rate) standbys, no more, though more machines are free (the simulator's and the
 core's sizing are in tests/unit/test_sim.py)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 6: stop-time diagnostics on real local clusters — the inter-machine test names a slowed
+"""Stop-time diagnostics on real local clusters — the inter-machine test names a slowed
 machine, a crash that goes away is reattempted after the checks pass, a version that keeps crashing
 (not a user-code exception) is rolled back after the reattempt, and silent data corruption on one
 machine of 4 is found by the bitwise alignment test or, with that disabled, by dual-phase replay."""

@@ -1,5 +1,5 @@
 """The worker SDK tells its agent it is going down with an exception, traceback included, before
-the process exits (issue 4: the agent reports the failure without waiting ~0.5 s for the
+the process exits (the agent reports the failure without waiting ~0.5 s for the
 interpreter's teardown)."""
 import os
 import socket

@@ -1,4 +1,4 @@
-"""The probes of an agent on a real host (issue 13, item 4): which NICs and RDMA ports it watches,
+"""The probes of an agent on a real host: which NICs and RDMA ports it watches,
 drop counters, RDMA port state and counters, the kernel log it follows (with its fallback), OOM kills
 from /proc/vmstat. sysfs and procfs are laid out in temp dirs; the real ones are read where present."""
 import logging

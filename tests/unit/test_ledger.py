@@ -397,7 +397,7 @@ def test_injection_time_learned_at_localization_counts_for_detection():
     assert led.incidents[1]["detection"] == 1.0      # from the injection, not from the last step
 
 
-# -- the controller's absence (issue 11) ----------------------------------------------------------
+# -- the controller's absence ----------------------------------------------------------
 
 def test_a_controller_gap_is_its_own_bucket_and_steps_meanwhile_stay_productive():
     """Steps 0..9 in [10, 20]; the controller is silent from 12 and reconciled at 17; steps went on."""

@@ -1,4 +1,4 @@
-"""Blaming the right machine (issue 17), on the job core with a fake clock: network alerts count
+"""Blaming the right machine, on the job core with a fake clock: network alerts count
 occurrences, not reports; a NIC still down when the job fails names its machine; stacks that
 narrow nothing and a large slowdown nobody is blamed for go to the stop-time checks, whose pair
 test names the slow machine; a guess that outnumbers the standbys is confirmed first."""

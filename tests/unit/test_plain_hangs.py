@@ -1,4 +1,4 @@
-"""Hangs of jobs without the SDK (issue 13, item 5), on a fake clock: collective counts calibrate the
+"""Hangs of jobs without the SDK, on a fake clock: collective counts calibrate the
 hang timer, activity outside a collective is progress, step-less ranks are judged together; the
 flight recorder's summaries (worker/frhook.py) name the rank that never entered the stuck collective,
 for plain scripts and SDK jobs alike."""

@@ -1,5 +1,5 @@
 """Code snapshots take code only: never a state dir (sockets, a database), a virtualenv, caches or
-special files, and they say what they skipped (issue 11: a second job from the same directory)."""
+special files, and they say what they skipped (a second job from the same directory)."""
 import os
 import socket
 

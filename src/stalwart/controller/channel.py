@@ -1,5 +1,5 @@
 """Agents' channels: one WebSocket per agent carries its registration, beats and event batches in,
-and its commands out (issue 12: one controller holds thousands of agents).
+and its commands out (one controller holds thousands of agents).
 
 Why a socket and not HTTP requests: at 1,024 agents a profile of the controller showed most of
 its API's CPU in the per-request machinery (parsing a request's head, routing, the token check, a
