@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Callable
 
-from stalwart.agent.probes.simgpu import SimGpu
 from stalwart.chaos.net import ChaosUnavailable
+from stalwart.devices.simgpu import SimGpu
 
 # Worker-side kinds: forwarded to the worker SDK over the local socket.
 SDK_KINDS = {"nan", "user-error", "stage-hang"}
