@@ -162,7 +162,7 @@ class TorchrunPair:
     kind: str
     step: int
     workdir: str
-    net: object | None = None                       # backends.netns.Network as root
+    net: object | None = None                       # devices.netns.Network as root
     machines: list = field(default_factory=list)    # its Machines (empty on loopback)
     agents: list[subprocess.Popen] = field(default_factory=list)
     store: object | None = None

@@ -60,7 +60,7 @@ class MachineChaos:
         if not self.network:
             raise ChaosUnavailable("needs machines with their own network (run as root: network "
                                    "namespaces); this cluster shares loopback")
-        from stalwart.backends.netns import Machine
+        from stalwart.devices.netns import Machine
         d = self.network["self"] if machine_id is None else self.network["machines"].get(machine_id)
         if d is None:
             raise ChaosUnavailable(f"machine {machine_id} has no network of its own")
