@@ -178,7 +178,7 @@ class TorchrunPair:
         import torch.distributed as dist
         host = "127.0.0.1"
         if prefix is not None:
-            from stalwart.backends.netns import Network
+            from stalwart.devices.netns import Network
             self.net = Network(prefix)
             self.net.create()
             self.machines = [self.net.add_machine(i) for i in range(2)]
