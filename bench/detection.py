@@ -162,7 +162,7 @@ class TorchrunPair:
     kind: str
     step: int
     workdir: str
-    net: object | None = None                       # backends.netns.Network as root
+    net: object | None = None                       # devices.netns.Network as root
     machines: list = field(default_factory=list)    # its Machines (empty on loopback)
     agents: list[subprocess.Popen] = field(default_factory=list)
     store: object | None = None
@@ -178,7 +178,7 @@ class TorchrunPair:
         import torch.distributed as dist
         host = "127.0.0.1"
         if prefix is not None:
-            from stalwart.backends.netns import Network
+            from stalwart.devices.netns import Network
             self.net = Network(prefix)
             self.net.create()
             self.machines = [self.net.add_machine(i) for i in range(2)]

@@ -12,7 +12,7 @@ import os
 
 from typing import TYPE_CHECKING
 
-from stalwart.backends import statedir
+from stalwart.backends.statedir import db_path
 from stalwart.plots import COLORS, Mark, Series, line_chart, stacked_bars
 
 if TYPE_CHECKING:
@@ -119,12 +119,12 @@ def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | 
             return client.get(f"/api/jobs/{job_id}/series?points=200")
         except (ApiError, ControllerUnreachable):
             pass
-    db = statedir.db_path(state_dir)
+    db = db_path(state_dir)
     if not os.path.exists(db):
         return None
     import time
 
-    from stalwart.controller.dashboard import series_payload
+    from stalwart.controller.series import series_payload
     from stalwart.controller.store import Store
     store = Store(f"sqlite:///{db}")
     try:

@@ -1,7 +1,7 @@
 """A real Slurm 22.05 cluster on this host for tests: a private munged, slurmctld and one
 `slurmd -N nodeN` per node, all in a temp dir with their own ports.
 
-As root each node's slurmd runs in its own network namespace (`backends.netns`), so whatever Slurm
+As root each node's slurmd runs in its own network namespace (`devices.netns`), so whatever Slurm
 starts on the node (the agent, its workers) lives in that node's network, as on a real host: the
 node's address is its namespace's, its /etc/hosts maps this host's name to it (gloo binds there),
 and slurmctld listens on the bridge's gateway. Without root every node is 127.0.0.1. Every node has
@@ -60,7 +60,7 @@ class SlurmTestCluster:
         self.per_switch = per_switch
         self.dir = Path(tempfile.mkdtemp(prefix="swslurm"))     # short: it holds a unix socket
         if netns is None:
-            from stalwart.backends import netns as ns
+            from stalwart.devices import netns as ns
             netns = ns.available()[0]
         self.use_netns = netns
         self.net = None
@@ -91,7 +91,7 @@ class SlurmTestCluster:
     def _network(self) -> None:
         if not self.use_netns:
             return
-        from stalwart.backends import netns
+        from stalwart.devices import netns
         self.net = netns.Network("sl" + os.urandom(3).hex(), state_dir=self.dir / "netns")
         self.net.create()
         self.ctl_addr = self.net.gateway

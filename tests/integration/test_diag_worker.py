@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from stalwart.agent.probes.simgpu import SimGpu
+from stalwart.devices.simgpu import SimGpu
 
 MACHINES = ("m0", "m1")
 LOCAL = 2

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.backends import netns
-from stalwart.backends.netns import IFNAMSIZ, Network, available, cleanup_stale
+from stalwart.devices import netns
+from stalwart.devices.netns import IFNAMSIZ, Network, available, cleanup_stale
 from stalwart.chaos import net as chaos_net
 
 REPO_SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -354,7 +354,7 @@ def test_cleanup_stale_after_a_forgotten_network(tmp_path: Path):
 CRASHER = textwrap.dedent(
     """
     import os, sys
-    from stalwart.backends.netns import Network
+    from stalwart.devices.netns import Network
     net = Network(sys.argv[1], state_dir=sys.argv[2])
     net.create(); net.add_machine(0); net.add_machine(1)
     os.kill(os.getpid(), 9)

@@ -8,7 +8,7 @@ import pytest
 
 from stalwart.agent.probes.disk import DiskProbe
 from stalwart.agent.probes.kmsg import KmsgProbe
-from stalwart.agent.probes.simgpu import SimGpu
+from stalwart.devices.simgpu import SimGpu
 
 
 @pytest.fixture

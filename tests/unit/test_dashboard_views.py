@@ -1,11 +1,12 @@
-"""controller/dashboard.py: the JSON the live page polls, from a job's report, events and machines."""
+"""controller/dashboard.py and controller/series.py: the JSON the live page polls, from a job's
+report, events and machines."""
 import time
 
 import pytest
 from synthjob import write_synthetic_job
 
 from stalwart.controller import dashboard as dash
-from stalwart.controller import ledger
+from stalwart.controller import ledger, series
 from stalwart.controller.report import build_report
 from stalwart.controller.store import Store
 
@@ -27,36 +28,36 @@ def small_log():
 
 def test_step_points_rate_per_run_and_cursor():
     log = small_log()
-    out = dash.step_points(log, T)
+    out = series.step_points(log, T)
     pts = out["points"]
     assert [p[1] for p in pts] == [0, 1, 2, 3, 4, 3, 4, 5, 6]
     assert pts[0][3] is None and pts[1][3] == pytest.approx(1.0)        # 1 step per second in run 1
     assert pts[5][3] is None and pts[6][3] == pytest.approx(2.0)        # run 2 starts its own window
     assert pts[0][0] == 2.0 and pts[-1][4] == 2
     assert out["next"] == 14
-    later = dash.step_points(log, T, since=12)
+    later = series.step_points(log, T, since=12)
     assert [p[1] for p in later["points"]] == [5, 6] and later["next"] == 14
-    assert dash.step_points(log, T, since=14)["points"] == []
+    assert series.step_points(log, T, since=14)["points"] == []
 
 
 def test_first_load_is_strided_but_keeps_the_last_point():
     log = [ev(1, 0, "job_submitted")] + [ev(2 + s, 1 + s, "step", run=1, step=s, dur=1.0, loss=1.0)
                                           for s in range(1001)]
-    pts = dash.step_points(log, T, max_points=100)["points"]
+    pts = series.step_points(log, T, max_points=100)["points"]
     assert len(pts) <= 101 and pts[-1][1] == 1000 and pts[0][1] == 0
 
 
 def test_ettr_curve_is_the_ledger_series_from_zero():
     log = small_log()
-    curve = dash.ettr_curve(log, T + 12, points=6, window_s=3600)
+    curve = series.ettr_curve(log, T + 12, points=6, window_s=3600)
     ref = ledger.series(log, T + 12, points=6, window_s=3600)
     assert curve[0] == [0.0, 0.0, 0.0]
     assert [c[1] for c in curve[1:]] == [round(p["ettr"], 5) for p in ref]
-    assert dash.ettr_curve([ev(1, 0, "step", run=1, step=0, dur=1.0)], T + 1) == []
+    assert series.ettr_curve([ev(1, 0, "step", run=1, step=0, dur=1.0)], T + 1) == []
 
 
 def test_series_payload_without_a_job_start_is_empty():
-    out = dash.series_payload([], time.time(), since=3)
+    out = series.series_payload([], time.time(), since=3)
     assert out["steps"] == {"points": [], "next": 3} and out["ettr"] == []
 
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from stalwart.controller.hangwatch import (ActivitySample, HangWatch, anomaly, culprit_machines,
-                                           nan_culprits, progressed)
+from stalwart.analyzer.activity import ActivitySample, progressed
+from stalwart.controller.hangwatch import HangWatch, anomaly, culprit_machines, nan_culprits
 from stalwart.spec import Policy
 from stalwart.topology import Topology
 

@@ -11,7 +11,7 @@ from stalwart.agent.probes.disk import DiskProbe, low_space
 from stalwart.agent.probes.host import HostProbe, read_meminfo
 from stalwart.agent.probes.kmsg import KmsgProbe, parse_line
 from stalwart.agent.probes.nic import NicProbe
-from stalwart.agent.probes.simgpu import SimGpu, fatal_line, slowdown_factor
+from stalwart.devices.simgpu import SimGpu, fatal_line, slowdown_factor
 
 
 # -- base ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import xml.etree.ElementTree as ET
 
 from synthjob import write_synthetic_job
 
-from stalwart.controller.dashboard import series_payload
+from stalwart.controller.series import series_payload
 from stalwart.controller.report import build_report
 from stalwart.controller.store import Store
 from stalwart.report_html import incident_marks, plots, render

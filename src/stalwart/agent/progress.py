@@ -9,7 +9,7 @@ that computes from one that is stuck. Every period this sampler reads, for each 
   how many collectives it entered and whether it is inside one now, and the collectives entered
   since the hook's previous summary (its trace: forwarded to the controller's trace detector).
 
-`hangwatch.progressed` judges each worker (a new collective is progress; outside a collective, CPU
+`analyzer.activity.progressed` judges each worker (a new collective is progress; outside a collective, CPU
 or log growth is; inside one, neither is: NCCL's wait spins), and one `activity` event per period
 tells the controller which ranks progressed and, for ranks without the SDK, their collective counts
 when those grew, and every rank's new trace operations. Ranks whose SDK reported a step since the last
@@ -31,7 +31,7 @@ import psutil
 from stalwart import protocol as p
 from stalwart.agent import scriptsteps
 from stalwart.agent.workers import Worker, process_tree
-from stalwart.controller.hangwatch import ActivitySample, progressed
+from stalwart.analyzer.activity import ActivitySample, progressed
 
 FR_BUFFER = 256          # recorder entries per process: a dump and its parse take ~4 ms (2,000: ~40 ms)
 MIN_CPU_SHARE = 0.04     # of a core over a period, outside a collective, to count as computing

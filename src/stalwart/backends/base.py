@@ -8,7 +8,8 @@ machine's topology labels where the cluster knows them (`switch`, `pod`, `zone`,
 replacement when the standby pool runs short, says when the cluster took the job's machines away
 (a time limit, a preemption, a cancel), and releases everything at the end.
 
-Two processes use one backend object each, built from the same JSON config (`load`):
+Two processes use one backend object each, built from the same JSON config
+(`backends.config.load`):
 
 - the launcher (`stalwart run`, `stalwart slurm submit`) calls `start_agents` and `release`;
 - the controller (`stalwart controller --backend-config FILE`) calls `evict` and `request` from
@@ -110,21 +111,3 @@ class BackendState:
         self.read(take)
         return [f"m{got[0] + i}" for i in range(count)]
 
-
-def load(path: str) -> Backend:
-    """The backend a config file describes: JSON with `kind` (slurm, kubernetes) and its fields."""
-    try:
-        with open(path) as f:
-            cfg: dict[str, Any] = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read the backend config {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise ValueError(f"the backend config {path} is not JSON: {e}") from None
-    kind = cfg.get("kind")
-    if kind == "slurm":
-        from stalwart.backends.slurm import SlurmBackend
-        return SlurmBackend.from_config(cfg)
-    if kind == "kubernetes":
-        from stalwart.backends.kubernetes import KubernetesBackend
-        return KubernetesBackend.from_config(cfg)
-    raise ValueError(f"backend config {path}: kind must be slurm or kubernetes (got {kind!r})")

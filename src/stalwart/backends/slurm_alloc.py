@@ -18,22 +18,21 @@ from its newest checkpoint (the new nodes' memory is empty: the durable tier, un
 `stalwart status/report --slurm-job ID` find the state dir of a Slurm job from a registry of the
 jobs submitted (`~/.stalwart/slurm-jobs/ID`, or `$STALWART_SLURM_JOBS`), else from the job's
 comment (`stalwart:<state dir>`).
+
+The command itself (its arguments, a user's mistakes, what it prints) is in `cli/slurm.py`.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-import yaml
 
 from stalwart import auth
-from stalwart.backends.slurm import NOTES, JobInfo, SlurmError, ended_reason, job_info, run_cli
+from stalwart.backends.slurm import SlurmError, job_info
 from stalwart.backends.local import LocalCluster
 from stalwart.backends.slurm_submit import SlurmCluster
 from stalwart.errors import UserError
@@ -159,122 +158,6 @@ class InsideCluster(SlurmCluster):
             super().stop()
 
 
-class AllocationEnding(Exception):
-    """Slurm is ending this allocation (SIGTERM to the batch script)."""
-
-
-def _notes_printer(path: str):
-    seen = [0]
-
-    def tick() -> None:
-        try:
-            with open(path) as f:
-                f.seek(seen[0])
-                text = f.read()
-        except OSError:
-            return
-        seen[0] += len(text.encode())
-        for line in text.splitlines():
-            print(f"stalwart: {line}", flush=True)
-    return tick
-
-
-def _running_job(state_dir: str, job_id: str) -> int | None:
-    """The stalwart job this allocation ran before it was requeued, if it still runs."""
-    import json
-
-    from stalwart.backends.statedir import db_path, db_url
-    from stalwart.controller.service import RUNNING_STATES
-    from stalwart.controller.store import Store
-    try:
-        with open(os.path.join(state_dir, "slurm", "state.json")) as f:
-            main = json.load(f).get("main")
-    except (OSError, ValueError):
-        return None
-    if str(main) != str(job_id) or not os.path.exists(db_path(state_dir)):
-        return None
-    store = Store(db_url(state_dir))
-    try:
-        running = store.jobs_in_state(RUNNING_STATES)
-    finally:
-        store.close()
-    return int(running[-1]["id"]) if running else None
-
-
-def cmd_slurm_run(a) -> int:
-    from stalwart.backends.launch import run_job
-    from stalwart.backends.slurm_agent import node_address
-    from stalwart.cli.common import spec_from_args
-    from stalwart.controller.pool import standby_count
-    env = os.environ
-    job_id = env.get("SLURM_JOB_ID")
-    if not job_id:
-        raise UserError("stalwart slurm run runs inside a Slurm allocation (a batch script, or salloc); "
-                        "to submit one, use stalwart slurm sbatch")
-    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1")
-    state_dir = os.path.abspath(a.state_dir)
-    remember(job_id, state_dir)
-    restarts = int(env.get("SLURM_RESTART_COUNT") or "0")
-    resume = _running_job(state_dir, job_id) if restarts > 0 else None
-    spec = spec_from_args(a)
-    want = spec.machines + standby_count(spec)
-    if nodes < want:
-        raise UserError(f"the allocation has {nodes} node(s); the job needs {want} ({spec.machines} active, "
-                        f"{standby_count(spec)} standby): sbatch --nodes={want} or more")
-    refill = list(a.sbatch_arg or [])
-    if not refill:
-        try:
-            info = job_info(job_id)
-        except SlurmError:
-            info = None
-        refill = (info or JobInfo(job_id, "")).like_this()
-    here = env.get("SLURMD_NODENAME") or os.uname().nodename
-    cluster = InsideCluster(state_dir, job_id, nodes, spec.gpus_per_machine, node_address(here),
-                            list(a.srun_arg or []), heartbeat_s=spec.policy.heartbeat_s,
-                            missed_beats=spec.policy.missed_beats, log_level=a.log_level, sbatch_args=refill,
-                            agent_prefix=shlex.split(a.agent_prefix or ""), agent_args=list(a.agent_arg))
-    cluster.cfg.drain = a.drain
-    print(f"stalwart: Slurm job {job_id}" + (f" (requeued, run {restarts + 1})" if restarts else "") +
-          f": controller on {here} ({cluster.advertise}), agents on {nodes} node(s) "
-          f"({spec.machines} active, {standby_count(spec)} standby, {nodes - want} spare); state in {state_dir}",
-          flush=True)
-
-    def ending(*_: Any) -> None:
-        """Slurm ends the allocation: a requeue (its restart count went up) leaves the job running
-        in the store for the next run to take over; any other end cancels it with Slurm's reason."""
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            info = job_info(job_id)
-        except SlurmError:
-            info = None
-        if info is not None and info.restarts > restarts:
-            cluster.halt_controller()
-            print(f"stalwart: Slurm requeued allocation {job_id}: the job resumes when it runs again", flush=True)
-            raise AllocationEnding()
-        why = ended_reason(job_id, info) or f"the Slurm allocation {job_id} ended ({info.state if info else 'GONE'})"
-        print(f"stalwart: {why}: the job stops", flush=True)
-        job = resume if resume is not None else _running_job(state_dir, job_id)
-        if job is not None and cluster.url:
-            try:
-                cluster.client(timeout=2).post(f"/api/jobs/{job}/cancel", {"reason": why})
-            except Exception:           # (the controller is going too: the store says running)
-                pass
-        raise AllocationEnding()
-    signal.signal(signal.SIGTERM, ending)
-
-    def start() -> None:
-        try:
-            cluster.start(timeout=a.start_timeout, takeover=resume is not None)
-        except SlurmError as e:
-            raise UserError(str(e)) from None
-        if resume is not None:
-            print(f"stalwart: job {resume} taken over: it resumes from its newest checkpoint", flush=True)
-    try:
-        return run_job(cluster, spec, start, job=resume, tick=_notes_printer(os.path.join(cluster.cfg.dir, NOTES)))
-    except AllocationEnding:
-        return 143                 # (the cluster is stopped: run_job's finally)
-
-
 # -- stalwart slurm sbatch: submit and log out ------------------------------------------------------
 def batch_script(a, spec_path: str, state_dir: str, nodes: int, sbatch: list[str], name: str) -> str:
     """The batch script of `stalwart slurm sbatch`: its #SBATCH options and `stalwart slurm run`."""
@@ -297,88 +180,3 @@ def gpu_request(a, gpus: int) -> list[str]:
     if a.no_gpu_request or gpus <= 0:
         return []
     return [f"--gpus-per-node={gpus}"]
-
-
-def cmd_slurm_sbatch(a) -> int:
-    from stalwart.cli.common import spec_from_args
-    from stalwart.controller.pool import standby_count
-    spec = spec_from_args(a)
-    if a.spare < 0:
-        raise UserError(f"--spare must be >= 0 (got {a.spare})")
-    state_dir = os.path.abspath(a.state_dir)
-    nodes = spec.machines + standby_count(spec) + a.spare
-    sbatch = gpu_request(a, spec.gpus_per_machine)
-    sbatch += [f"--partition={a.partition}"] if a.partition else []
-    sbatch += [f"--time={a.time}"] if a.time else []
-    sbatch += list(a.sbatch_arg or [])
-    name = f"stalwart-{os.urandom(3).hex()}"
-    spec_path = os.path.join(state_dir, "job.yaml")
-    script = batch_script(a, spec_path, state_dir, nodes, sbatch, name)
-    if a.dry_run:
-        print(script, end="")
-        return 0
-    os.makedirs(os.path.join(state_dir, "slurm", "logs"), exist_ok=True)
-    with open(spec_path, "w") as f:
-        yaml.safe_dump(spec.to_dict(), f, sort_keys=False)
-    path = os.path.join(state_dir, "slurm", "sbatch.sh")
-    with open(path, "w") as f:
-        f.write(script)
-    try:
-        out = run_cli(["sbatch", "--parsable", f"--comment={COMMENT_PREFIX}{state_dir}", path])
-    except SlurmError as e:
-        raise UserError(str(e)) from None
-    job_id = out.strip().split(";")[0]
-    remember(job_id, state_dir)
-    print(f"stalwart: Slurm job {job_id} submitted ({nodes} nodes: {spec.machines} active, "
-          f"{standby_count(spec)} standby, {a.spare} spare); the controller runs in the allocation, "
-          f"you may log out\n"
-          f"stalwart: follow it: stalwart status --slurm-job {job_id}   (its output: "
-          f"{state_dir}/slurm/logs/slurm-{job_id}.out)\n"
-          f"stalwart: stop it: scancel --name={name}   (the allocation and its refills)", flush=True)
-    return 0
-
-
-def run_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by `slurm sbatch` and `slurm run` (the second gets them from the first)."""
-    p.add_argument("--srun-arg", action="append", default=[],
-                   help="one more option for the agents' srun, e.g. --srun-arg=--container-image=IMAGE, "
-                        "--srun-arg=--mpi=pmix, --srun-arg=--cpu-bind=none (repeatable)")
-    p.add_argument("--agent-arg", action="append", default=[],
-                   help="one more option for every node's agent, e.g. --agent-arg=--nic=ib0 (repeatable)")
-    p.add_argument("--agent-prefix", help="a command line the agent runs under on each node (numactl...)")
-    p.add_argument("--drain", choices=("auto", "never"), default="auto",
-                   help="auto (default): drain an evicted node, or exclude it from refills where Slurm refuses "
-                        "(no operator rights); never: only exclude it")
-    p.add_argument("--start-timeout", type=float, default=120.0,
-                   help="seconds for the agents to register once the allocation runs (default 120)")
-    p.add_argument("--state-dir", default=".stalwart", help="on storage every node sees (default .stalwart)")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
-
-
-def add_parsers(s, job_options) -> None:
-    b = s.add_parser("sbatch", help="submit a job whose controller runs in the allocation (then log out)")
-    job_options(b)
-    b.add_argument("--nodes", dest="machines", type=int, help="active nodes (the job's machines)")
-    b.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int,
-                   help="GPUs per node: the job's, and sbatch --gpus-per-node unless --gres says otherwise")
-    b.add_argument("--gres", help="sbatch --gres instead of --gpus-per-node, e.g. gpu:h100:8")
-    b.add_argument("--no-gpu-request", action="store_true", help="ask Slurm for no GPUs (CPU nodes, simulated GPUs)")
-    b.add_argument("--spare", type=int, default=0, help="more idle nodes in the allocation (default 0)")
-    b.add_argument("--partition", help="sbatch --partition")
-    b.add_argument("--time", help="sbatch --time (the allocation's time limit)")
-    b.add_argument("--sbatch-arg", action="append", help="one more sbatch option, e.g. --sbatch-arg=--account=ml "
-                                                         "(repeatable; refills get it too)")
-    run_options(b)
-    b.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
-    b.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
-    b.set_defaults(fn=cmd_slurm_sbatch)
-
-    r = s.add_parser("run", help="inside an allocation (a batch script): run a job on its nodes, the controller "
-                                 "here; takes the job over when the allocation was requeued")
-    job_options(r)
-    r.add_argument("--sbatch-arg", action="append",
-                   help="an sbatch option for refills (repeatable; default: this allocation's partition, "
-                        "account, GRES and time limit)")
-    run_options(r)
-    r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
-    r.set_defaults(fn=cmd_slurm_run)

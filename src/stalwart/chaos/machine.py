@@ -13,8 +13,9 @@ import threading
 import time
 from typing import Callable
 
-from stalwart.agent.probes.simgpu import SimGpu
 from stalwart.chaos.net import ChaosUnavailable
+from stalwart.devices.netns import Machine
+from stalwart.devices.simgpu import SimGpu
 
 # Worker-side kinds: forwarded to the worker SDK over the local socket.
 SDK_KINDS = {"nan", "user-error", "stage-hang"}
@@ -60,7 +61,6 @@ class MachineChaos:
         if not self.network:
             raise ChaosUnavailable("needs machines with their own network (run as root: network "
                                    "namespaces); this cluster shares loopback")
-        from stalwart.backends.netns import Machine
         d = self.network["self"] if machine_id is None else self.network["machines"].get(machine_id)
         if d is None:
             raise ChaosUnavailable(f"machine {machine_id} has no network of its own")

@@ -1,4 +1,4 @@
-"""Network faults on namespace machines (`stalwart.backends.netns.Machine`).
+"""Network faults on namespace machines (`stalwart.devices.netns.Machine`).
 
 - NIC faults: ``ip link set <ifname> down|up`` inside the machine's namespace.
 - Slow links: a ``tc tbf`` qdisc on both ends of the machine's veth (the inside end
@@ -22,7 +22,7 @@ import subprocess
 import time
 from typing import Sequence
 
-from stalwart.backends.netns import Machine
+from stalwart.devices.netns import Machine
 
 _TIMEOUT_S = 10.0
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parsers(sub)
     views.add_parsers(sub)
     logs.add_parsers(sub)
-    from stalwart.backends.commands import add_commands
-    add_commands(sub)        # stalwart slurm …, stalwart k8s …
+    from stalwart.cli import k8s, slurm
+    slurm.add_parsers(sub)   # stalwart slurm …
+    k8s.add_parsers(sub)     # stalwart k8s …
     from stalwart.sim.command import add_commands as add_sim
     add_sim(sub)             # stalwart sim, stalwart whatif
     c = sub.add_parser("completion", help="print the shell completion script (bash or zsh)",

@@ -36,7 +36,7 @@ def cmd_controller(a) -> int:
     if auth.loose_permissions(token_path):
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
-    from stalwart.backends.base import load as load_backend
+    from stalwart.backends.config import load as load_backend
     from stalwart.controller.channel import raise_open_files
     raise_open_files()
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart

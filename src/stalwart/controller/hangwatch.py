@@ -7,7 +7,7 @@ The controller feeds a :class:`HangWatch` per run:
 
 * ``on_step(rank, step, t)`` when a rank reports a finished step through the SDK;
 * ``on_activity(rank, t)`` when the agent sees a worker make progress without the SDK
-  (its CPU time or its log file grew outside a collective, see :func:`progressed`);
+  (its CPU time or its log file grew outside a collective, see :func:`stalwart.analyzer.activity.progressed`);
 * ``on_collectives(rank, count, t)`` for a rank without the SDK: how many collectives it has
   entered (its flight recorder, sampled by the agent), when that grew.
 
@@ -34,11 +34,12 @@ calibrate on: their collectives stand in for steps. Once such a rank has entered
 more than ``hang_warmup_steps`` times, the intervals between those marks calibrate the timeout
 exactly as step intervals do; without a flight recorder (no marks) the uncalibrated timeout stays.
 Their activity counts at all times, because the agent counts CPU time only outside a collective (a
-rank spinning inside a stuck one shows no progress, see :func:`progressed`). And they are judged
-together: a rank waiting inside a collective may be waiting for another rank that computes, so
-step-less ranks are stalled only when none of them has progressed within the timeout (a data-
-parallel job stops as a whole when one rank stops; which rank it was is the flight recorder's and
-the stacks' business, not this timer's).
+rank spinning inside a stuck one shows no progress, see
+:func:`stalwart.analyzer.activity.progressed`). And they are judged together: a rank waiting
+inside a collective may be waiting for another rank that computes, so step-less ranks are stalled
+only when none of them has progressed within the timeout (a data-parallel job stops as a whole
+when one rank stops; which rank it was is the flight recorder's and the stacks' business, not
+this timer's).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class HangWatch:
 
     def on_activity(self, rank: int, t: float) -> None:
         """Rank ``rank`` showed progress other than a step report at ``t`` (CPU time or log
-        growth, as judged by :func:`progressed`)."""
+        growth, as judged by :func:`stalwart.analyzer.activity.progressed`)."""
         rank, t = _rank(rank), _time("t", t)
         st = self._touch(rank, t)
         if st.activity_t is None or t > st.activity_t:
@@ -350,38 +351,6 @@ class HangWatch:
             last_step=dict(sorted(last_step.items())), waiting_step=None if top is None else top + 1,
             laggards=laggards, calibrated=self._calibrated, reason=reason)
         return self._latched
-
-
-# ------------------------------------------------------------------- non-SDK path
-@dataclass(frozen=True)
-class ActivitySample:
-    """What the agent samples per worker without the SDK: cumulative CPU seconds of the
-    worker and its children, the size of its log files in bytes, and from its flight recorder
-    (None/False without one) how many collectives it has entered and whether it is inside one."""
-
-    cpu_s: float
-    log_bytes: int
-    collectives: int | None = None
-    in_collective: bool = False
-
-
-def progressed(prev: ActivitySample | None, cur: ActivitySample, min_cpu_s: float = 0.05) -> bool:
-    """Whether a worker made progress between two samples: it entered a new collective; or,
-    outside a collective, its log grew or it used at least ``min_cpu_s`` more CPU.  Inside a
-    collective CPU time and log lines prove nothing (NCCL's wait spins, a watchdog thread
-    prints).  A log that shrank (rotated) counts as growth; the first sample (``prev`` None)
-    is progress."""
-    if not isinstance(cur, ActivitySample) or (prev is not None and not isinstance(prev, ActivitySample)):
-        raise ValueError("progressed needs ActivitySample values")
-    if not min_cpu_s >= 0:
-        raise ValueError(f"min_cpu_s must be >= 0 (got {min_cpu_s!r})")
-    if prev is None:
-        return True
-    if cur.collectives is not None and (prev.collectives is None or cur.collectives > prev.collectives):
-        return True
-    if cur.in_collective:
-        return False
-    return cur.log_bytes != prev.log_bytes or cur.cpu_s - prev.cpu_s >= min_cpu_s
 
 
 # -------------------------------------------------------------------- anomalies

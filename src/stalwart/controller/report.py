@@ -84,9 +84,3 @@ def build_report(store: Store, job_id: int, now: float | None = None,
 
 def _public_state(state: str) -> str:
     return state if state in ("succeeded", "failed", "cancelled") else "running"
-
-
-def render_html(rep: dict, series: dict | None = None) -> str:
-    """The HTML report (kept here for callers of the old name; the page is built by report_html)."""
-    from stalwart.report_html import render
-    return render(rep, series)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from stalwart.agent.probes.simgpu import default_device, fatal_line, slowdown_factor
+from stalwart.devices.simgpu import default_device, fatal_line, slowdown_factor
 
 
 class SimGpuView:

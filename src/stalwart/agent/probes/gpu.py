@@ -32,7 +32,7 @@ import os
 from typing import Any, Protocol
 
 from stalwart.agent.probes.base import Debounce, HealthEvent, Probe
-from stalwart.agent.probes.simgpu import SLOW_THROTTLE_REASONS, THROTTLE_REASONS, SimGpu, default_device
+from stalwart.devices.simgpu import SLOW_THROTTLE_REASONS, THROTTLE_REASONS, SimGpu, default_device
 
 FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 92, 94, 95, 119, 120, 140, 154})
 THERMAL_REASONS = frozenset({"sw_thermal_slowdown", "hw_thermal_slowdown"})
