@@ -288,6 +288,10 @@ class Sim:
             return                  # a dead machine says nothing; a finished submission hears nothing
         self.deliver(AgentEvent(machine=machine, event=ev))
 
+    def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None:
+        for machine, ev in items:
+            self.agent_event(machine, ev, seg)
+
     def machine_lost(self, machine: str, seg: int) -> None:
         if self.seg is not None and self.seg.index == seg:
             self.deliver(MachineLost(machine=machine))
