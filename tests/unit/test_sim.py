@@ -127,7 +127,8 @@ def test_standby_auto_sizes_the_pool_in_the_simulator_and_in_a_core_job():
     assert sim.warm_standbys == p99_standbys(1200, 0.0012) == 5 and sim.standbys == 8
     sim.run()
     assert len(sim.st.pool.standby) == 8 and len(sim.cluster.free()) == 0
-    assert Sim(Config(days=0.01), peers.POLICIES["stalwart-no-standby"], load("paper"), Model(), [], seed=1).standbys == 0
+    bare = Sim(Config(days=0.01), peers.POLICIES["stalwart-no-standby"], load("paper"), Model(), [], seed=1)
+    assert bare.standbys == 0
     # a job of the controller's core (corekit): 64 machines at 5% per day
     h = Harness(machines=64, gpus=1, standby="auto", spare=20, policy={"daily_failure_rate": 0.05})
     want = p99_standbys(64, 0.05)

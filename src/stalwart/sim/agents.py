@@ -55,6 +55,13 @@ class Agents:
         seg = self.sim.seg.index if self.sim.seg is not None else 0
         self.sim.later(delay, self.sim.agent_event, machine, ev, seg)
 
+    def send_all(self, delay: float, items: list[tuple[str, p.Event]]) -> None:
+        """Every machine's answer to one command, arriving together: one happening of the loop
+        (not one per machine), delivered to the core one event at a time in the machines' order."""
+        if items:
+            seg = self.sim.seg.index if self.sim.seg is not None else 0
+            self.sim.later(delay, self.sim.agent_events, items, seg)
+
     def tail(self, key: str) -> str:
         return TAILS.get(key, "") if self.sim.platform.log_tails else ""
 
@@ -71,10 +78,9 @@ class Agents:
             tr.freeze(sim.now)
             sim.later(0.0, sim.report_durable, tr)
         inv_at = tr.last_done(sim.now) if tr is not None and act.run == tr.run else None
-        for m in act.machines:
-            if sim.cluster.alive(m):
-                self.send(sim.profile.stop_s, m, p.Stopped(run=act.run, inventory=self.inventory(m, inv_at),
-                                                           t=sim.now + sim.profile.stop_s))
+        dt = sim.profile.stop_s
+        self.send_all(dt, [(m, p.Stopped(run=act.run, inventory=self.inventory(m, inv_at), t=sim.now + dt))
+                           for m in act.machines if sim.cluster.alive(m)])
 
     def inventory(self, machine: str, last: int | None) -> dict[str, dict[int, list[int]]]:
         """What `machine` holds in memory after the run's last step `last`: its own ranks' last
@@ -93,10 +99,9 @@ class Agents:
 
     def trace(self, act: a.TraceStacks) -> None:
         sim = self.sim
-        for m in act.machines:
-            if sim.cluster.alive(m):
-                self.send(sim.profile.trace_s, m, p.Stacks(run=act.run, records=self.stacks(m),
-                                                           t=sim.now + sim.profile.trace_s))
+        dt = sim.profile.trace_s
+        self.send_all(dt, [(m, p.Stacks(run=act.run, records=self.stacks(m), t=sim.now + dt))
+                           for m in act.machines if sim.cluster.alive(m)])
 
     def stacks(self, machine: str) -> list[dict]:
         """The machine's worker stack: a stuck machine sits in its collective, its pipeline peers in
@@ -121,6 +126,8 @@ class Agents:
 
     def checks(self, act: a.RunChecks) -> None:
         sim = self.sim
+        dt = sim.profile.checks_s
+        out: list[tuple[str, p.Event]] = []
         for m in act.machines:
             if not sim.cluster.alive(m):
                 continue
@@ -138,8 +145,8 @@ class Agents:
                     fail = bad == c
                     results.append({"check": c, "ok": not fail, "detail": "failed" if fail else "ok",
                                     "measure": {"gflops": 100.0} if c == "selftest" else {}})
-            self.send(sim.profile.checks_s, m, p.DiagResult(id=act.name, results=results,
-                                                             t=sim.now + sim.profile.checks_s))
+            out.append((m, p.DiagResult(id=act.name, results=results, t=sim.now + dt)))
+        self.send_all(dt, out)
 
     def caught(self, machine: str, checks: list[str]) -> str | None:
         """Which check a faulty machine fails, if it is caught (each fault draws its own luck)."""
@@ -188,8 +195,7 @@ class Agents:
                                                   t=sim.now + dt))
 
     def spares(self, act: a.PrepareSpares) -> None:
-        for m in act.machines:
-            self.send(self.sim.profile.spares_s, m, p.SparesReady(key=act.code_path))
+        self.send_all(self.sim.profile.spares_s, [(m, p.SparesReady(key=act.code_path)) for m in act.machines])
 
     # -- faults showing ---------------------------------------------------------------------------
     def manifest(self, f: Fault, machines: list[str]) -> None:

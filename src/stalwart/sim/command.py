@@ -39,6 +39,9 @@ def add_commands(sub: Any) -> None:
                                       "YAML/JSON file (default: the dense job's three streams alone)")
     s.add_argument("--profile", help="durations: paper | measured | a profile JSON file (default: the "
                                      "scenario's, else paper)")
+    s.add_argument("--rates-of-gpus", type=int, metavar="GPUS",
+                   help="a smaller simulated job that sees, per hour, the machine failures of a GPUS-GPU job "
+                        "(per-machine rates scaled by GPUS / --gpus): the same incidents at a fraction of the cost")
     s.add_argument("--seeds", type=int, default=1, help="traces to run (seeds 1..N); mean and spread")
     s.add_argument("--seed", type=int, default=1, help="the first seed (default 1)")
     s.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -92,10 +95,23 @@ def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platfor
         if not eq:
             raise ValueError(f"--set wants KEY=VALUE (got {kv!r})")
         model.set(key.strip(), value.strip())
+    rates_of = getattr(a, "rates_of_gpus", None)
+    if rates_of is not None:
+        if rates_of < a.gpus:
+            raise ValueError(f"--rates-of-gpus ({rates_of}) must be at least --gpus ({a.gpus})")
+        model = scale(model, rates_of / a.gpus)
     for path in (a.json if a.json != "-" else None, a.plot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"cannot write {path}: no such directory")
     return cfg, model, peers.parse(a.policies)
+
+
+def scale(model: "Model", k: float) -> "Model":
+    """The model with its per-machine rates k times higher: a job of 1/k the machines then sees the
+    incidents per hour of the full-size one (job-wide streams, durations and shares unchanged)."""
+    import msgspec
+    return msgspec.structs.replace(model, daily_rate=model.daily_rate * k,
+                                   sdc_per_machine_day=model.sdc_per_machine_day * k)
 
 
 def one(cfg: "Config", model: "Model", profile_name: str, policy: str, seed: int) -> dict:
@@ -164,9 +180,10 @@ def main(a: argparse.Namespace) -> int:
     user = _cpu() - cpu0
     agg = results.aggregate(runs)
     out = sys.stderr if a.json == "-" else sys.stdout       # (stdout holds the JSON alone then)
+    rates = f" (failure rates of {a.rates_of_gpus} GPUs)" if a.rates_of_gpus else ""
     print(f"stalwart sim: {cfg.gpus} GPUs ({cfg.machines} machines x {cfg.gpus_per_machine}), {a.days:g} days, "
-          f"scenario {a.scenario or '(default)'}, profile {a.profile}, {a.seeds} seed(s), step {cfg.step_s:g} s, "
-          f"durable checkpoint every {cfg.durable_every_s:g} s", file=out)
+          f"scenario {a.scenario or '(default)'}{rates}, profile {a.profile}, {a.seeds} seed(s), "
+          f"step {cfg.step_s:g} s, durable checkpoint every {cfg.durable_every_s:g} s", file=out)
     print(results.table(agg), file=out)
     print(results.mechanisms_table(agg), file=out)
     for r in runs if a.whatif else []:
@@ -183,7 +200,9 @@ def main(a: argparse.Namespace) -> int:
           f"seed {slowest['seed']})", file=out)
     if a.json:
         with (open(a.json, "w") if a.json != "-" else contextlib.nullcontext(sys.stdout)) as f:
-            json.dump(results.json_doc(cfg, a.profile, agg, runs, runtime, round(user, 2)), f, indent=1)
+            doc = results.json_doc(cfg, a.profile, agg, runs, runtime, round(user, 2))
+            doc.update(scenario=a.scenario, rates_of_gpus=a.rates_of_gpus)
+            json.dump(doc, f, indent=1)
             f.write("\n")
     if a.plot:
         with open(a.plot, "w") as f:

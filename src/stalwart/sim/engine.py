@@ -69,8 +69,16 @@ class Durations:
     def __init__(self, profile: Profile, model: Model, seed: int, clock: Callable[[], float]):
         self._profile, self._clock = profile, clock
         self._draw = {k: d.sampler() for k, d in model.durations.items()}
+        self._bound = {k: max(d.mean, d.max or 0.0) for k, d in model.durations.items()}
         self._rng = random.Random(f"{seed}/durations")
         self._last: dict[str, tuple[float, float]] = {}
+
+    def bound(self, name: str) -> float:
+        """The longest a duration usually takes (its distribution's max): what a timeout must allow."""
+        b = self._bound.get(name)
+        if b is not None:
+            return b
+        return EXTRA[name] if name in EXTRA else float(getattr(self._profile, name))
 
     def __getattr__(self, name: str) -> Any:
         draw = self.__dict__.get("_draw", {}).get(name)
@@ -85,7 +93,9 @@ class Durations:
         return last[1]
 
 
-EXTRA = {"storage_outage_s": 1800.0, "slow_replacement_s": 4 * 3600.0, "planned_s": 0.0, "user_fix_s": 5400.0}
+# durations a scenario may give beyond the profile's (`scenario.EXTRA_DURATIONS`), and their defaults
+EXTRA = {"storage_outage_s": 1800.0, "slow_replacement_s": 4 * 3600.0, "planned_s": 0.0, "user_fix_s": 5400.0,
+         "warmup_s": 0.0}
 
 
 class Sim:
@@ -151,9 +161,19 @@ class Sim:
     # -- the job ----------------------------------------------------------------------------------
     def _spec(self) -> JobSpec:
         cfg, plat, pr = self.cfg, self.platform, self.profile
-        policy: dict[str, Any] = {"hang_timeout_floor_s": pr.nccl_timeout_s if plat.nccl_hang else HANG_FLOOR_S,
-                                  "replay_timeout_s": max(90.0, 2 * pr.replay_phase_s),
-                                  "diag_timeout_s": max(10.0, pr.checks_s)}
+        # the hang watch's uncalibrated timeout (10 x its floor) must outlast a (re)start's longest
+        # time to the first step, or every slow start is taken for a hang
+        start_s = pr.bound("restart_s") + pr.bound("warmup_s") + pr.bound("durable_load_s")
+        floor = max(HANG_FLOOR_S, 1.05 * start_s / 10.0)
+        policy: dict[str, Any] = {"hang_timeout_floor_s": floor,
+                                  "replay_timeout_s": max(90.0, 2 * pr.bound("replay_phase_s")),
+                                  "diag_timeout_s": max(10.0, pr.bound("checks_s"))}
+        if plat.nccl_hang:
+            # a hang is seen when the collective times out (nccl_timeout_s: ByteRobust's 10 minutes of
+            # zero RDMA traffic, PyTorch's NCCL timeout), from the first step on: the hang watch's
+            # calibrated timeout (safety x step) and its warm-up one (10 x floor) are both that long
+            policy.update(hang_timeout_floor_s=max(floor, pr.nccl_timeout_s / 10.0),
+                          hang_safety_factor=max(1.0, pr.nccl_timeout_s / cfg.step_s))
         policy.update(plat.policy)
         policy["daily_failure_rate"] = self.model.daily_rate
         self.warm_standbys = 0
@@ -267,6 +287,10 @@ class Sim:
         if machine in self.cluster.dead_at or self.seg is None or self.seg.index != seg:
             return                  # a dead machine says nothing; a finished submission hears nothing
         self.deliver(AgentEvent(machine=machine, event=ev))
+
+    def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None:
+        for machine, ev in items:
+            self.agent_event(machine, ev, seg)
 
     def machine_lost(self, machine: str, seg: int) -> None:
         if self.seg is not None and self.seg.index == seg:
@@ -500,6 +524,7 @@ class Sim:
                     fo = max(fo, self.warm_at.get(m, self.now) - self.now + pr.restart_s)
         if new > self.warm_standbys:     # the shortfall beyond the warm pool is rescheduled: pods built
             fo = max(fo, pr.provision_s + pr.restart_s)
+        fo += pr.warmup_s                    # to the first full-speed step (communicators, data, compilation)
         if self.storage_until > self.now:    # workers cannot load their data until storage is back
             fo = max(fo, self.storage_until - self.now + pr.restart_s)
         self.last_slots = list(act.slots)
@@ -638,6 +663,7 @@ class Sim:
     def finish(self, act: a.FinishJob) -> None:
         seg = self.seg
         assert seg is not None
+        running = self.training.version if self.training is not None else None
         self.freeze(self.now)
         for m in act.machines:
             self.cluster.assign(m, "idle")
@@ -656,10 +682,12 @@ class Sim:
             human = "standby machine(s) ready" not in reason
             if human:         # someone finds the bad machines and the bad code, then resubmits
                 sdc = any(f.kind == "nan" for f in self.bad.values())
-                user = bool(self.bugs.get(self.version))
+                user = bool(self.bugs.get(self.version) or (running is not None and self.bugs.get(running)))
                 delay = (pr.manual_sdc_s if sdc else pr.user_fix_s if user else pr.manual_s) + pr.requeue_s
                 drain = [m for m in act.machines if m in self.bad]
-                self.bugs[self.version] = None
+                for v in (self.version, running):      # the person fixes the code that failed
+                    if v is not None:
+                        self.bugs[v] = None
             else:             # the scheduler drains what the job wanted evicted and requeues it
                 delay = pr.requeue_s
                 inc = self.incidents[-1] if self.incidents else {}

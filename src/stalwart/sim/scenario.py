@@ -31,7 +31,7 @@ from stalwart.sim.profile import VALUE_FIELDS
 HERE = os.path.join(os.path.dirname(__file__), "scenarios")
 NAMES = ("bytedance-dense", "bytedance-moe", "llama3-16k")
 # durations a scenario may give beyond the profile's values
-EXTRA_DURATIONS = ("storage_outage_s", "slow_replacement_s", "planned_s", "user_fix_s")
+EXTRA_DURATIONS = ("storage_outage_s", "slow_replacement_s", "planned_s", "user_fix_s", "warmup_s")
 KINDS = ("gpu", "ecc", "gpu_lost", "disk", "network", "lost", "kernel", "crash", "oom", "io", "hang", "slow", "nan")
 
 
