@@ -120,7 +120,7 @@ class TraceDetector(BaseDetector):
                   f"{'; '.join(collectives)}")
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=ranks,
                                 group=group, score=round(score, 2), collectives=collectives, reason=reason)]
-        if not may_evict:
+        if not may_evict or st.incident is not None:       # (another incident's evidence is its own)
             return acts
         acts += self.incidents.open(st, "trace_outlier", now)
         inc = st.incident
