@@ -101,10 +101,10 @@ TRACE_AT = 100
 # without), and what they speed up (a restart) is not what this bench measures; the standbys stay
 # warm. Everything else is the default policy (heartbeats every 0.5 s, as in the tests).
 POLICY = {"failslow_period_s": 3.0, "warm_spares": False}
-# The trace detector, on: it learns from 5 s of traces after two 1.5 s windows of start-up (the slow
-# faults land at step 30, some 10 s into the run), and its alerts may evict (still only while the
-# job is slowed). Off: not even alerts.
-DETECTOR_POLICY = {"on": {"trace_detector": True, "trace_evict": True, "trace_train_s": 5.0,
+# The trace detector, on: it learns from 8 s of traces after two 1.5 s windows of start-up (faults
+# land at step TRACE_AT in a comparison), and its alerts may evict (still only while the job is
+# slowed). Off: not even alerts.
+DETECTOR_POLICY = {"on": {"trace_detector": True, "trace_evict": True, "trace_train_s": 8.0,
                           "trace_window_s": 1.5},
                    "off": {"trace_detector": False}}
 # Each step's forward and backward take at least 50 ms, as a GPU job's compute-bound steps do; the
