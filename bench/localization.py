@@ -2,7 +2,8 @@
 
     python bench/localization.py [--quick] [--kinds K1,K2] [--layouts dp,tp-dp,tp-pp-dp]
                                  [--positions first,middle,last] [--fault-free N] [--busy N]
-                                 [--before REF|none] [--parallel N] [--json FILE] [--keep DIR] [--list]
+                                 [--before REF|none] [--parallel N] [--detector on|off|both]
+                                 [--json FILE] [--keep DIR] [--list]
 
 Every chaos kind that can run on this host x fault position (the first, middle and last machine;
 in the 3D layout the first and middle machines are pipeline stage 0, the last is stage 1) x
@@ -38,6 +39,9 @@ TP x DP layout, where a round's stacks can flag a single machine's TP group). Th
 (171 cases) runs two cases at a time by default (`--parallel 2`: 52 minutes on a quiet 2-core
 host, measured: both cores busy throughout; one at a time, for undisturbed timings, takes longer).
 `--json FILE` writes every case and the summary.
+`--detector on|off|both` runs the cases with the trace detector off (the default here), on (its
+alerts may evict while the job is slowed; `DETECTOR_POLICY`), or both, and prints a table for each
+and the detector's own figures: time to its first right alert, recall, precision, fault-free alerts.
 Timings are noisy on a busy host; the correctness figures are not allowed to be.
 """
 from __future__ import annotations
@@ -86,6 +90,10 @@ class Kind:
 # A mild slowdown is measured against 20 healthy steps before the recent 5 (the fail-slow
 # detector's baseline): slow faults land at step SLOW_AT, and the job still runs when the rounds end.
 SLOW_AT, SLOW_STEPS = 30, 250
+# With the trace detector compared (`--detector on|both`), every fault of every case (detector on or
+# off) lands at step TRACE_AT of SLOW_STEPS: the detector must have learned the healthy traces first
+# (some 8 s of them), and step 30 comes 4-5 s after the first step on a quiet host.
+TRACE_AT = 100
 # Fail-slow rounds every 3 s, not 10 (the default): five rounds fit in a short job, and the matrix
 # in an hour. No warm spare workers: on this host every simulated machine's spares (and warm
 # checkers) start on the same two cores as the training, a fault at step 12 finds them still
@@ -93,6 +101,12 @@ SLOW_AT, SLOW_STEPS = 30, 250
 # without), and what they speed up (a restart) is not what this bench measures; the standbys stay
 # warm. Everything else is the default policy (heartbeats every 0.5 s, as in the tests).
 POLICY = {"failslow_period_s": 3.0, "warm_spares": False}
+# The trace detector, on: it learns from 8 s of traces after two 1.5 s windows of start-up (faults
+# land at step TRACE_AT in a comparison), and its alerts may evict (still only while the job is
+# slowed). Off: not even alerts.
+DETECTOR_POLICY = {"on": {"trace_detector": True, "trace_evict": True, "trace_train_s": 8.0,
+                          "trace_window_s": 1.5},
+                   "off": {"trace_detector": False}}
 # Each step's forward and backward take at least 50 ms, as a GPU job's compute-bound steps do; the
 # 2-layer model alone computes ~20 ms, within a busy host's scheduling noise, where a throttled
 # GPU's extra time would hide.
@@ -137,10 +151,13 @@ class Case:
     layout: str
     position: str              # first | middle | last | a fault-free run's number
     code: str = "now"          # "now" or the git ref of the peer
+    detector: str = "off"      # the trace detector: "on" (it may evict) or "off"
+    late: bool = False         # the fault lands at step TRACE_AT of SLOW_STEPS (detector comparisons)
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {self.layout} {self.position}" + ("" if self.code == "now" else f" [{self.code}]")
+        return (f"{self.kind} {self.layout} {self.position}" + ("" if self.code == "now" else f" [{self.code}]")
+                + (" [detector]" if self.detector == "on" else ""))
 
 
 FAULT_FREE = ("fault-free", "fault-free-busy")
@@ -159,7 +176,7 @@ def chaos_text(case: Case) -> str | None:
     if kind.culprit == "link":
         params["peer"] = str((m + 1) % LAYOUTS[case.layout]["machines"])
     extra = "".join(f",{k}={v}" for k, v in params.items())
-    return f"{kind.chaos}@step={kind.at or FAULT_STEP},machine={m}{extra}"
+    return f"{kind.chaos}@step={TRACE_AT if case.late else kind.at or FAULT_STEP},machine={m}{extra}"
 
 
 def culprits(case: Case) -> list[int]:
@@ -226,6 +243,14 @@ def score(case: Case, raw: dict) -> dict:
         out["culprit_in"] = out["within_group"] = None
         out["evicted_nothing"] = not evicted_ids
     out["causes"] = [f"{i['symptom']}/{i['mechanism']}: {i['cause']}" for i in incidents]
+    out["detector"] = case.detector
+    alerts = raw.get("alerts") or []
+    ids = {f"m{i}" for i in blame}
+    out["alerts"] = len(alerts)
+    out["alerts_right"] = sum(1 for al in alerts if set(al["machines"]) & ids)
+    hit = next((al for al in alerts if set(al["machines"]) & ids), None)
+    out["alert_hit"] = bool(hit) if blame else None
+    out["alert_s"] = round(hit["t"] - inj, 3) if hit and inj is not None else None
     return out
 
 
@@ -254,8 +279,24 @@ def summarize(rows: list[dict]) -> dict:
             "localize_s": _med_max([r["localize_s"] for r in rs]),
             "finished": sum(1 for r in rs if r["finished"]),
             "false_evictions": sum(len(r["evicted"]) for r in rs) if kind in FAULT_FREE else None,
+            "alert_s": _med_max([r.get("alert_s") for r in rs]),
+            "recall": _pct([bool(r.get("alert_hit")) for r in rs if r.get("alert_hit") is not None]),
+            "precision": (_pct([True] * sum(r.get("alerts_right", 0) for r in rs)
+                               + [False] * sum(r.get("alerts", 0) - r.get("alerts_right", 0) for r in rs))),
+            "alerts": sum(r.get("alerts", 0) for r in rs),
         }
     return out
+
+
+def detector_table(summary: dict) -> str:
+    """The trace detector's own figures: time to its first right alert, recall (faulty runs whose
+    culprit an alert named), precision (alerts that named a culprit), and alerts on fault-free runs."""
+    head = f"{'kind':<15} {'runs':>4}  {'alert s med/max':>15}  {'recall':>6}  {'precision':>9}  {'alerts':>6}"
+    lines = [head, "-" * len(head)]
+    for kind, s in summary.items():
+        lines.append(f"{kind:<15} {s['runs']:>4}  {s['alert_s']:>15}  {s['recall']:>6}  {s['precision']:>9}  "
+                     f"{s['alerts']:>6}")
+    return "\n".join(lines)
 
 
 def table(summary: dict) -> str:
@@ -274,11 +315,12 @@ def table(summary: dict) -> str:
 
 
 def select(kinds: list[str], layouts: list[str], positions: list[str], fault_free: int, busy: int = 0,
-           busy_layouts: list[str] | None = None) -> list[Case]:
+           busy_layouts: list[str] | None = None, detectors: tuple[str, ...] = ("off",)) -> list[Case]:
     cases = [Case(k, lay, pos) for lay in layouts for k in kinds for pos in positions]
     cases += [Case("fault-free", lay, str(i + 1)) for lay in layouts for i in range(fault_free)]
     cases += [Case("fault-free-busy", lay, str(i + 1)) for lay in (busy_layouts or layouts) for i in range(busy)]
-    return cases
+    late = "on" in detectors
+    return [dataclasses.replace(c, detector=d, late=late) for d in detectors for c in cases]
 
 
 def busy_host() -> list[subprocess.Popen]:
@@ -298,11 +340,13 @@ def run_one(case: Case, state_dir: str) -> dict:
     lay = LAYOUTS[case.layout]
     steps = (BY_NAME[case.kind].steps if case.kind in BY_NAME else SLOW_STEPS if case.kind == "fault-free-busy"
              else 0) or STEPS
+    if case.late:
+        steps = SLOW_STEPS
     spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=steps, tp=lay["tp"], pp=lay["pp"],
                     dp=lay["dp"], standby=lay["standby"])
     # (the peer's policy may predate a key: it runs with the keys it knows)
     known = {f.name for f in dataclasses.fields(Policy)}
-    spec["policy"].update({k: v for k, v in POLICY.items() if k in known})
+    spec["policy"].update({k: v for k, v in {**POLICY, **DETECTOR_POLICY[case.detector]}.items() if k in known})
     spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S), "--batch", str(lay["batch"])]
     text = chaos_text(case)
     if text:
@@ -312,7 +356,8 @@ def run_one(case: Case, state_dir: str) -> dict:
 
     def during(client, job, st) -> None:
         # the host gets busy once the job has its healthy pace (as when other work starts beside it)
-        if case.kind == "fault-free-busy" and not hogs and (st.get("live") or {}).get("step", 0) >= SLOW_AT:
+        if case.kind == "fault-free-busy" and not hogs and (st.get("live") or {}).get("step", 0) >= (
+                TRACE_AT if case.late else SLOW_AT):
             hogs.extend(busy_host())
     try:
         rep = run_job(state_dir, spec, timeout=CASE_TIMEOUT_S, during=during)
@@ -330,8 +375,11 @@ def run_one(case: Case, state_dir: str) -> dict:
             raw["incidents"].append({k: inc[k] for k in ("symptom", "mechanism", "evicted", "cause", "detected_at",
                                                          "localized_at")} | {"run": inc["run_seq"]})
         raw["run_machines"] = {str(r["seq"]): r["machines"] for r in store.runs(1)}
-        applied = [e["t"] for e in store.events(1) if e["kind"] == "chaos_applied"]
+        evs = store.events(1)
+        applied = [e["t"] for e in evs if e["kind"] == "chaos_applied"]
         raw["injected_at"] = min(applied) if applied else None
+        raw["alerts"] = [{"t": e["t"], "machines": (e.get("data") or {}).get("machines", [])}
+                         for e in evs if e["kind"] == "trace_suspect"]
     finally:
         store.close()
     return raw
@@ -428,6 +476,9 @@ def main(argv: list[str]) -> int:
                          "but loads the host: noisier times)")
     ap.add_argument("--json", help="write every case and the summary here")
     ap.add_argument("--keep", help="keep each case's state dir under this directory")
+    ap.add_argument("--detector", choices=("on", "off", "both"), default="off",
+                    help="the trace detector: on (alerts, and evictions while the job is slowed), off "
+                         "(default), or both: every case once each way, side by side")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--state-dir", help=argparse.SUPPRESS)
@@ -461,12 +512,14 @@ def main(argv: list[str]) -> int:
         print(f"not root: skipping {', '.join(skipped)} (network namespaces, tc, nftables, cgroups need root)")
     kinds = [k for k in kinds if k not in skipped]
     cases = select(kinds, layouts, positions, 2 if a.fault_free is None else a.fault_free,
-                   1 if a.busy is None else a.busy, ["tp-dp"] if a.quick and not a.layouts else None)
+                   1 if a.busy is None else a.busy, ["tp-dp"] if a.quick and not a.layouts else None,
+                   ("off", "on") if a.detector == "both" else (a.detector,))
     before = a.before or (START_OF_ISSUE_17 if a.quick else "none")
     peer_cases = []
     if before != "none":
         peer_kinds = [k for k in kinds if k in ISSUE_17_KINDS] if a.quick else kinds
-        peer_cases = [Case(c.kind, c.layout, c.position, code=before) for c in cases if c.kind in peer_kinds]
+        peer_cases = [Case(c.kind, c.layout, c.position, code=before) for c in cases
+                      if c.kind in peer_kinds and c.detector == "off"]
     if a.list:
         for c in cases + peer_cases:
             print(c.label, "|", chaos_text(c) or "no fault")
@@ -499,7 +552,12 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     now_rows = [r for r in run.rows if r["code"] == "now"]
     summary = summarize(now_rows)
-    print("\n" + table(summary))
+    by_detector = {d: summarize([r for r in now_rows if r["detector"] == d]) for d in ("off", "on")}
+    for d, summ in by_detector.items():
+        if summ:
+            print(f"\ntrace detector {d}\n" + table(summ))
+    if by_detector["on"]:
+        print("\ntrace detector on: its alerts\n" + detector_table(by_detector["on"]))
     peer = summarize([r for r in run.rows if r["code"] != "now"])
     if peer:
         print(f"\nthe peer: stalwart before issue 17 ({before}), same cases\n" + table(peer))
@@ -508,7 +566,8 @@ def main(argv: list[str]) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"fault_step": FAULT_STEP, "steps": STEPS, "layouts": LAYOUTS, "cases": run.rows,
-                       "summary": summary, "peer": {"code": before, "summary": peer} if peer else None,
+                       "summary": summary, "by_detector": by_detector,
+                       "peer": {"code": before, "summary": peer} if peer else None,
                        "mechanisms": {k.name: k.mechanism for k in KINDS}}, f, indent=1)
     ok = all(r["finished"] for r in now_rows) and not any(r["evicted"] for r in now_rows if r["kind"] in FAULT_FREE)
     return 0 if ok else 1

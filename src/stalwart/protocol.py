@@ -417,9 +417,8 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
 
 
 class TraceOp(msgspec.Struct, array_like=True, frozen=True):
-    """One collective a rank entered, from its flight recorder (worker/frhook.py `trace_ops`):
-    kind (``gloo:all_reduce``), group name and description, duration and bytes where recorded,
-    milliseconds since the rank entered its previous collective, and the recorder's id."""
+    """A collective a rank entered (worker/frhook.py `Tracer`): kind, group name and description,
+    ms taken and bytes where recorded, ms since its previous one, the recorder's id."""
     kind: str
     group: str
     desc: str
@@ -433,7 +432,7 @@ class Activity(_Msg, tag="activity", kw_only=True):
     """Progress the agent saw in its workers without step reports (agent/progress.py): `ranks` used
     CPU (or wrote to their log) outside a collective since the last sample; `collectives` is, per
     rank without the SDK, how many collectives it has entered (its flight recorder), when that grew;
-    `traces`, per rank, the collectives it entered since the last sample (sampled: the newest)."""
+    `traces`, per rank, the collectives entered since the last sample (the newest, at most 128)."""
     run: int | None = None
     ranks: list[int] = []
     collectives: dict[int, int] = {}

@@ -103,3 +103,21 @@ def test_busy_host_runs_are_fault_free_runs_that_must_not_evict():
     cases = bench.select(["crash"], ["dp"], ["middle"], 1, busy=1, busy_layouts=["tp-dp"])
     assert [c.label for c in cases] == ["crash dp middle", "fault-free dp 1", "fault-free-busy tp-dp 1"]
     assert bench.chaos_text(cases[-1]) is None
+
+
+def test_the_trace_detector_is_compared_on_late_faults_and_scored_on_its_alerts():
+    cases = bench.select(["gpu-hot"], ["dp"], ["middle"], 1, 0, detectors=("off", "on"))
+    assert [(c.kind, c.detector, c.late) for c in cases] == [
+        ("gpu-hot", "off", True), ("fault-free", "off", True), ("gpu-hot", "on", True), ("fault-free", "on", True)]
+    assert bench.chaos_text(cases[2]) == f"gpu-hot@step={bench.TRACE_AT},machine=1"
+    assert cases[2].label.endswith("[detector]") and cases[0].label != cases[2].label
+    assert [c.late for c in bench.select(["gpu-hot"], ["dp"], ["middle"], 0)] == [False]
+    runs = {1: ["m0", "m1", "m2", "m3"]}
+    raw = outcome([], runs) | {"alerts": [{"t": 104.0, "machines": ["m2"]}, {"t": 109.0, "machines": ["m1"]}]}
+    row = bench.score(cases[2], raw)
+    assert (row["alerts"], row["alerts_right"], row["alert_hit"], row["alert_s"]) == (2, 1, True, 9.0)
+    ff = bench.score(cases[3], outcome([], runs) | {"alerts": [{"t": 101.0, "machines": ["m0"]}]})
+    summary = bench.summarize([row, ff])
+    assert (summary["gpu-hot"]["recall"], summary["gpu-hot"]["precision"]) == ("100%", "50%")
+    assert (summary["fault-free"]["alerts"], summary["fault-free"]["recall"]) == (1, "-")
+    assert "precision" in bench.detector_table(summary)

@@ -102,7 +102,7 @@ def started(**policy) -> Harness:
     return h
 
 
-def feed(h: Harness, seconds: float, fault: Fault | None = None, seed: int = 0, step_s: float = 0.5) -> list:
+def feed(h: Harness, seconds: float, fault: Fault | None = None, seed: int = 0, step_s: float = 1.0) -> list:
     """`seconds` of synthetic traces and steps; each second one activity event per machine."""
     ops = synth(h.world, int(seconds / 0.012) + 1, seed=seed, fault=fault, durations=False, t0=h.now)
     out: list = []
@@ -137,8 +137,8 @@ def test_the_core_learns_then_names_a_slow_machine_without_evicting():
 
 def test_an_alert_evicts_only_when_allowed_and_the_job_is_slowed():
     h = started(trace_evict=True)
-    feed(h, 9)
-    acts = feed(h, 4, fault=Fault("slow-compute", rank=2, factor=2.5), seed=1)
+    feed(h, 9, step_s=0.5)
+    acts = feed(h, 4, fault=Fault("slow-compute", rank=2, factor=2.5), seed=1, step_s=0.5)
     assert records(acts, "trace_suspect") and not of(acts, a.OpenIncident)      # not slowed: no eviction
     acts = feed(h, 6, fault=Fault("slow-compute", rank=2, factor=2.5), seed=2, step_s=1.0)
     [inc] = of(acts, a.OpenIncident)

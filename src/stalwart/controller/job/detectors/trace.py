@@ -7,8 +7,9 @@ later runs (the same layout: the same peers). Every `trace_window_s` each rank's
 a rank abnormal in TRACE_STREAK windows in a row raises an implicit alert (`trace_suspect`)
 naming its machine, the parallel group the abnormal ranks share, and the collectives that look
 abnormal. As the paper's rule asks, an eviction must be explained: the alert evicts only with
-`trace_evict` on, while the job is slowed (its recent steps slower than the healthy pace by the
-fail-slow drop), when the machines named are at most half the job and standbys are ready for them;
+`trace_evict` on, when the ranks stayed abnormal TRACE_EVICT_STREAK windows in a row, while the job
+is slowed (its recent steps slower than the healthy pace by the fail-slow drop), when the machines
+named are at most half the job and standbys are ready for them;
 otherwise it only alerts, at most once per TRACE_REALERT_S per machine (an alert that may evict is
 raised whenever the rank stays abnormal).
 """
@@ -23,6 +24,7 @@ from stalwart.controller.job.flows.base import record, save_data
 from stalwart.controller.job.state import JobPhase, JobState
 
 TRACE_STREAK = 2            # abnormal windows in a row before a rank is named
+TRACE_EVICT_STREAK = 4      # ... and before an alert may evict (a busy host's stall passes sooner)
 TRACE_REALERT_S = 60.0      # a machine is named again at most this often
 MIN_TRAIN_WINDOWS = 3       # windows the model needs before it judges
 RECENT_N = 5                # the recent steps that tell whether the job is slowed
@@ -102,7 +104,8 @@ class TraceDetector(BaseDetector):
         ranks = sorted(abnormal)
         machines = [st.slots[i] for i in topo.machines_of(ranks)]
         fresh = [m for m in machines if now - tw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]
-        may_evict = self._why_not_evict(st, machines) is None
+        steady = min(tw.streak[r] for r in ranks) >= TRACE_EVICT_STREAK
+        may_evict = steady and self._why_not_evict(st, machines) is None
         if not fresh and not may_evict:
             return []
         for m in machines:
@@ -117,7 +120,7 @@ class TraceDetector(BaseDetector):
                   f"{'; '.join(collectives)}")
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=ranks,
                                 group=group, score=round(score, 2), collectives=collectives, reason=reason)]
-        if not may_evict:
+        if not may_evict or st.incident is not None:       # (another incident's evidence is its own)
             return acts
         acts += self.incidents.open(st, "trace_outlier", now)
         inc = st.incident
