@@ -41,10 +41,15 @@ def cmd_controller(a) -> int:
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
     # whatever --state-dir said, and a controller started elsewhere died on a traceback)
     db = a.db or statedir.db_url(a.state_dir)
+    if a.lease is not None and a.abandon_running:
+        raise UserError("--lease and --abandon-running exclude each other: a standby takes jobs over")
+    if a.lease is not None:
+        logging.getLogger("stalwart").info("waiting for the lease on %s (a standby until it is free)", db)
     try:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
-                         backend=load_backend(a.backend) if a.backend else None)
+                         backend=load_backend(a.backend) if a.backend else None,
+                         lease=a.lease, url=a.advertise, on_lease_lost=_lease_lost)
     except sa_exc.OperationalError as e:
         raise UserError(f"cannot open the database {db}: {e.orig}") from None
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
@@ -79,8 +84,19 @@ def cmd_controller(a) -> int:
     os._exit(0)
 
 
+def _lease_lost(why: str) -> None:
+    """Another controller took the lease: this one stops acting at once (nothing more is
+    committed or sent) and exits with a code of its own, for its supervisor to read."""
+    from stalwart.controller.lease import EXIT_LEASE_LOST
+    logging.getLogger("stalwart").error("lost the lease: %s; exiting (code %d)", why, EXIT_LEASE_LOST)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(EXIT_LEASE_LOST)
+
+
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
+    from stalwart.agent.workdir import WorkdirInUse
     from stalwart.agent.probeset import ProbeSetupError
     setup_logging(a.log_level)
     try:
@@ -90,16 +106,19 @@ def cmd_agent(a) -> int:
     if token is None:
         raise UserError(f"the agent needs the controller's token: --token-file FILE or ${auth.TOKEN_ENV} "
                         f"(the controller keeps it in <its state dir>/{auth.TOKEN_FILE})")
+    urls = [u.strip() for u in a.controller.split(",") if u.strip()]
+    if not urls:
+        raise UserError("--controller needs a URL (or several, comma-separated)")
     try:
-        client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
+        client = Client(urls[0], timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     try:
         agent = Agent(client, a.machine_id, a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id),
                       address=a.address, gpus=a.gpus, heartbeat_s=a.heartbeat, network_file=a.network_file,
                       kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
-                      shared_host=a.shared_host)
-    except ProbeSetupError as e:
+                      shared_host=a.shared_host, controllers=urls)
+    except (ProbeSetupError, WorkdirInUse) as e:
         raise UserError(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
@@ -129,10 +148,16 @@ def add_parsers(sub) -> None:
                         "(their machines are gone: a fresh local cluster)")
     c.add_argument("--backend", metavar="CONFIG", help="the cluster's backend (JSON: slurm, kubernetes)")
     c.add_argument("--advertise", help="host the agents reach this controller at (in controller.json)")
+    c.add_argument("--lease", nargs="?", const="", metavar="NAME",
+                   help="several controllers share this database (PostgreSQL): the one holding the lease acts, "
+                        "the others wait as standbys and take over within seconds of its silence (NAME: "
+                        "this controller's name in the lease; default host:pid). A controller that lost "
+                        "the lease exits with code 75")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")
-    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420")
+    g.add_argument("--controller", required=True, help="controller URL, e.g. http://10.0.0.1:7420; several "
+                   "comma-separated (an active controller and its standbys): the agent follows whichever answers")
     g.add_argument("--machine-id", required=True)
     g.add_argument("--workdir")
     g.add_argument("--address", default="127.0.0.1")

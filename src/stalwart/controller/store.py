@@ -45,6 +45,8 @@ BOUNDED_WAIT_S = 10.0      # an API request waits this long for the store, then 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
 STALL_S = 3.0              # a write pending this long counts as an outage (health answers 503)
 SQLITE_BUSY_S = 1.0        # SQLite's own wait on a lock before an attempt fails (then: backoff)
+PG_IDLE_TX_MS = 5000       # PostgreSQL ends a session idle this long inside a transaction
+PG_LOCK_MS = 5000          # ... and fails a statement waiting this long for a lock
 
 META = sa.MetaData()
 
@@ -214,6 +216,11 @@ class Store:
             private_file(path)
         if url.startswith("sqlite"):
             kw["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_S}
+        elif url.startswith("postgresql"):
+            # a controller paused or cut off inside a transaction must not hold its row locks (the
+            # lease's) for good: the server ends such a session, and a wait for a lock fails (retried)
+            kw["connect_args"] = {"options": f"-c idle_in_transaction_session_timeout={PG_IDLE_TX_MS} "
+                                             f"-c lock_timeout={PG_LOCK_MS}"}
         self.engine = sa.create_engine(url, **kw)
         if url.startswith("sqlite"):
             @sa.event.listens_for(self.engine, "connect")

@@ -35,7 +35,7 @@ SAVE_EVERY_S = 1.0
 # saved less often than every second (at 2,048 machines, every ~2 s: 5% of a core was a tenth of
 # the whole controller's CPU); transitions are always saved at once.
 SAVE_COST_SHARE = 0.02
-WAITED_S = 0.5      # a commit that took longer waited for the store: the decision's timers move
+WAITED_S = 2.0      # a commit that took longer waited for the store: the decision's timers move
 
 
 class JobRunner:
