@@ -20,10 +20,12 @@ whose lease another one took gets `LeaseLost` from its first write, before anyth
 reaches an agent.
 
 SQLite runs with `synchronous=FULL`: a decision is on disk before its commands leave (the
-executor's write-ahead contract). Measured on this host (tmpfs-backed overlay, 2 cores,
-2026-11-27): a job decision's commit costs 0.21 ms with NORMAL and 0.43 ms with FULL (WAL mode;
-`bench/store_outage.py --commit-cost`); at ten committed transitions a second that is under 0.5% of
-a core. The database file and its WAL are created 0600 (they hold job environments).
+executor's write-ahead contract; NORMAL may lose the last transactions at a power loss while their
+commands are already out). Its cost, measured with `bench/store_outage.py --commit-cost` (one job
+decision with a 20 KB state, WAL mode, a virtio disk shared by nine busy sessions, 2026-11-27):
+1.3-5.2 ms per commit with NORMAL, 13.8-19.6 ms with FULL. A job commits about once a second
+(state saves, transitions; steps' records ride along), so FULL costs it 1-2% of its thread.
+The database file and its WAL are made 0600 (they hold job environments).
 """
 from __future__ import annotations
 
@@ -274,11 +276,14 @@ class Store:
         """`fn(connection)` in a read transaction, retried through outages."""
         return self._call(fn, write=False)
 
-    def write(self, fn: Callable[[sa.Connection], T]) -> T:
-        """`fn(connection)` in one write transaction (fenced), all or nothing, retried through outages."""
-        return self._call(fn, write=True)
+    def write(self, fn: Callable[[sa.Connection], T], fenced: bool = True) -> T:
+        """`fn(connection)` in one write transaction, all or nothing, retried through outages;
+        `fenced`: checked against the lease first and serialized with this controller's other
+        writes. The lease's beat is not (it checks the fence itself, and must never queue behind
+        a slow decision: a late beat hands the lease away)."""
+        return self._call(fn, write=True, fenced=fenced)
 
-    def _call(self, fn: Callable[[sa.Connection], T], write: bool) -> T:
+    def _call(self, fn: Callable[[sa.Connection], T], write: bool, fenced: bool = True) -> T:
         patient = getattr(self._local, "patient", False)
         bound = getattr(self._local, "bound", None)
         wait = None if patient and bound is None else (bound if bound is not None else self._wait_s)
@@ -291,8 +296,8 @@ class Store:
             while True:
                 try:
                     if write:
-                        with self._lock, self.engine.begin() as c:
-                            if self.fence is not None:
+                        with self._lock if fenced else contextlib.nullcontext(), self.engine.begin() as c:
+                            if fenced and self.fence is not None:
                                 self.fence(c)
                             out = fn(c)
                         self._failing_since = None
