@@ -85,25 +85,23 @@ def run(store: str, outage: float, at: int, steps: int) -> dict:
         # the live step right after the return is what the job thread knew before the outage
         # plus the backlog it now works through; a new step is one trained after the return
         seen = (live(cluster, job).get("live") or {}).get("step", 0)
-        t_next = None
+        t_next = t_healthy = None
         while True:
+            if t_healthy is None and healthy(cluster):
+                t_healthy = time.monotonic()
             st = live(cluster, job)
             step = (st.get("live") or {}).get("step", 0)
             if t_next is None and step > seen:
                 t_next = time.monotonic()
-            if st.get("state") not in (None, "running"):
+            if st.get("state") not in (None, "running") and t_healthy is not None:
                 break
             time.sleep(0.1)
-        health_back = time.monotonic()
-        while not healthy(cluster):
-            time.sleep(0.1)
-        health_back = time.monotonic() - t_back
         rep = cluster.client().get(f"/api/jobs/{job}")
         return {"store": store, "outage_s": outage, "at_step": at, "state": rep["state"],
                 "incidents": len(rep["incidents"]), "runs": len(rep["runs"]),
                 "steps_lost": rep.get("steps_lost", 0),
                 "health_503_after_s": round(unhealthy_from - t0, 2) if unhealthy_from else None,
-                "health_200_after_return_s": round(health_back, 2),
+                "health_200_after_return_s": round(t_healthy - t_back, 2) if t_healthy else None,
                 "return_to_next_step_s": round(t_next - t_back, 2) if t_next else None,
                 "steps_completed": rep["steps_completed"]}
     finally:

@@ -1,19 +1,20 @@
 """Which controller acts: a lease row with a fencing number, in the store the controllers share.
 
 Several `stalwart controller --lease` processes on one database (PostgreSQL; SQLite on one host
-works too): one holds the lease and acts, the others wait as standbys. The row holds the holder's
-name, a fencing number (raised by one at every takeover) and a beat counter the holder raises every
-`BEAT_S`. A standby takes the lease once it has watched the counter stand still for `TAKEOVER_S`
-of its own monotonic clock (no two hosts' clocks are compared; a standby that cannot read the row
-starts watching again), by a compare-and-set on the fence and the counter it saw, so two standbys
-never both win.
+works too): one holds the lease and acts, the others wait as standbys. Two rows: the lease (the
+holder's name and a fencing number, raised by one at every takeover) and its beat (a counter the
+holder raises every `BEAT_S`, apart so that a beat never waits for the holder's other writes). A
+standby takes the lease once it has watched the counter stand still for `TAKEOVER_S` of its own
+monotonic clock (no two hosts' clocks are compared; a standby that cannot read the rows starts
+watching again), by a compare-and-set on the fence and the counter it saw, so two standbys never
+both win.
 
-Every write transaction of the holder first checks the fence (`check`, hooked into
-`Store.write`): it rewrites the row only where the fence is still its own. A controller that lost
-its lease (it was paused, partitioned, or its beats could not reach the database) fails that check
-on its first write, before anything it decided is committed or sent: `on_lost` is called, which in
-the service logs why and exits with `EXIT_LEASE_LOST`. Its beat thread finds the same within a
-beat, even when nothing else writes.
+Every write transaction of the holder first reads the lease row FOR SHARE and goes on only while
+the fence is its own (`check`, hooked into `Store.write`); a takeover's update of that row waits
+for such transactions in flight. A controller that lost its lease (it was paused, partitioned, or
+its beats could not reach the database) fails that check on its first write, before anything it
+decided is committed or sent: `on_lost` is called, which in the service logs why and exits with
+`EXIT_LEASE_LOST`. Its beat finds the same within a beat, even when nothing else writes.
 """
 from __future__ import annotations
 
