@@ -50,7 +50,7 @@ def test_wall_clock_steps_cause_no_loss_and_no_hang(tmp_path, monkeypatch):
     offset = tmp_path / "offset"
     offset.write_text("0")
     monkeypatch.setenv("STALWART_TEST_CLOCK_OFFSET", str(offset))
-    spec = gpt_spec(machines=2, gpus=1, dp=2, steps=120)
+    spec = gpt_spec(machines=2, gpus=1, dp=2, steps=600)
     from stalwart.spec import JobSpec
     js = JobSpec.from_dict(spec)
     cluster = SteppedClockCluster(str(tmp_path / "c"), 2, 1, heartbeat_s=js.policy.heartbeat_s,
@@ -58,7 +58,10 @@ def test_wall_clock_steps_cause_no_loss_and_no_hang(tmp_path, monkeypatch):
     try:
         cluster.start()
         job = cluster.client().post("/api/jobs", {"spec": js.to_dict()})["job"]
-        step = lambda: (status(cluster, job).get("live") or {}).get("step", 0)     # noqa: E731
+        def step() -> int:
+            st = status(cluster, job)
+            assert st["state"] == "running", (st["state"], st.get("reason"))    # (steps: room for both)
+            return (st.get("live") or {}).get("step", 0)
         assert wait_for(lambda: step() >= 10, timeout=120)
         offset.write_text("3600")             # one hour ahead
         s = step()
@@ -68,6 +71,7 @@ def test_wall_clock_steps_cause_no_loss_and_no_hang(tmp_path, monkeypatch):
         s = step()
         assert wait_for(lambda: step() >= s + 15, timeout=60)
         time.sleep(3 * js.policy.heartbeat_s * js.policy.missed_beats)
+        assert step() > s
         rep = finish(cluster, job, timeout=120)
         assert rep["state"] == "succeeded", rep.get("reason")
         assert rep["incidents"] == [] and len(rep["runs"]) == 1
