@@ -201,7 +201,7 @@ def private_file(path: str) -> None:
         with contextlib.suppress(FileExistsError):
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     for p in (path, path + "-wal", path + "-shm"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):   # (a reader that is not its owner)
             os.chmod(p, 0o600)
 
 
