@@ -101,7 +101,7 @@ def test_a_standby_takes_the_lease_only_after_the_beats_stop_and_the_old_holder_
     a_store.fence = a.check
     assert not b.try_acquire(seen)              # sees the row: starts watching
     for _ in range(5):                           # a beats: the counter moves, b never takes over
-        a_store.write(lambda c: c.exec_driver_sql("UPDATE lease SET beat = beat + 1 WHERE fence = 1"))
+        a_store.write(lambda c: c.exec_driver_sql("UPDATE lease SET beat = beat + 1 WHERE name = 'controller-beat'"))
         clk.t += 2.0
         assert not b.try_acquire(seen)
     clk.t += 2.0                                 # silent, but not for long enough

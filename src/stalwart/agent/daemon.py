@@ -32,6 +32,7 @@ from stalwart.agent.probeset import machine_probes
 from stalwart.agent.forkclient import ForkServers
 from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
+from stalwart.agent.workdir import hold
 from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
@@ -49,13 +50,16 @@ class Agent:
                  gpus: int = 1, heartbeat_s: float = 1.0, network_file: str | None = None,
                  kmsg: str | None = None, min_free_bytes: int = 64 << 20, keep_warm: bool = True,
                  controller_file: str | None = None, labels: dict[str, str] | None = None,
-                 nic: list[str] | None = None, shared_host: bool = False):
+                 nic: list[str] | None = None, shared_host: bool = False, controllers: list[str] | None = None):
         """`kmsg`: the host kernel log to follow (None: /dev/kmsg when readable; "off"); `nic`: the
         interfaces to watch (None: the default route's and every RDMA port); `shared_host`: other
         agents share this host (host-wide probes off; see agent/probeset.py). A probe option that
-        cannot work here raises probeset.ProbeSetupError."""
+        cannot work here raises probeset.ProbeSetupError; a work directory another live agent
+        holds raises workdir.WorkdirInUse (before anything in it is touched). `controllers`: the
+        URLs of an active controller and its standbys (the agent follows whichever answers)."""
+        self._workdir_lock = hold(os.path.abspath(workdir), machine_id)
         # the line to the controller (its address and credentials: token, CA): a channel, or HTTP
-        self.link = Link(client, machine_id)
+        self.link = Link(client, machine_id, urls=controllers)
         # where the controller's address is published (a restarted controller may get a new port)
         self.controller_file = controller_file
         self.machine_id = machine_id
@@ -245,7 +249,13 @@ class Agent:
             if not self._ensure_registered():
                 # back off (with jitter) while the controller is away: thousands of agents must
                 # not knock on a restarting controller in step
-                self._stop.wait(retry_delay(self._failures, self.heartbeat_s, random.random()))
+                # with several controllers (an active one and standbys) the whole list is one
+                # attempt: the next URL is tried at once, the backoff grows per round of the list
+                n = len(self.link.urls)
+                if n > 1 and self._failures % n:
+                    self._stop.wait(0.05)
+                else:
+                    self._stop.wait(retry_delay(-(-self._failures // n), self.heartbeat_s, random.random()))
                 continue
             if self._skip_beats and time.monotonic() - self._delivered_at < self.heartbeat_s / 2:
                 # events went through within the last half interval and counted as a beat: one

@@ -50,9 +50,11 @@ class _TooBig(Exception):
 
 
 class Link:
-    def __init__(self, client: Client, machine_id: str, channel: bool = True):
-        """`channel`: try the WebSocket channel (False: HTTP requests only)."""
+    def __init__(self, client: Client, machine_id: str, channel: bool = True, urls: list[str] | None = None):
+        """`channel`: try the WebSocket channel (False: HTTP requests only); `urls`: the active
+        controller's and its standbys' (tried in turn while none answers)."""
         self.client = client
+        self.urls = [u.rstrip("/") for u in (urls or [client.url])]
         self.machine_id = machine_id
         self.channel = channel
         self.over_channel = False       # the last registration went over the channel
@@ -70,8 +72,15 @@ class Link:
     # -- where the controller is ------------------------------------------------------------------
     def find_controller(self, controller_file: str | None) -> None:
         """Re-read the controller's address where it is published (it may have restarted on
-        another port); a new address closes the channel to the old one."""
+        another port); a new address closes the channel to the old one. Without such a file and
+        with several controllers, the next one in the list (a standby may have taken over)."""
         if not controller_file:
+            if len(self.urls) > 1:
+                at = self.urls.index(self.client.url) if self.client.url in self.urls else -1
+                url = self.urls[(at + 1) % len(self.urls)]
+                log.info("trying the controller at %s", url)
+                self.client = self.client.with_url(url)
+                self._drop()
             return
         try:
             with open(controller_file) as f:

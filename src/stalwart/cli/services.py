@@ -46,7 +46,7 @@ def cmd_controller(a) -> int:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
                          backend=load_backend(a.backend) if a.backend else None, secret_file=a.secret_file,
-                         checkpoint_dir=a.checkpoint_dir)
+                         checkpoint_dir=a.checkpoint_dir, lease=a.lease, url=a.advertise, on_lease_lost=_lease_lost)
     except sa_exc.OperationalError as e:
         raise UserError(f"cannot open the database {db}: {e.orig}") from None
     except auth.AuthConfigError as e:
@@ -85,6 +85,24 @@ def cmd_controller(a) -> int:
     os._exit(0)
 
 
+def _lease_lost(why: str) -> None:
+    """Another controller took the lease: this one stops acting at once (nothing more is
+    committed or sent) and exits with a code of its own, for its supervisor to read."""
+    from stalwart.controller.lease import EXIT_LEASE_LOST
+    logging.getLogger("stalwart").error("lost the lease: %s; exiting (code %d)", why, EXIT_LEASE_LOST)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(EXIT_LEASE_LOST)
+
+
+def controller_urls(a) -> list[str]:
+    """--controller: one URL, or an active controller and its standbys, comma-separated."""
+    urls = [u.strip() for u in (a.controller or "").split(",") if u.strip()]
+    if not urls:
+        raise UserError("--controller needs a URL (or several, comma-separated)")
+    return urls
+
+
 def write_secret(path: str, text: str) -> None:
     """Write a credential to `path`, mode 0600 (replaced atomically)."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -109,7 +127,7 @@ def agent_credential(a, workdir: str) -> str:
         join = auth.read_token_file(a.join_token_file) if a.join_token_file else \
             os.environ.get(JOIN_ENV, "").strip() or None
         if join:
-            client = Client(a.controller, timeout=10, token=join, ca=a.tls_ca)
+            client = Client(controller_urls(a)[0], timeout=10, token=join, ca=a.tls_ca)
             deadline = time.monotonic() + ENROLL_WAIT_S       # (the controller may still be starting)
             try:
                 while True:
@@ -139,6 +157,7 @@ def agent_credential(a, workdir: str) -> str:
 def cmd_agent(a) -> int:
     from stalwart.agent.daemon import Agent
     from stalwart.agent.probeset import ProbeSetupError
+    from stalwart.agent.workdir import WorkdirInUse
     from stalwart import protocol
     if a.gpus is not None:
         logging.getLogger("stalwart").warning("--gpus is deprecated: it is --gpus-per-machine (the GPUs of "
@@ -147,20 +166,21 @@ def cmd_agent(a) -> int:
     if not protocol.MACHINE_ID_RE.match(a.machine_id):
         raise UserError(f"--machine-id {a.machine_id!r}: {protocol.MACHINE_ID_RULE}")
     workdir = a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id)
+    urls = controller_urls(a)
     token = agent_credential(a, workdir)
     # nothing this agent starts (the user's workers, diagnostics) inherits a credential
     for name in (auth.TOKEN_ENV, JOIN_ENV):
         os.environ.pop(name, None)
     try:
-        client = Client(a.controller, timeout=10, token=token, ca=a.tls_ca)
+        client = Client(urls[0], timeout=10, token=token, ca=a.tls_ca)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     try:
         agent = Agent(client, a.machine_id, workdir,
                       address=a.address, gpus=a.gpus_per_machine, heartbeat_s=a.heartbeat, network_file=a.network_file,
                       kmsg=a.kmsg, controller_file=a.controller_file, labels=labels(a.label), nic=a.nic or None,
-                      shared_host=a.shared_host)
-    except ProbeSetupError as e:
+                      shared_host=a.shared_host, controllers=urls)
+    except (ProbeSetupError, WorkdirInUse) as e:
         raise UserError(str(e)) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     try:
@@ -196,6 +216,11 @@ def add_parsers(sub) -> None:
     c.add_argument("--checkpoint-dir", metavar="DIR|URL", help="where durable checkpoints go: a directory every "
                    "agent sees at the same path, or an fsspec URL such as s3://bucket/llm (default: "
                    "<state-dir>/checkpoints)")
+    c.add_argument("--lease", nargs="?", const="", metavar="NAME",
+                   help="several controllers share this database (PostgreSQL): the one holding the lease acts, "
+                        "the others wait as standbys and take over within seconds of its silence (NAME: "
+                        "this controller's name in the lease; default host:pid). A controller that lost "
+                        "the lease exits with code 75")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")

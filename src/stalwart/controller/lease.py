@@ -1,19 +1,20 @@
 """Which controller acts: a lease row with a fencing number, in the store the controllers share.
 
 Several `stalwart controller --lease` processes on one database (PostgreSQL; SQLite on one host
-works too): one holds the lease and acts, the others wait as standbys. The row holds the holder's
-name, a fencing number (raised by one at every takeover) and a beat counter the holder raises every
-`BEAT_S`. A standby takes the lease once it has watched the counter stand still for `TAKEOVER_S`
-of its own monotonic clock (no two hosts' clocks are compared; a standby that cannot read the row
-starts watching again), by a compare-and-set on the fence and the counter it saw, so two standbys
-never both win.
+works too): one holds the lease and acts, the others wait as standbys. Two rows: the lease (the
+holder's name and a fencing number, raised by one at every takeover) and its beat (a counter the
+holder raises every `BEAT_S`, apart so that a beat never waits for the holder's other writes). A
+standby takes the lease once it has watched the counter stand still for `TAKEOVER_S` of its own
+monotonic clock (no two hosts' clocks are compared; a standby that cannot read the rows starts
+watching again), by a compare-and-set on the fence and the counter it saw, so two standbys never
+both win.
 
-Every write transaction of the holder first checks the fence (`check`, hooked into
-`Store.write`): it rewrites the row only where the fence is still its own. A controller that lost
-its lease (it was paused, partitioned, or its beats could not reach the database) fails that check
-on its first write, before anything it decided is committed or sent: `on_lost` is called, which in
-the service logs why and exits with `EXIT_LEASE_LOST`. Its beat thread finds the same within a
-beat, even when nothing else writes.
+Every write transaction of the holder first reads the lease row FOR SHARE and goes on only while
+the fence is its own (`check`, hooked into `Store.write`); a takeover's update of that row waits
+for such transactions in flight. A controller that lost its lease (it was paused, partitioned, or
+its beats could not reach the database) fails that check on its first write, before anything it
+decided is committed or sent: `on_lost` is called, which in the service logs why and exits with
+`EXIT_LEASE_LOST`. Its beat finds the same within a beat, even when nothing else writes.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from stalwart.controller.store import META, LeaseLost, Store, StoreUnavailable
 
 log = logging.getLogger("stalwart.controller")
 BEAT_S = 0.5
-TAKEOVER_S = 3.0        # a standby takes over after the counter stood still this long
+TAKEOVER_S = 4.0        # a standby takes over after the counter stood still this long
 EXIT_LEASE_LOST = 75    # `stalwart controller` exits with this code when another took its lease
-NAME = "controller"
+NAME = "controller"          # the lease's row: holder, fence (locked by every fenced write)
+BEAT = "controller-beat"     # the beat's row: its counter moves without waiting for those writes
 
 lease = sa.Table(
     "lease", META,
@@ -42,6 +44,10 @@ lease = sa.Table(
     sa.Column("beat", sa.BigInteger, nullable=False),
     sa.Column("url", sa.Text),                 # where the holder serves its API
 )
+
+
+class _Moved(Exception):
+    """The lease changed between the look and the takeover."""
 
 
 def default_holder() -> str:
@@ -63,9 +69,13 @@ class Lease:
 
     # -- taking it ----------------------------------------------------------------------------------
     def row(self) -> dict | None:
+        """The lease (holder, fence, url) with the beat counter of its beat row."""
         with self.store.bounded(max(self.beat_s, 1.0)):
-            r = self.store.read(lambda c: c.execute(sa.select(lease).where(lease.c.name == NAME)).first())
-        return dict(r._mapping) if r else None
+            rows = self.store.read(lambda c: {r.name: dict(r._mapping) for r in c.execute(
+                sa.select(lease).where(lease.c.name.in_([NAME, BEAT])))})
+        if NAME not in rows:
+            return None
+        return dict(rows[NAME], beat=rows.get(BEAT, {}).get("beat", 0))
 
     def try_acquire(self, seen: dict[str, Any]) -> bool:
         """One look at the row; True when this controller now holds the lease. `seen` carries
@@ -78,8 +88,9 @@ class Lease:
         if r is None:
             try:
                 with self.store.bounded(max(self.beat_s, 1.0)):
-                    self.store.write(lambda c: c.execute(lease.insert().values(
-                        name=NAME, holder=self.holder, fence=1, beat=0, url=self.url)))
+                    self.store.write(lambda c: c.execute(lease.insert(), [
+                        dict(name=NAME, holder=self.holder, fence=1, beat=0, url=self.url),
+                        dict(name=BEAT, holder=self.holder, fence=1, beat=0, url=None)]))
             except (sa.exc.IntegrityError, StoreUnavailable):
                 return False
             self.fence = 1
@@ -92,12 +103,20 @@ class Lease:
             return False
 
         def take(c) -> int:
-            return c.execute(lease.update().where((lease.c.name == NAME) & (lease.c.fence == key[0])
-                                                  & (lease.c.beat == key[1]))
-                             .values(holder=self.holder, fence=key[0] + 1, beat=0, url=self.url)).rowcount
+            # the lease row first: its row lock waits for the old holder's fenced writes in flight
+            n = c.execute(lease.update().where((lease.c.name == NAME) & (lease.c.fence == key[0]))
+                          .values(holder=self.holder, fence=key[0] + 1, url=self.url)).rowcount
+            if n == 1:
+                n = c.execute(lease.update().where((lease.c.name == BEAT) & (lease.c.beat == key[1]))
+                              .values(holder=self.holder, fence=key[0] + 1, beat=0)).rowcount
+            if n != 1:
+                raise _Moved()      # (rolls the transaction back: someone else moved first)
+            return n
         try:
             with self.store.bounded(max(self.beat_s, 1.0)):
                 won = self.store.write(take) == 1
+        except _Moved:
+            won = False
         except StoreUnavailable:
             seen.clear()
             return False
@@ -123,11 +142,12 @@ class Lease:
 
     # -- holding it ---------------------------------------------------------------------------------
     def check(self, c: sa.Connection) -> None:
-        """In a write transaction: go on only while the fence is this controller's (a row lock
-        until the commit: a takeover waits for this transaction, and then fails it no more)."""
-        n = c.execute(lease.update().where((lease.c.name == NAME) & (lease.c.fence == self.fence))
-                      .values(fence=self.fence)).rowcount
-        if n != 1:
+        """In a write transaction: go on only while the fence is this controller's. The row is
+        read FOR SHARE (PostgreSQL; SQLite has one writer at a time anyway): a takeover waits
+        for this transaction, so nothing of the old holder commits after it."""
+        fence = c.execute(sa.select(lease.c.fence).where(lease.c.name == NAME)
+                          .with_for_update(read=True)).scalar()
+        if fence != self.fence:
             self._lose(f"another controller holds the lease now (this one had fence {self.fence})")
 
     def _lose(self, why: str) -> None:
@@ -144,12 +164,14 @@ class Lease:
         def beat() -> None:
             self.store.patient()
             while not self._stop.wait(self.beat_s):
-                try:
-                    self.store.write(lambda c: c.execute(
-                        lease.update().where((lease.c.name == NAME) & (lease.c.fence == self.fence))
-                        .values(beat=lease.c.beat + 1)))
-                except LeaseLost:
-                    return
+                n = self.store.write(lambda c: c.execute(
+                    lease.update().where((lease.c.name == BEAT) & (lease.c.fence == self.fence))
+                    .values(beat=lease.c.beat + 1)).rowcount, fenced=False)
+                if n != 1:
+                    try:
+                        self._lose(f"another controller holds the lease now (this one had fence {self.fence})")
+                    except LeaseLost:
+                        return
         t = threading.Thread(target=beat, name="lease-beat", daemon=True)
         t.start()
         return t

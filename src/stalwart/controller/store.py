@@ -20,10 +20,12 @@ whose lease another one took gets `LeaseLost` from its first write, before anyth
 reaches an agent.
 
 SQLite runs with `synchronous=FULL`: a decision is on disk before its commands leave (the
-executor's write-ahead contract). Measured on this host (tmpfs-backed overlay, 2 cores,
-2026-11-27): a job decision's commit costs 0.21 ms with NORMAL and 0.43 ms with FULL (WAL mode;
-`bench/store_outage.py --commit-cost`); at ten committed transitions a second that is under 0.5% of
-a core. The database file and its WAL are created 0600 (they hold job environments).
+executor's write-ahead contract; NORMAL may lose the last transactions at a power loss while their
+commands are already out). Its cost, measured with `bench/store_outage.py --commit-cost` (one job
+decision with a 20 KB state, WAL mode, a virtio disk shared by nine busy sessions, 2026-11-27):
+1.3-5.2 ms per commit with NORMAL, 13.8-19.6 ms with FULL. A job commits about once a second
+(state saves, transitions; steps' records ride along), so FULL costs it 1-2% of its thread.
+The database file and its WAL are made 0600 (they hold job environments).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ BOUNDED_WAIT_S = 10.0      # an API request waits this long for the store, then 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0
 STALL_S = 3.0              # a write pending this long counts as an outage (health answers 503)
 SQLITE_BUSY_S = 1.0        # SQLite's own wait on a lock before an attempt fails (then: backoff)
+PG_IDLE_TX_MS = 5000       # PostgreSQL ends a session idle this long inside a transaction
+PG_LOCK_MS = 5000          # ... and fails a statement waiting this long for a lock
 
 META = sa.MetaData()
 
@@ -197,7 +201,7 @@ def private_file(path: str) -> None:
         with contextlib.suppress(FileExistsError):
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     for p in (path, path + "-wal", path + "-shm"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):   # (a reader that is not its owner)
             os.chmod(p, 0o600)
 
 
@@ -214,6 +218,11 @@ class Store:
             private_file(path)
         if url.startswith("sqlite"):
             kw["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_S}
+        elif url.startswith("postgresql"):
+            # a controller paused or cut off inside a transaction must not hold its row locks (the
+            # lease's) for good: the server ends such a session, and a wait for a lock fails (retried)
+            kw["connect_args"] = {"options": f"-c idle_in_transaction_session_timeout={PG_IDLE_TX_MS} "
+                                             f"-c lock_timeout={PG_LOCK_MS}"}
         self.engine = sa.create_engine(url, **kw)
         if url.startswith("sqlite"):
             @sa.event.listens_for(self.engine, "connect")
@@ -267,11 +276,14 @@ class Store:
         """`fn(connection)` in a read transaction, retried through outages."""
         return self._call(fn, write=False)
 
-    def write(self, fn: Callable[[sa.Connection], T]) -> T:
-        """`fn(connection)` in one write transaction (fenced), all or nothing, retried through outages."""
-        return self._call(fn, write=True)
+    def write(self, fn: Callable[[sa.Connection], T], fenced: bool = True) -> T:
+        """`fn(connection)` in one write transaction, all or nothing, retried through outages;
+        `fenced`: checked against the lease first and serialized with this controller's other
+        writes. The lease's beat is not (it checks the fence itself, and must never queue behind
+        a slow decision: a late beat hands the lease away)."""
+        return self._call(fn, write=True, fenced=fenced)
 
-    def _call(self, fn: Callable[[sa.Connection], T], write: bool) -> T:
+    def _call(self, fn: Callable[[sa.Connection], T], write: bool, fenced: bool = True) -> T:
         patient = getattr(self._local, "patient", False)
         bound = getattr(self._local, "bound", None)
         wait = None if patient and bound is None else (bound if bound is not None else self._wait_s)
@@ -284,8 +296,8 @@ class Store:
             while True:
                 try:
                     if write:
-                        with self._lock, self.engine.begin() as c:
-                            if self.fence is not None:
+                        with self._lock if fenced else contextlib.nullcontext(), self.engine.begin() as c:
+                            if fenced and self.fence is not None:
                                 self.fence(c)
                             out = fn(c)
                         self._failing_since = None
