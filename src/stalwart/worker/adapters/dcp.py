@@ -218,6 +218,33 @@ class _Replan(Exception):
     """The state no longer matches the cached plan (a key or a local shape changed)."""
 
 
+def _real_path(state_dict: dict, path) -> tuple:
+    """`path` with each key as the state dict holds it: DCP's flattening names an int key (an
+    optimizer's parameter ids) by its string."""
+    out, obj = [], state_dict
+    for k in path:
+        if isinstance(obj, dict) and k not in obj and isinstance(k, str) and k.lstrip("-").isdigit() \
+                and int(k) in obj:
+            k = int(k)
+        out.append(k)
+        try:
+            obj = obj[k]
+        except (KeyError, IndexError, TypeError):
+            break
+    return tuple(out)
+
+
+def _size(state_dict: dict, prefix: tuple) -> int:
+    """len() of the container at `prefix` in `state_dict` (-1 when there is none)."""
+    obj: Any = state_dict
+    try:
+        for k in prefix:
+            obj = obj[k]
+        return len(obj)
+    except (KeyError, IndexError, TypeError):
+        return -1
+
+
 def _free_bytes(path: str) -> int:
     """Free bytes of the filesystem holding `path` (the shared memory of the in-memory tier)."""
     return shutil.disk_usage(path).free
@@ -265,6 +292,7 @@ class Checkpointer:
         self._index: bytes = b""
         self._shapes: list = []
         self._paths: list[tuple] = []
+        self._lens: list[tuple[tuple, int]] = []
         self._durable_only = ctx.mem is None
         self._said_full = False
 
@@ -299,7 +327,11 @@ class Checkpointer:
                                      i.type == WriteItemType.BYTE_IO) for i in items])
         self._shapes = [None if i.tensor_data is None else tuple(i.tensor_data.chunk.sizes) for i in items]
         # where each item sits in the nested state dict (DCP flattened it to its fully qualified name)
-        self._paths = [tuple(planner.mappings.get(i.index.fqn, (i.index.fqn,))) for i in items]
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        self._paths = [_real_path(plain, planner.mappings.get(i.index.fqn, (i.index.fqn,))) for i in items]
+        # the size of every container on those paths: a key added anywhere changes one of them
+        self._lens = [(pre, _size(plain, pre)) for pre in sorted({p[:n] for p in self._paths for n in range(len(p))},
+                                                                 key=len)]
         need = sum(_item_bytes(i) for i in items) * len(self.ctx.mem._slots)
         shm = self.ctx.mem.dir
         free = _free_bytes(shm) + _held_bytes(shm, self.rank)
@@ -338,6 +370,9 @@ class Checkpointer:
             if not isinstance(obj, torch.Tensor) or tuple(obj.shape) != shape:
                 raise _Replan()
             tensors.append(obj.detach())
+        for pre, n in self._lens:
+            if _size(state_dict, pre) != n:
+                raise _Replan()
         return {"format": FORMAT, "step": step, "rank": self.rank, "world": self.world, "md": self._md,
                 "index": self._index, "tensors": tensors, "objects": objects}
 
