@@ -180,3 +180,55 @@ def test_missing_extra_is_one_line():
     msg = str(e.value)
     assert msg == ("error: stalwart's Lightning adapter needs stalwart_no_such_framework, which is not "
                    "installed: pip install 'stalwart[lightning]'")
+
+
+def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
+    """A spare (STALWART_STANDBY=1) says it is ready on the agent's socket and blocks until the
+    agent activates it with the run's environment; a context made afterwards goes on with the same
+    link (one connection per worker), chaos sent before it included."""
+    import socket
+    import threading
+
+    from stalwart.jsonlines import JsonLineSocket
+    from stalwart.worker import standby
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+    srv.settimeout(30)
+    got: list[dict] = []
+    conns: list[JsonLineSocket] = []
+
+    def agent() -> None:
+        c, _ = srv.accept()
+        conn = JsonLineSocket(c)
+        conns.append(conn)
+        got.append(conn.recv())                          # standby_ready
+        conn.send({"type": "chaos", "kind": "nan", "from_step": 3})
+        conn.send({"type": "activate", "env": {"RANK": "5", "STALWART_RUN": "7"}})
+        got.append(conn.recv())                          # the context's hello, on the same link
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    for k in ("RANK", Env.RUN, Env.RESTORE_PATH, Env.SHM_DIR):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(Env.STANDBY, "1")
+    monkeypatch.setenv(Env.AGENT_SOCK, path)
+    monkeypatch.setattr(standby, "_link", None)
+    try:
+        standby.wait_if_standby()
+        assert os.environ["RANK"] == "5" and Env.STANDBY not in os.environ
+        assert got[0]["type"] == "standby_ready" and got[0]["pid"] == os.getpid()
+        later: list[dict] = []
+        link = standby.take_link(later.append)
+        assert link is standby._link and later == [{"type": "chaos", "kind": "nan", "from_step": 3}]
+        link.send({"type": "hello", "rank": 5})
+        t.join(30)
+        assert got[1] == {"type": "hello", "rank": 5}
+    finally:
+        if standby._link is not None:
+            standby._link.close()
+        monkeypatch.setattr(standby, "_handler", None)
+        for conn in conns:
+            conn.close()
+        srv.close()
