@@ -369,7 +369,7 @@ class Checkpointer:
                 obj = obj._local_tensor
             if not isinstance(obj, torch.Tensor) or tuple(obj.shape) != shape:
                 raise _Replan()
-            tensors.append(obj.detach())
+            tensors.append(obj.detach() if obj.requires_grad else obj)
         for pre, n in self._lens:
             if _size(state_dict, pre) != n:
                 raise _Replan()
