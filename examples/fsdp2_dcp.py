@@ -67,6 +67,7 @@ def main() -> None:
         if rank == 0:
             print(f"resumed at step {start}", flush=True)
     loss = torch.zeros(())
+    t0 = time.perf_counter()
     for step in range(start, a.steps):
         x, y = batch(step, rank, a.batch, a.dim, device)
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -80,8 +81,10 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item()!r}", flush=True)
     if rank == 0:
-        print(f"final loss {loss.item()!r} adapter blocking {1e3 * ckpt.blocking_per_save_s:.3f} ms/save "
-              f"({ckpt.replans} plan)", flush=True)
+        step_s = (time.perf_counter() - t0) / max(1, a.steps - start)
+        print(f"final loss {loss.item()!r}; adapter: {ckpt.replans} plan ({1e3 * ckpt.plan_s:.1f} ms), then "
+              f"{1e3 * ckpt.steady_blocking_s:.3f} ms/save, {100 * ckpt.steady_blocking_s / step_s:.2f}% of a "
+              f"{1e3 * step_s:.1f} ms step", flush=True)
     ckpt.ctx.finish()
     dist.destroy_process_group()
 

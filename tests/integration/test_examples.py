@@ -107,7 +107,7 @@ def test_fsdp2_dcp_resumes_from_memory(tmp_path):
     rep, seen, text = _run_example(tmp_path, "fsdp2_dcp.py")
     _check(rep, seen, "fsdp2_dcp")
     assert sorted(seen) == list(range(STEPS))      # every step printed, the redone ones twice
-    assert "final loss" in text and "(1 plan)" in text   # every save after the first reused the plan
+    assert "final loss" in text and "adapter: 1 plan" in text   # every save after the first reused the plan
 
 
 @pytest.mark.timeout(300)

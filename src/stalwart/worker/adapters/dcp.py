@@ -286,6 +286,7 @@ class Checkpointer:
         self.blocking_s = 0.0      # seconds `save` held the training thread, all steps together
         self.saves = 0
         self.replans = 0
+        self.plan_s = 0.0          # ...of which in DCP's own (planning, collective) saves
         self._items: list[WriteItem] | None = None
         self._planner: DefaultSavePlanner | None = None
         self._md: bytes = b""
@@ -306,7 +307,9 @@ class Checkpointer:
             try:
                 payload = self._payload(state_dict, step)
             except _Replan:
+                t1 = time.perf_counter()
                 payload = self._plan(state_dict, step)
+                self.plan_s += time.perf_counter() - t1
             if payload is not None:
                 self.ctx.mem.snapshot(payload, step)
         self.saves += 1
@@ -417,6 +420,12 @@ class Checkpointer:
     @property
     def blocking_per_save_s(self) -> float:
         return self.blocking_s / self.saves if self.saves else 0.0
+
+    @property
+    def steady_blocking_s(self) -> float:
+        """Seconds a save that reused the plan held the training thread, on average."""
+        n = self.saves - self.replans
+        return (self.blocking_s - self.plan_s) / n if n > 0 else 0.0
 
 
 def load_from(dir: str, state_dict: dict, step: int | None = None, rank: int | None = None,
