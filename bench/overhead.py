@@ -1,7 +1,7 @@
 """Overhead benchmark: the same job under bare torchrun, torchrun with the worker SDK, and
 `stalwart run`, in one invocation.
 
-    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE]
+    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE] [--ddp plain|dcp]
 
 For each layout (4 workers: tp 2, dp 2 on 2 machines x 2; 8 workers: tp 2, pp 2, dp 2 on 4 x 2;
 `--quick`: the 4-worker one alone) it runs the bundled GPT (rank 0 prints every step with its wall
@@ -24,6 +24,12 @@ writes
 processes' CPU over its workers' CPU (a spare's one-time warm-up left out,
 printed apart), the SDK's blocking time over the step time, and its
 command-to-first-step over bare torchrun's. Not a timed test; run it alone on the host.
+
+`--ddp plain|dcp` measures an ordinary DDP script instead (`bench/ddpjob.py`, 4 workers on 2
+machines x 2, dp 4): bare torchrun against `stalwart run` of the same script unchanged (`plain`),
+or of the script with stalwart's DCP adapter taking an every-step in-memory checkpoint (`dcp`: its
+row `sdk_s_per_step` is the adapter's blocking time per step, and `sdk_blocking_share` in the JSON
+that time over the step time).
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import psutil
 from stalwart.protocol import WARM_TITLE_MARK
 
 GPT_ARGS = ["-m", "stalwart.examples.gpt", "--log-every", "1"]
+DDP_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddpjob.py")
 LAYOUTS = [(2, 1, 2), (2, 2, 2)]          # (tp, pp, dp); 2 GPUs per machine
 MODES = ("bare", "sdk", "stalwart")
 # stalwart's own processes, by role (the first marker found in the command line names the role)
@@ -62,7 +69,7 @@ def role_of(proc: psutil.Process) -> str:
         return "gone"
     if "torch.distributed.run" in cmd:
         return "launcher"
-    if "stalwart.examples.gpt" in cmd:
+    if "stalwart.examples.gpt" in cmd or "ddpjob.py" in cmd:
         try:
             standby = proc.environ().get("STALWART_STANDBY") == "1"
         except psutil.Error:
@@ -218,6 +225,73 @@ def stalwart(tp: int, pp: int, dp: int, steps: int, work: str) -> dict:
     return measure(read_steps(log), launched, sampler)
 
 
+def torchrun_ddp(steps: int, work: str) -> dict:
+    """Bare torchrun of the DDP script (4 workers, no checkpoint)."""
+    d = tempfile.mkdtemp(dir=work)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+            DDP_JOB, "--steps", str(steps)]
+    log = os.path.join(d, "out.log")
+    launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, log, 600)
+    return measure(read_steps(log), launched, sampler)
+
+
+def stalwart_ddp(steps: int, dcp: bool, work: str) -> dict:
+    """`stalwart run` of the same DDP script (2 machines x 2, one standby), with the DCP adapter's
+    every-step in-memory checkpoint when `dcp`."""
+    d = tempfile.mkdtemp(dir=work)
+    argv = [sys.executable, "-m", "stalwart.cli", "run", "--state-dir", os.path.join(d, "sd"), "--fresh",
+            "--machines", "2", "--gpus-per-machine", "2", "--dp", "4", "--steps", str(steps), "--standby", "1",
+            "--ckpt-every", "10", "--", sys.executable, DDP_JOB, "--steps", str(steps)] + (["--dcp"] if dcp else [])
+    launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, os.path.join(d, "run.log"), 900)
+    log = os.path.join(d, "sd", "machines", "m0", "logs", "run1_rank0.out")
+    return measure(read_steps(log), launched, sampler)
+
+
+def ddp_main(kind: str, steps: int, repeat: int) -> dict:
+    """Bare torchrun against `stalwart run` of the DDP script (`kind`: plain or dcp); the ratios."""
+    work = tempfile.mkdtemp(prefix="stalwart-overhead-ddp-")
+    modes = ("bare", "stalwart")
+    rounds: list[dict] = []
+    try:
+        for k in range(repeat):
+            r = {}
+            for mode in modes[k % 2:] + modes[:k % 2]:
+                print(f"[DDP, 4 workers, {kind}] " + (f"round {k + 1}/{repeat}: " if repeat > 1 else "")
+                      + f"{mode} ...", flush=True)
+                r[mode] = torchrun_ddp(steps, work) if mode == "bare" else stalwart_ddp(steps, kind == "dcp", work)
+            rounds.append(r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    r = {m: median_of([x[m] for x in rounds]) for m in modes}
+    label = "stalwart + DCP" if kind == "dcp" else "stalwart run"
+    print(f"\nDDP script, 4 workers (dp 4 on 2 machines x 2), {steps} steps; window 30%..90%"
+          + (f"; medians of {repeat} rounds" if repeat > 1 else ""))
+    print(f"{'':34s}{'bare torchrun':>16s}{label:>16s}")
+    for key, fmt in (("steps_per_s", "{:.2f}"), ("first_step_s", "{:.1f}"), ("step_s", "{:.4f}"),
+                     ("worker_cpu_per_step", "{:.3f}"), ("own_cpu_per_step", "{:.4f}"),
+                     ("launcher_cpu_per_step", "{:.4f}"), ("sdk_s_per_step", "{:.5f}")):
+        vals = [fmt.format(r[m][key]) if key in r[m] else "-" for m in modes]
+        print(f"{key:34s}" + "".join(f"{v:>16s}" for v in vals))
+    bare, st = r["bare"], r["stalwart"]
+    row = {"workers": 4, "tp": 1, "pp": 1, "dp": 4, "ddp": kind,
+           "throughput_ratio": round(st["steps_per_s"] / bare["steps_per_s"], 4),
+           "own_cpu_share": round(st["own_cpu_per_step"] / st["worker_cpu_per_step"], 4),
+           "sdk_blocking_share": round(st.get("sdk_s_per_step", 0.0) / st["step_s"], 4),
+           "first_step_ratio": round(st["first_step_s"] / bare["first_step_s"], 4)}
+    if repeat > 1:
+        for k, x in enumerate(rounds):
+            b, s = x["bare"], x["stalwart"]
+            print(f"round {k + 1}: throughput {s['steps_per_s'] / b['steps_per_s']:.3f}x"
+                  + (f", adapter blocking {100 * s.get('sdk_s_per_step', 0.0) / s['step_s']:.2f}%"
+                     if kind == "dcp" else ""))
+    print(f"ratios vs bare torchrun: throughput {row['throughput_ratio']:.3f}x, stalwart's own CPU "
+          f"{100 * row['own_cpu_share']:.1f}% of its workers'"
+          + (f", DCP adapter blocking {100 * row['sdk_blocking_share']:.2f}% of a step "
+             f"({1e3 * st.get('sdk_s_per_step', 0.0):.2f} ms)" if kind == "dcp" else "")
+          + f", first step {row['first_step_ratio']:.2f}x\n", flush=True)
+    return row
+
+
 def median_of(runs: list[dict]) -> dict:
     """The median of each figure over several runs of one mode (the keys of `measure`; those by
     role or by call key by key). A ratio of medians is what the rounds say: one slow round (the
@@ -247,12 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="rounds of the three runs per layout, each in another order; medians are printed")
     ap.add_argument("--json", help="write the ratios per layout here")
+    ap.add_argument("--ddp", choices=("plain", "dcp"),
+                    help="an ordinary DDP script instead of the GPT: unchanged (plain) or with the DCP adapter")
     a = ap.parse_args(argv)
     steps = a.steps or (200 if a.quick else 300)
     if steps < 50:
         ap.error("--steps must be >= 50 (the window is 30%%..90%% of the steps)")
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if a.ddp:
+        row = ddp_main(a.ddp, steps, a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"layouts": [row]}, f, indent=1)
+        return 0
     layouts = LAYOUTS[:1] if a.quick else LAYOUTS
     work = tempfile.mkdtemp(prefix="stalwart-overhead-")
     rows = []

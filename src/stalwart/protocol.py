@@ -46,6 +46,11 @@ class Env:
     # where it writes each process' recorder summary, and how often
     FR_DIR = "STALWART_FR_DIR"
     FR_PERIOD = "STALWART_FR_PERIOD"
+    # "1" in a worker's environment: the worker SDK or an adapter reports this process' steps
+    # (`worker.init()` and `worker.attach()` set it in their own process at start), so the
+    # start-up hook does not count the optimizer's steps as steps too; a job's environment may
+    # set it to switch that counting off
+    SDK_STEPS = "STALWART_SDK_STEPS"
 
 
 # what the command line of a warm worker forked by its machine's fork server ends with while it

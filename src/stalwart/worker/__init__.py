@@ -11,6 +11,10 @@
         ctx.report(step, loss=loss, grad_norm=gn, tokens=n)
         ctx.checkpoint(state_dict, step)
     ctx.finish()
+
+A script that builds its own process groups (`init_process_group`, DDP, FSDP2, a framework's
+strategy) joins the job with `worker.attach()` instead of `init()`; the adapters in
+`stalwart.worker.adapters` (DCP, DDP, Lightning, Hugging Face) do that for it.
 """
 from __future__ import annotations
 
@@ -27,6 +31,14 @@ def init(tp: int | None = None, pp: int | None = None, dp: int | None = None, cp
     return Context(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, timeout_s=timeout_s)
 
 
+def attach(timeout_s: float = 60.0) -> Context:
+    """Join the job from a script that called `torch.distributed.init_process_group` itself: the
+    link to the agent, the job's topology, metrics and the in-memory checkpoint, on the script's
+    own process groups (the context never creates or destroys a group)."""
+    from stalwart.worker.context import Context
+    return Context(timeout_s=timeout_s, attach=True)
+
+
 def __getattr__(name: str) -> Any:
     # `Context` (and torch with it) loads on first use: the agent imports this package's
     # memckpt format helpers and must not pay torch's import (1.7 s of CPU per agent at start-up)
@@ -36,4 +48,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["init", "Context"]
+__all__ = ["init", "attach", "Context"]

@@ -59,18 +59,32 @@ class Context:
     """What `stalwart.worker.init()` returns. See the README's "Worker SDK" section."""
 
     def __init__(self, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-                 cp: int | None = None, ep: int | None = None, timeout_s: float = 60.0):
+                 cp: int | None = None, ep: int | None = None, timeout_s: float = 60.0,
+                 attach: bool = False):
+        # attach: the script built its own process groups (`init_process_group`, a framework's
+        # strategy); the context joins them and never destroys them
+        self.attached = attach
+        # from here on this process' steps are the SDK's to report: the start-up hook's own
+        # optimizer-step counting stands down (see Env.SDK_STEPS)
+        os.environ[Env.SDK_STEPS] = "1"
         self._chaos: dict[str, dict] = {}
         self._imported_at = time.time()       # torch and the training script are loaded
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
-        self.link = AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
+        from stalwart.worker import standby
+        self.link = standby.take_link(self._on_agent_message) or \
+            AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
         if os.environ.get(Env.STANDBY) == "1":
             self._wait_for_activation()
             self._imported_at = time.time()   # (a warm worker was loaded long before)
         env = os.environ
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
+        if attach and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        elif attach and self.world_size > 1:
+            raise RuntimeError("stalwart.worker.attach() joins the script's own process groups: "
+                               "call torch.distributed.init_process_group first")
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.run = _env_int(Env.RUN, None)
         self.job = env.get(Env.JOB, "local")
@@ -113,7 +127,12 @@ class Context:
         if self.cuda:
             torch.cuda.set_device(self.device)
         self.gpu = SimGpuView(None if self.cuda else env.get(Env.SIMGPU), self.local_rank)
-        self._init_process_groups()
+        if attach:
+            self.groups: dict[str, Any] = {}
+            self.group_ranks = {kind: tuple(next(r for r in self.topology.groups(kind) if self.rank in r))
+                                for kind in GROUP_KINDS}
+        else:
+            self._init_process_groups()
         self._step_t0 = time.time()
         self._compute_s = 0.0
         self._base_compute_s = 0.0      # compute time without the simulated GPU's throttling
@@ -124,6 +143,7 @@ class Context:
         self.blocking_parts = {"begin": 0.0, "gradients": 0.0, "report": 0.0, "snapshot": 0.0}
         self._local_grad_norm: float | None = None
         self._last_report: float | None = None
+        self._last_reported: int | None = None    # the step of the last report
         self._ckpt_since_report = False     # an in-memory snapshot came after the last report
         self._begin_t = time.time()
         self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run,
@@ -161,7 +181,7 @@ class Context:
         else:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        self.groups: dict[str, Any] = {}
+        self.groups = {}
         self.group_ranks: dict[str, tuple[int, ...]] = {}
         for kind in GROUP_KINDS:
             for ranks in self.topology.groups(kind):
@@ -305,6 +325,7 @@ class Context:
         # this one trains (see worker/link.py); a job checkpointing now and then wakes it
         self.link.send(msg, wake=not self._ckpt_since_report)
         self._ckpt_since_report = False
+        self._last_reported = step
         self._last_report = self._step_t0 = now
         self._blocked("report", t0)
 
@@ -362,4 +383,5 @@ class Context:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             self.link.send_now({"type": "failing", "rank": self.rank, "traceback": tb[-8192:]})
         self.link.close()
-        release_process_groups(self.groups)
+        if not self.attached:      # an attached script's groups are its own to destroy
+            release_process_groups(self.groups)

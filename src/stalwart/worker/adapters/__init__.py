@@ -1,0 +1,29 @@
+"""Adapters that put scripts written for torch's and the frameworks' own APIs under stalwart.
+
+- `dcp`: anything saving through `torch.distributed.checkpoint` (FSDP2, torchtitan): every-step
+  in-memory checkpoint, backups, durable copies, resharding on restore;
+- `ddp`: `DistributedDataParallel`: per-rank gradient checks from a communication hook;
+- `lightning`: a Lightning `Callback` (extra `stalwart[lightning]`): steps, loss, gradient checks,
+  every-step checkpoint and resume;
+- `hf`: a `transformers.Trainer` `TrainerCallback` (extra `stalwart[hf]`): the same.
+
+Each joins the script's own process groups through `stalwart.worker.attach()`. A framework
+adapter whose framework is not installed stops the script with one line naming the extra.
+
+Importing an adapter is where a warm standby waits for its ranks (`worker.standby`), once the
+adapter's framework is loaded: a script imports its adapter before it builds its process groups,
+which needs the ranks.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """Import `module`, or stop with one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(f"error: stalwart's {what} adapter needs {module.split('.')[0]}, which is not "
+                         f"installed: pip install 'stalwart[{extra}]'") from None

@@ -1,0 +1,234 @@
+"""The worker adapters in one process: the DCP checkpointer's plan reuse, restore, resharding
+reader and its fallback when the state does not fit; the DDP gradient hook; a missing extra."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   TensorProperties, TensorStorageMetadata)
+
+from stalwart.protocol import Env
+from stalwart.worker import memckpt
+from stalwart.worker.adapters import dcp as adcp
+from stalwart.worker.adapters import require
+
+
+@pytest.fixture
+def ctx(tmp_path, monkeypatch):
+    """A real worker context (attached, one rank, no agent) whose in-memory tier is tmp_path/shm."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", Env.RESTORE_PATH, Env.RUN, Env.AGENT_SOCK, Env.STANDBY):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(Env.SHM_DIR, str(tmp_path / "shm"))
+    monkeypatch.setenv(Env.CKPT_DIR, str(tmp_path / "durable"))
+    monkeypatch.setenv(Env.CKPT_EVERY, "2")
+    monkeypatch.setenv(Env.SDK_STEPS, "0")          # (restored by monkeypatch after the test)
+    from stalwart import worker
+    c = worker.attach()
+    assert os.environ[Env.SDK_STEPS] == "1"         # the start-up hook's counting stands down
+    yield c
+    c.finish()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _train_step(model, opt, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_dcp_plans_once_and_restores_exactly(ctx, monkeypatch):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = adcp.Checkpointer(ctx)
+    for step in range(5):
+        _train_step(model, opt, step)
+        ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+    ctx.mem.wait()
+    assert ck.replans == 1 and ck.saves == 5       # one DCP plan; four saves reused it
+    assert ctx._last_reported == 4                  # each save reported its step
+    # the newest slot, as the agent would materialize it for a restart of this rank
+    step, path = memckpt.latest(ctx.mem.dir, 0)
+    assert step == 4
+    monkeypatch.setenv(Env.RESTORE_PATH, path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _train_step(fresh, fresh_opt, 99)               # (creates the optimizer's state to load into)
+    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    assert adcp.Checkpointer(ctx).load(state) == 5
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    _train_step(model, opt, 5)
+    _train_step(fresh, fresh_opt, 5)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_dcp_replans_when_a_shape_changes(ctx):
+    ck = adcp.Checkpointer(ctx)
+    ck.save({"w": torch.ones(3)}, 0)
+    ck.save({"w": torch.ones(3) * 2}, 1)
+    ck.save({"w": torch.ones(5)}, 2)                # a new shape: a new plan
+    ck.save({"w": torch.ones(5), "b": torch.zeros(2)}, 3)
+    ctx.mem.wait()
+    assert ck.replans == 3
+    sd = {"w": torch.zeros(5), "b": torch.ones(2)}
+    assert adcp.load_from(ctx.mem.dir, sd) == 3
+    assert torch.equal(sd["w"], torch.ones(5)) and torch.equal(sd["b"], torch.zeros(2))
+
+
+def _shard_payload(rank: int, rows: torch.Tensor, md: Metadata, world: int, step: int) -> dict:
+    import pickle
+    return {"format": adcp.FORMAT, "step": step, "rank": rank, "world": world, "md": pickle.dumps(md),
+            "index": pickle.dumps([("w", (2 * rank, 0), False), ("n", None, True)]),
+            "tensors": [rows], "objects": [7]}
+
+
+def test_reader_reshards_from_other_ranks_shards(tmp_path):
+    """A 4x4 tensor saved as two row shards by two ranks loads whole into one process: the
+    reader finds the second rank's chunk in the directory (DCP's resharding)."""
+    full = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    props = TensorProperties(dtype=torch.float32)
+    md = Metadata(state_dict_metadata={
+        "w": TensorStorageMetadata(properties=props, size=torch.Size([4, 4]), chunks=[
+            ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 4])),
+            ChunkStorageMetadata(offsets=torch.Size([2, 0]), sizes=torch.Size([2, 4]))]),
+        "n": BytesStorageMetadata()})
+    d = str(tmp_path / "durable")
+    for rank in (0, 1):
+        with memckpt.MemCheckpointer(d, rank) as m:
+            m.snapshot(_shard_payload(rank, full[2 * rank:2 * rank + 2].clone(), md, 2, 6), 6)
+    sd = {"w": torch.zeros(4, 4), "n": 0}
+    assert adcp.load_from(d, sd) == 6
+    assert torch.equal(sd["w"], full) and sd["n"] == 7
+    # without the second rank's shard the missing chunk is named
+    os.remove(memckpt.list_shards(d, 1)[0][2])
+    with pytest.raises(CheckpointException) as e:          # (DCP wraps each rank's error)
+        adcp.load_from(d, {"w": torch.zeros(4, 4), "n": 0})
+    assert "no shard of step 6 holds 'w' at offset (2, 0)" in str(e.value)
+
+
+def test_state_too_large_for_memory_falls_back_to_dcp_files(ctx, monkeypatch, capsys):
+    monkeypatch.setattr(adcp, "_free_bytes", lambda path: 1000)       # a nearly full /dev/shm
+    ck = adcp.Checkpointer(ctx)
+    for step in range(4):
+        ck.save({"w": torch.full((512,), float(step))}, step)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([e for e in err if e.startswith("error:")]) == 1, err
+    assert "needs" in err[0] and "MiB of shared memory" in err[0] and "every 2 steps" in err[0]
+    assert memckpt.list_shards(ctx.mem.dir, 0) == []                   # nothing half-written there
+    sd = {"w": torch.zeros(512)}
+    assert adcp.Checkpointer(ctx).load(sd) == 4                        # steps 1 and 3 saved: 3 + 1
+    assert torch.equal(sd["w"], torch.full((512,), 3.0))
+
+
+@pytest.fixture
+def world1():
+    """A one-rank gloo process group in this process (no other process)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+class _Ctx:
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+        self.nan_from: int | None = None
+        self._local_grad_norm = None
+
+    def chaos_active(self, kind: str, step: int) -> bool:
+        return kind == "nan" and self.nan_from is not None and step >= self.nan_from
+
+    def report(self, step: int, **kw) -> None:
+        self.reports.append(dict(kw, step=step))
+
+
+def test_ddp_hook_gives_per_rank_and_reduced_grad_norms(world1):
+    from stalwart.worker.adapters import ddp
+    model = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.0001)   # several buckets
+    c = _Ctx()
+    w = ddp.watch(model, c)
+    for step in range(3):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        expect = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+        w.report(step, loss=1.0)
+        model.zero_grad()
+        assert w.local_grad_norm == pytest.approx(expect, rel=1e-5)
+        assert w.grad_norm == pytest.approx(expect, rel=1e-5)           # one rank: the mean is itself
+        assert c._local_grad_norm == w.local_grad_norm
+    assert [r["step"] for r in c.reports] == [0, 1, 2] and c.reports[-1]["grad_norm"] == w.grad_norm
+    c.nan_from = 3                                                      # the nan chaos from step 3 on
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    assert w.local_grad_norm != w.local_grad_norm                       # NaN
+    assert all(torch.isnan(p.grad).all() for p in model.parameters())
+
+
+def test_missing_extra_is_one_line():
+    with pytest.raises(SystemExit) as e:
+        require("stalwart_no_such_framework.pytorch", "lightning", "Lightning")
+    msg = str(e.value)
+    assert msg == ("error: stalwart's Lightning adapter needs stalwart_no_such_framework, which is not "
+                   "installed: pip install 'stalwart[lightning]'")
+
+
+def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
+    """A spare (STALWART_STANDBY=1) says it is ready on the agent's socket and blocks until the
+    agent activates it with the run's environment; a context made afterwards goes on with the same
+    link (one connection per worker), chaos sent before it included."""
+    import socket
+    import threading
+
+    from stalwart.jsonlines import JsonLineSocket
+    from stalwart.worker import standby
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+    srv.settimeout(30)
+    got: list[dict] = []
+    conns: list[JsonLineSocket] = []
+
+    def agent() -> None:
+        c, _ = srv.accept()
+        conn = JsonLineSocket(c)
+        conns.append(conn)
+        got.append(conn.recv())                          # standby_ready
+        conn.send({"type": "chaos", "kind": "nan", "from_step": 3})
+        conn.send({"type": "activate", "env": {"RANK": "5", "STALWART_RUN": "7"}})
+        got.append(conn.recv())                          # the context's hello, on the same link
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    for k in ("RANK", Env.RUN, Env.RESTORE_PATH, Env.SHM_DIR):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(Env.STANDBY, "1")
+    monkeypatch.setenv(Env.AGENT_SOCK, path)
+    monkeypatch.setattr(standby, "_link", None)
+    try:
+        standby.wait_if_standby()
+        assert os.environ["RANK"] == "5" and Env.STANDBY not in os.environ
+        assert got[0]["type"] == "standby_ready" and got[0]["pid"] == os.getpid()
+        later: list[dict] = []
+        link = standby.take_link(later.append)
+        assert link is standby._link and later == [{"type": "chaos", "kind": "nan", "from_step": 3}]
+        link.send({"type": "hello", "rank": 5})
+        t.join(30)
+        assert got[1] == {"type": "hello", "rank": 5}
+    finally:
+        if standby._link is not None:
+            standby._link.close()
+        monkeypatch.setattr(standby, "_handler", None)
+        for conn in conns:
+            conn.close()
+        srv.close()
