@@ -50,8 +50,9 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
         "the flows reach each other through the core (self.core.<flow>)",
     ("stalwart.sim.agents", "stalwart.sim.engine"):
         "the simulated agents call back into the engine that owns them",
-    ("stalwart.worker", "stalwart.worker.context"):
-        "the package's init() builds a Context; context imports durable, memckpt from the package",
+    ("stalwart.worker", "stalwart.worker.context", "stalwart.worker.standby"):
+        "the package's init() builds a Context; context imports durable, memckpt from the package; "
+        "standby takes context's warm-up helpers, context takes standby's link",
 }
 
 # (importer, imported) pairs that point to a higher layer, with the reason.
