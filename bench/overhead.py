@@ -273,6 +273,9 @@ def ddp_main(kind: str, steps: int, repeat: int) -> dict:
         vals = [fmt.format(r[m][key]) if key in r[m] else "-" for m in modes]
         print(f"{key:34s}" + "".join(f"{v:>16s}" for v in vals))
     bare, st = r["bare"], r["stalwart"]
+    print("stalwart's own CPU-s per step by role: "
+          + (", ".join(f"{k} {v:.4f}" for k, v in st["own_by_role"].items()) or "none")
+          + f"; spares' one-time warm-up in the window {st['spare_warmup_cpu_per_step']:.4f} (not counted)")
     row = {"workers": 4, "tp": 1, "pp": 1, "dp": 4, "ddp": kind,
            "throughput_ratio": round(st["steps_per_s"] / bare["steps_per_s"], 4),
            "own_cpu_share": round(st["own_cpu_per_step"] / st["worker_cpu_per_step"], 4),
