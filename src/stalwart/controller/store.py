@@ -195,8 +195,10 @@ def private_file(path: str) -> None:
     """Make `path` (created empty where missing) and its WAL/SHM companions readable by their
     owner alone. An existing database is never opened here: closing any descriptor of a file
     drops every POSIX lock this process holds on it, SQLite's included (another connection would
-    then think itself the last one and delete the WAL under this process's feet)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    then think itself the last one and delete the WAL under this process's feet). A directory that
+    does not exist is not made: the database's connection then fails and says so (a mistyped --db)."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        return
     if not os.path.exists(path):
         with contextlib.suppress(FileExistsError):
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
