@@ -526,8 +526,10 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{len(cases)} cases" + (f" + {len(peer_cases)} with the code of {before}" if peer_cases else "")
           + f", {a.parallel} at a time"
-          + f"; fault at step {FAULT_STEP} of {STEPS} ({SLOW_AT} of {SLOW_STEPS} for slow faults); "
-          f"load average now {os.getloadavg()[0]:.1f}", flush=True)
+          + (f"; every fault at step {TRACE_AT} of {SLOW_STEPS} (the trace detector learns first); "
+             if any(c.late for c in cases) else
+             f"; fault at step {FAULT_STEP} of {STEPS} ({SLOW_AT} of {SLOW_STEPS} for slow faults); ")
+          + f"load average now {os.getloadavg()[0]:.1f}", flush=True)
     run, tmp = Run(), tempfile.mkdtemp(prefix="stalwart-before-")
     try:
         src = source_of(before, tmp) if peer_cases else None
