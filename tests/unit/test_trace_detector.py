@@ -62,9 +62,11 @@ def test_healthy_runs_of_other_seeds_are_not_flagged(model):
         assert all(n < 2 for n in found.values()), (seed, found)
 
 
-def test_a_rank_alone_in_its_peer_group_gets_no_features():
+def test_a_rank_alone_in_its_peer_group_or_with_few_collectives_gets_no_features():
     w = to_windows(synth(2, 50, seed=1), 0.5)[1]
     assert window_features(w, [[0], [1]]) == {}
+    few = to_windows(synth(4, 1, seed=1), 10.0)[0]             # one step: 6 collectives a rank
+    assert window_features(few, [[0, 1, 2, 3]]) == {}
 
 
 # -- the flight-recorder hook's trace ------------------------------------------------------------

@@ -36,6 +36,7 @@ THRESHOLD_MARGIN = 1.5      # a window is abnormal past this many times the larg
 MIN_THRESHOLD = 5.0         # ... and never below this many robust spreads
 LOG_FLOOR_MS = 0.1          # timings are compared as log(ms + this): sub-0.1 ms jitter is no signal
 MAX_KEYS = 64               # distinct collective keys a rank's window keeps (a bound on the state)
+MIN_OPS = 8                 # a window with fewer collectives says nothing (a job slowed many times over)
 
 
 def op_key(kind: str, desc: str) -> str:
@@ -76,11 +77,11 @@ class RankWindow:
 
 def window_features(windows: dict[int, RankWindow], peers: Sequence[Sequence[int]]) -> dict[int, dict[str, float]]:
     """Each rank's peer-relative features for one window (module docstring). `peers` partitions
-    the ranks into groups that run the same sequence; a rank alone in its group, or with no
-    collective in the window, gets none."""
+    the ranks into groups that run the same sequence; a rank alone in its group, or with fewer than
+    MIN_OPS collectives in the window (its transition frequencies would be noise), gets none."""
     out: dict[int, dict[str, float]] = {}
     for group in peers:
-        ranks = [r for r in group if r in windows and windows[r].count]
+        ranks = [r for r in group if r in windows and sum(windows[r].count.values()) >= MIN_OPS]
         if len(ranks) < 2:
             continue
         keys = sorted({k for r in ranks for k in windows[r].count})

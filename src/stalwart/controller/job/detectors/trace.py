@@ -2,7 +2,8 @@
 showed while healthy (`analyzer.traces`: peer-relative window features, a one-class density model).
 
 The model learns from the first `trace_train_s` of the job's first run that has traces (after the
-run's start-up window, and only while no fail-slow suspicion is open); it is kept across the job's
+run's start-up windows; a fail-slow suspicion does not pause it: a busy host's early stalls raise
+one, and the features are relative to the peers); it is kept across the job's
 later runs (the same layout: the same peers). Every `trace_window_s` each rank's window is scored;
 a rank abnormal in TRACE_STREAK windows in a row raises an implicit alert (`trace_suspect`)
 naming its machine, the parallel group the abnormal ranks share, and the collectives that look
@@ -78,7 +79,7 @@ class TraceDetector(BaseDetector):
     def _train(self, st: JobState, tw: TraceWatch, feats: dict[int, dict[str, float]], now: float) -> Actions:
         if now <= tw.train_until - tw.train_s:
             return []                                     # the run's start-up: no healthy pace yet
-        if feats and st.signals.failslow is None:
+        if feats:
             tw.learn(feats)
         if now < tw.train_until or tw.learned < MIN_TRAIN_WINDOWS:
             return []
