@@ -188,7 +188,7 @@ def test_sim_bad_input_is_one_line(capsys, args, msg):
 
 def test_sim_command_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     js, svg = tmp_path / "r.json", tmp_path / "r.svg"
-    assert cli.main(["sim", "--gpus", "128", "--pp", "4", "--days", "0.5", "--seeds", "2", "--quiet",
+    assert cli.main(["sim", "--gpus", "128", "--pp", "4", "--days", "0.5", "--seeds", "2", "--quiet", "--jobs", "1",
                      "--policies", "requeue,stalwart", "--json", str(js), "--plot", str(svg)]) == 0
     out = capsys.readouterr().out
     assert "requeue" in out and "stalwart" in out and "runtime" in out
