@@ -29,12 +29,12 @@ host or not.
 `user-error` is not in the matrix: a bug in the job's own code fails the job by design and has
 no machine to blame.
 
-The peer, measured in the same run: stalwart as it was before issue 17 (`--before REF`, git; by
-default the commit the issue started from, with `--quick` only: the kinds whose blame issue 17
-fixed), side by side with wrong and right evictions.
+The peer, measured in the same run: stalwart before its blame rules (`--before REF`, git; by
+default commit 5a07151, with `--quick` only: the kinds whose blame those rules changed), side by
+side with wrong and right evictions.
 
-`--quick` runs a subset in a few minutes (DP layout, middle machine: the two classes of issue 17
-and one of each other mechanism, 2 fault-free runs, and one fault-free run on a busy host in the
+`--quick` runs a subset in a few minutes (DP layout, middle machine: the two classes the blame rules
+changed and one of each other mechanism, 2 fault-free runs, and one fault-free run on a busy host in the
 TP x DP layout, where a round's stacks can flag a single machine's TP group). The full matrix
 (171 cases) runs two cases at a time by default (`--parallel 2`: 52 minutes on a quiet 2-core
 host, measured: both cores busy throughout; one at a time, for undisturbed timings, takes longer).
@@ -62,7 +62,7 @@ from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-START_OF_ISSUE_17 = "5a07151"        # the commit issue 17 started from: the peer
+BEFORE_BLAME_RULES = "5a07151"       # stalwart before its blame rules: the peer
 FAULT_STEP, STEPS = 12, 28
 CASE_TIMEOUT_S = 300.0
 
@@ -469,7 +469,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--busy", type=int, default=None,
                     help="fault-free runs per layout on a host kept busy by one busy loop per core (default 1; "
                          "with --quick, in the TP x DP layout)")
-    ap.add_argument("--before", default=None, help=f"git ref of the peer (default {START_OF_ISSUE_17} with "
+    ap.add_argument("--before", default=None, help=f"git ref of the peer (default {BEFORE_BLAME_RULES} with "
                                                     "--quick, none otherwise); 'none' to skip")
     ap.add_argument("--parallel", type=int, default=None,
                     help="cases run at once (default 2 for the full matrix, 1 otherwise; more is faster "
@@ -514,7 +514,7 @@ def main(argv: list[str]) -> int:
     cases = select(kinds, layouts, positions, 2 if a.fault_free is None else a.fault_free,
                    1 if a.busy is None else a.busy, ["tp-dp"] if a.quick and not a.layouts else None,
                    ("off", "on") if a.detector == "both" else (a.detector,))
-    before = a.before or (START_OF_ISSUE_17 if a.quick else "none")
+    before = a.before or (BEFORE_BLAME_RULES if a.quick else "none")
     peer_cases = []
     if before != "none":
         peer_kinds = [k for k in kinds if k in ISSUE_17_KINDS] if a.quick else kinds
@@ -562,7 +562,7 @@ def main(argv: list[str]) -> int:
         print("\ntrace detector on: its alerts\n" + detector_table(by_detector["on"]))
     peer = summarize([r for r in run.rows if r["code"] != "now"])
     if peer:
-        print(f"\nthe peer: stalwart before issue 17 ({before}), same cases\n" + table(peer))
+        print(f"\nthe peer: stalwart before its blame rules ({before}), same cases\n" + table(peer))
         print("\n" + "\n".join(compare(now_rows, [r for r in run.rows if r["code"] != "now"])))
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} (timings are noisy on a busy host)")
     if a.json:

@@ -1,4 +1,4 @@
-"""Issue 11: losing the controller costs seconds, never the job.
+"""Losing the controller costs seconds, never the job.
 
 A controller killed with SIGKILL is restarted by its supervisor (the local cluster, as `stalwart
 run` uses it) on the same database; it loads the job's saved state, hears the agents again and

@@ -1,4 +1,4 @@
-"""Issue 2: the controller keeps its state in a real PostgreSQL server and a job runs to completion."""
+"""The controller keeps its state in a real PostgreSQL server and a job runs to completion."""
 import pytest
 
 from jobrun import gpt_spec, run_job
