@@ -104,7 +104,7 @@ def test_openapi_document_describes_every_route(api):
     update = doc["components"]["schemas"]["UpdateCode"]
     assert update["properties"]["mode"]["enum"] == ["lazy", "urgent", "window"]
     assert doc["paths"]["/api/jobs/{job}/incidents/{incident}"]["get"]["parameters"][1]["schema"] == \
-        {"type": "integer"}
+        {"type": "integer", "minimum": 0}
 
 
 @pytest.mark.timeout(60)
