@@ -15,7 +15,6 @@ import time
 import pytest
 
 from jobrun import gpt_spec, wait_for
-from pgserver import PgServer, unavailable_reason
 from stalwart.auth import create_token_file
 from stalwart.agent.workers import kill_tree
 from stalwart.backends.local import LocalCluster
@@ -163,18 +162,6 @@ def killed_at_step_30(tmp_path, db_url=None):
 @pytest.mark.timeout(480)
 def test_controller_killed_mid_training_the_run_goes_on(tmp_path):
     killed_at_step_30(tmp_path)
-
-
-@pytest.fixture
-def pg_url():
-    why = unavailable_reason()
-    if why:
-        pytest.skip(why)
-    srv = PgServer()
-    try:
-        yield srv.start()
-    finally:
-        srv.stop()
 
 
 @pytest.mark.postgres

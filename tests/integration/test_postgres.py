@@ -2,19 +2,6 @@
 import pytest
 
 from jobrun import gpt_spec, run_job
-from pgserver import PgServer, unavailable_reason
-
-
-@pytest.fixture
-def pg_url():
-    why = unavailable_reason()
-    if why:
-        pytest.skip(why)
-    srv = PgServer()
-    try:
-        yield srv.start()
-    finally:
-        srv.stop()
 
 
 @pytest.mark.postgres

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from jobrun import wait_for
-from pgserver import PgServer, unavailable_reason
 from stalwart.controller.lease import EXIT_LEASE_LOST
 from stalwart.controller.store import Store
 from stalwart.spec import JobSpec
@@ -30,18 +29,6 @@ def log_says(path, text: str) -> bool:
             return text in f.read()
     except OSError:
         return False
-
-
-@pytest.fixture
-def pg_url():
-    why = unavailable_reason()
-    if why:
-        pytest.skip(why)
-    srv = PgServer()
-    try:
-        yield srv.start()
-    finally:
-        srv.stop()
 
 
 @pytest.mark.timeout(300)
