@@ -7,12 +7,11 @@ the bearer token (without it every route but the open ones is a 401, which fuzze
 import os
 
 import pytest
+from liveapi import live_api
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from stalwart.controller.api import ApiServer
-from stalwart.controller.service import Controller
 
 TOKEN = "fuzz-test-token"
 
@@ -24,14 +23,10 @@ def live(tmp_path_factory):
     code.mkdir()
     here = os.getcwd()
     os.chdir(code)
-    ctl = Controller(f"sqlite:///{root}/stalwart.db", str(root / "state"))
-    srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
-    srv.start()
     try:
-        yield ctl, f"http://127.0.0.1:{srv.port}"
+        with live_api(root, root / "state", TOKEN) as out:
+            yield out
     finally:
-        srv.stop()
-        ctl.close()
         os.chdir(here)
 
 

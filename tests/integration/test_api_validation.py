@@ -6,24 +6,17 @@ import urllib.error
 import urllib.request
 
 import pytest
+from liveapi import live_api
 
-from stalwart.controller.api import ApiServer
 from stalwart.controller.api_models import MAX_EVENTS, ROUTES
-from stalwart.controller.service import Controller
 
 TOKEN = "validation-test-token"
 
 
 @pytest.fixture
 def api(tmp_path):
-    ctl = Controller(f"sqlite:///{tmp_path}/stalwart.db", str(tmp_path))
-    srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
-    srv.start()
-    try:
-        yield ctl, f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.stop()
-        ctl.close()
+    with live_api(tmp_path, tmp_path, TOKEN) as out:
+        yield out
 
 
 def call(url: str, method="GET", body=None, token=TOKEN) -> tuple[int, dict]:

@@ -12,10 +12,9 @@ import urllib.request
 
 import aiohttp
 import pytest
+from liveapi import live_api
 
 from stalwart.client import ApiError, Client
-from stalwart.controller.api import ApiServer
-from stalwart.controller.service import Controller
 
 TOKEN = "bounds-test-token"
 REG = {"address": "127.0.0.1", "gpus": 1}
@@ -25,14 +24,8 @@ REG = {"address": "127.0.0.1", "gpus": 1}
 def api(tmp_path, monkeypatch):
     (tmp_path / "code").mkdir()
     monkeypatch.chdir(tmp_path / "code")
-    ctl = Controller(f"sqlite:///{tmp_path}/stalwart.db", str(tmp_path / "state"))
-    srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
-    srv.start()
-    try:
-        yield ctl, f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.stop()
-        ctl.close()
+    with live_api(tmp_path, tmp_path / "state", TOKEN) as out:
+        yield out
 
 
 def _raw(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, dict]:

@@ -12,11 +12,10 @@ import urllib.request
 import aiohttp
 import msgspec
 import pytest
+from liveapi import live_api
 
 from stalwart import identity
 from stalwart.client import ApiError, Client
-from stalwart.controller.api import ApiServer
-from stalwart.controller.service import Controller
 
 TOKEN = "operator-test-token"
 REG = {"address": "127.0.0.1", "gpus": 1}
@@ -24,14 +23,8 @@ REG = {"address": "127.0.0.1", "gpus": 1}
 
 @pytest.fixture
 def api(tmp_path):
-    ctl = Controller(f"sqlite:///{tmp_path}/stalwart.db", str(tmp_path))
-    srv = ApiServer(ctl, "127.0.0.1", 0, token=TOKEN)
-    srv.start()
-    try:
-        yield ctl, f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.stop()
-        ctl.close()
+    with live_api(tmp_path, tmp_path, TOKEN) as out:
+        yield out
 
 
 def _status(client: Client, method: str, path: str, body: dict | None = None) -> int:
