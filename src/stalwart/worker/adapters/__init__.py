@@ -17,7 +17,9 @@ which needs the ranks.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
+from typing import Any, NamedTuple
 
 
 def require(module: str, extra: str, what: str) -> ModuleType:
@@ -27,3 +29,25 @@ def require(module: str, extra: str, what: str) -> ModuleType:
     except ImportError:
         raise SystemExit(f"error: stalwart's {what} adapter needs {module.split('.')[0]}, which is not "
                          f"installed: pip install 'stalwart[{extra}]'") from None
+
+
+class Restored(NamedTuple):
+    """The state a restarted run restores (the agent names it in the run's environment)."""
+    rank: int
+    step: int
+    state: Any
+    tier: str
+    out_dir: str        # where a framework's own checkpoint of it is written
+
+
+def restored_state() -> Restored | None:
+    """This rank's restored state, or None on a fresh start."""
+    from stalwart.protocol import Env
+    from stalwart.worker import memckpt
+    path = os.environ.get(Env.RESTORE_PATH)
+    if not path:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    step, state = memckpt.load(path, rank)
+    return Restored(rank, step, state, os.environ.get(Env.RESTORE_TIER, "?"),
+                    os.environ.get(Env.CKPT_DIR) or os.path.abspath("checkpoints"))

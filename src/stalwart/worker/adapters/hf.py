@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 
-from stalwart.protocol import Env
-from stalwart.worker import memckpt
-from stalwart.worker.adapters import require
+from stalwart.worker.adapters import require, restored_state
 from stalwart.worker.standby import wait_if_standby
 
 _tf = require("transformers", "hf", "Hugging Face")
@@ -47,12 +45,10 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
 
     def resume_dir(self) -> str | None:
         """A Trainer checkpoint directory of the state this run restores, or None on a fresh start."""
-        path = os.environ.get(Env.RESTORE_PATH)
-        if not path:
+        got = restored_state()
+        if got is None:
             return None
-        rank = int(os.environ.get("RANK", "0"))
-        step, state = memckpt.load(path, rank)
-        root = os.environ.get(Env.CKPT_DIR) or os.path.abspath("checkpoints")
+        rank, step, state, tier, root = got
         out = os.path.join(root, f"stalwart-resume-rank{rank:05d}", f"checkpoint-{step + 1}")
         os.makedirs(out, exist_ok=True)
         torch.save(state["model"], os.path.join(out, "pytorch_model.bin"))
@@ -61,7 +57,7 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
             torch.save(state["scheduler"], os.path.join(out, "scheduler.pt"))
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             f.write(state["trainer_state"])
-        self._restored = (step, os.environ.get(Env.RESTORE_TIER, "?"))
+        self._restored = (step, tier)
         return out
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -25,9 +25,7 @@ from typing import Any
 
 import torch
 
-from stalwart.protocol import Env
-from stalwart.worker import memckpt
-from stalwart.worker.adapters import require
+from stalwart.worker.adapters import require, restored_state
 from stalwart.worker.standby import wait_if_standby
 
 _pl = require("lightning.pytorch", "lightning", "Lightning")
@@ -45,17 +43,15 @@ class StalwartCallback(_pl.Callback):  # type: ignore[misc,name-defined]
 
     def resume_path(self) -> str | None:
         """A Lightning checkpoint file of the state this run restores, or None on a fresh start."""
-        path = os.environ.get(Env.RESTORE_PATH)
-        if not path:
+        got = restored_state()
+        if got is None:
             return None
-        rank = int(os.environ.get("RANK", "0"))
-        step, state = memckpt.load(path, rank)
-        out_dir = os.environ.get(Env.CKPT_DIR) or os.path.abspath("checkpoints")
+        rank, step, state, tier, out_dir = got
         os.makedirs(out_dir, exist_ok=True)
         out = os.path.join(out_dir, f"stalwart-resume-rank{rank:05d}.ckpt")
         torch.save(state, out + ".tmp")
         os.replace(out + ".tmp", out)
-        self._restored = (step, os.environ.get(Env.RESTORE_TIER, "?"))
+        self._restored = (step, tier)
         self.start_step = step + 1
         return out
 
