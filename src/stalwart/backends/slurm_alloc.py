@@ -119,12 +119,8 @@ class InsideCluster(SlurmCluster):
     def wait_registered(self, timeout: float) -> None:
         client = self.client()
         deadline = time.monotonic() + timeout
-        from stalwart.client import ControllerUnreachable
         while True:
-            try:
-                alive = {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
-            except ControllerUnreachable:
-                alive = set()
+            alive = self.alive(client)
             if set(self.names) <= alive:
                 return
             if self.on_wait:

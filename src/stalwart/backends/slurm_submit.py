@@ -70,6 +70,14 @@ class SlurmCluster(LocalCluster):
         self.names = self.backend.start_agents(self.agents_url(), count)
         return self.names
 
+    @staticmethod
+    def alive(client) -> set[str]:
+        """The machines whose agents the controller hears (none while it does not answer)."""
+        try:
+            return {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
+        except ControllerUnreachable:
+            return set()
+
     def wait_registered(self, timeout: float) -> None:
         """Wait for every node's agent; the allocation may queue first (`timeout` counts from
         when it runs)."""
@@ -77,10 +85,7 @@ class SlurmCluster(LocalCluster):
         job = self.backend.main_allocation()
         deadline = None
         while True:
-            try:
-                alive = {m["id"] for m in client.get("/api/machines")["machines"] if m.get("alive")}
-            except ControllerUnreachable:
-                alive = set()
+            alive = self.alive(client)
             if set(self.names) <= alive:
                 return
             state, reason = self.backend.allocation_state(job) if job else ("?", "")
