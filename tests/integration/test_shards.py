@@ -230,9 +230,15 @@ def test_killed_mid_copy_never_leaves_a_complete_looking_bad_slot(tmp_shm):
 @pytest.mark.timeout(60)
 def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held_one(tmp_shm):
     """On a busy machine the writer can lap the durable copy: the slot of the chosen step already
-    holds a later one. The durable tier then gets the oldest newer step still held, not nothing."""
+    holds a later one. The durable tier then gets the oldest newer step still held, not nothing,
+    and an earlier run's copy of the lapped step goes (the soak restored a NaN run's copy so)."""
     own, backup, durable = (os.path.join(tmp_shm, d) for d in ("own", "backup", "durable"))
     with MemCheckpointer(own, rank=0, slots=2) as ck, ShardStore(own, backup, durable) as store:
+        # an earlier run's copy of step 1 (a NaN run: the next one restored from before it)
+        ck.snapshot({"w": torch.full((256,), -1.0)}, 1)
+        ck.wait()
+        store.persist(0, 1).result(timeout=30)
+        assert store.steps("durable") == {0: [1]}
         for step in range(4):                       # slots now hold steps 2 and 3
             ck.snapshot({"w": torch.full((256,), float(step))}, step)
         ck.wait()
@@ -241,6 +247,7 @@ def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held
         url = store.persist(0, 1, or_newer=True).result(timeout=30)
         assert url.endswith("rank00000.step000000000002.hdr")
         assert torch.equal(memckpt.load(url, 0)[1]["w"], torch.full((256,), 2.0))
+        # this run never replaces the earlier run's step 1: it must not pass for this run's
         assert store.steps("durable") == {0: [2]}
         with pytest.raises(FileNotFoundError, match="nor a newer one"):
             store.persist(0, 4, or_newer=True).result(timeout=30)

@@ -346,6 +346,8 @@ class ShardStore:
         self._fs.mv(f"{base}.data.tmp.{tag}", base + ".data")
         self._fs.pipe_file(f"{base}.hdr.tmp.{tag}", raw)
         self._fs.mv(f"{base}.hdr.tmp.{tag}", base + ".hdr")
+        if int(fields["step"]) != step:
+            self._drop_durable(rank, step)
         if self.keep_durable is not None:
             mine = [p for r, _, p in self._durable_shards() if r == rank]
             for p in mine[:-self.keep_durable]:
@@ -354,6 +356,17 @@ class ShardStore:
                     if self._fs.exists(b + ext):
                         self._fs.rm(b + ext)
         return base + ".hdr"
+
+    def _drop_durable(self, rank: int, step: int) -> None:
+        """A durable copy of (rank, step) that this run will never replace goes: it is an earlier
+        run's (a restore went back before it, as after a NaN), and its step number would pass it
+        for this run's once the controller holds the step good again. (A run persists each step of
+        a rank once; when its copy of `step` was lapped, a newer step went in its place.) The
+        header goes first: a shard is complete only while its header exists."""
+        stale = self._root.rstrip("/") + "/" + _name(rank, step)
+        for ext in (".hdr", ".data"):
+            if self._fs.exists(stale + ext):
+                self._fs.rm(stale + ext)
 
     def drain(self) -> None:
         """Wait for the persists queued so far, and for their done callbacks (they run on the
