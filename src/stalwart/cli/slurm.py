@@ -72,11 +72,7 @@ def add_parsers(sub) -> None:
     p = s.add_parser("submit", help="a job on Slurm nodes, the controller here until the job ends (slurm sbatch "
                                     "runs it in the allocation instead)")
     job_options(p)
-    p.add_argument("--nodes", dest="machines", type=int, help="active nodes (the job's machines)")
-    p.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int,
-                   help="GPUs per node: the job's, and sbatch --gpus-per-node unless --gres says otherwise")
-    p.add_argument("--gres", help="sbatch --gres instead of --gpus-per-node, e.g. gpu:h100:8")
-    p.add_argument("--no-gpu-request", action="store_true", help="ask Slurm for no GPUs (CPU nodes, simulated GPUs)")
+    node_options(p)
     p.add_argument("--srun-arg", action="append", default=[],
                    help="one more option for the agents' srun, e.g. --srun-arg=--container-image=IMAGE (repeatable)")
     p.add_argument("--drain", choices=("auto", "never"), default="auto",
@@ -271,14 +267,19 @@ def run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
 
 
+def node_options(p) -> None:
+    """The allocation's nodes and the GPUs asked of Slurm: the same for `sbatch` and `submit`."""
+    p.add_argument("--nodes", dest="machines", type=int, help="active nodes (the job's machines)")
+    p.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int,
+                   help="GPUs per node: the job's, and sbatch --gpus-per-node unless --gres says otherwise")
+    p.add_argument("--gres", help="sbatch --gres instead of --gpus-per-node, e.g. gpu:h100:8")
+    p.add_argument("--no-gpu-request", action="store_true", help="ask Slurm for no GPUs (CPU nodes, simulated GPUs)")
+
+
 def add_run_parsers(s) -> None:
     b = s.add_parser("sbatch", help="submit a job whose controller runs in the allocation (then log out)")
     job_options(b)
-    b.add_argument("--nodes", dest="machines", type=int, help="active nodes (the job's machines)")
-    b.add_argument("--gpus-per-node", dest="gpus_per_machine", type=int,
-                   help="GPUs per node: the job's, and sbatch --gpus-per-node unless --gres says otherwise")
-    b.add_argument("--gres", help="sbatch --gres instead of --gpus-per-node, e.g. gpu:h100:8")
-    b.add_argument("--no-gpu-request", action="store_true", help="ask Slurm for no GPUs (CPU nodes, simulated GPUs)")
+    node_options(b)
     b.add_argument("--spare", type=int, default=0, help="more idle nodes in the allocation (default 0)")
     b.add_argument("--partition", help="sbatch --partition")
     b.add_argument("--time", help="sbatch --time (the allocation's time limit)")
