@@ -19,7 +19,7 @@ __all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "T
            "UserError", "chaos_help", "api_client", "client_options", "controller_options", "controller_url",
            "job_options", "labels", "log_handler", "log_level", "missing_extra_line", "need_controller",
            "offline_report", "print_json", "report", "setup_logging", "spec_from_args", "state_options",
-           "torchrun_options", "write_atomic"]
+           "state_store_url", "torchrun_options", "write_atomic"]
 
 DEFAULT_STATE = ".stalwart"
 
@@ -377,6 +377,15 @@ def api_client(a, timeout: float) -> Client:
                       ca=getattr(a, "tls_ca", None))
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
+
+
+def state_store_url(a) -> str:
+    """The store a read command falls back to when no controller answers: the state dir's (the
+    caller re-raises when --controller named one that did not answer)."""
+    if not os.path.exists(statedir.db_path(a.state_dir)):
+        raise UserError(f"no controller and no stalwart state in {os.path.abspath(a.state_dir)} "
+                        "(pass --controller, --state-dir or --db)")
+    return statedir.db_url(a.state_dir)
 
 
 def offline_report(a, job: str = "latest") -> dict:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from stalwart.backends import statedir
-from stalwart.cli.common import (EXIT, UserError, api_client, offline_report, print_json, report,
+from stalwart.cli.common import (EXIT, UserError, api_client, offline_report, print_json, report, state_store_url,
                                  state_options)
 from stalwart.client import ControllerUnreachable
 
@@ -104,10 +103,7 @@ def cmd_stacks(a) -> int:
         except (UserError, ControllerUnreachable):
             if a.controller:
                 raise
-            if not os.path.exists(statedir.db_path(a.state_dir)):
-                raise UserError(f"no controller and no stalwart state in {os.path.abspath(a.state_dir)} "
-                                "(pass --controller, --state-dir or --db)") from None
-            inc = offline_incident(statedir.db_url(a.state_dir), a.job, a.incident)
+            inc = offline_incident(state_store_url(a), a.job, a.incident)
     if not inc["stacks"]:
         raise UserError(f"incident {a.incident} ({inc['symptom']}) has no captured stacks")
     print(f"incident {a.incident}: {inc['symptom']} — {inc.get('analysis') or ''}")

@@ -3,11 +3,9 @@ its controller (`GET /api/jobs/{job}/whatif`) or, with `--db` or no controller, 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from stalwart.analyzer.whatif import analyze, render
-from stalwart.backends import statedir
 
 __all__ = ["add_parser", "analyze", "from_store", "main", "render"]
 
@@ -44,7 +42,7 @@ def from_store(url: str, job: str, microbatches: int) -> tuple[int, dict[str, An
 
 
 def main(a: argparse.Namespace) -> int:
-    from stalwart.cli.common import UserError, api_client, print_json
+    from stalwart.cli.common import UserError, api_client, print_json, state_store_url
     from stalwart.client import ControllerUnreachable
     if a.microbatches < 1:
         raise ValueError(f"--microbatches must be >= 1 (got {a.microbatches})")
@@ -56,10 +54,7 @@ def main(a: argparse.Namespace) -> int:
         except (UserError, ControllerUnreachable):
             if a.controller:
                 raise
-            if not os.path.exists(statedir.db_path(a.state_dir)):
-                raise ValueError(f"no controller and no stalwart state in {os.path.abspath(a.state_dir)} "
-                                 "(pass --controller, --state-dir or --db)") from None
-            url = statedir.db_url(a.state_dir)
+            url = state_store_url(a)
     if url is not None:
         job_id, res = from_store(url, str(a.job), a.microbatches)
     if a.json:
