@@ -232,3 +232,61 @@ def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
         for conn in conns:
             conn.close()
         srv.close()
+
+
+def _hf_trainer(out: str, losses: dict, stop_after: int | None = None):
+    """A tiny GPT-2 (dropout on, as configured by default) under a one-process Trainer of 4 steps
+    at a constant learning rate; `losses` collects each step's loss as the Trainer logs it, and
+    the training stops after step `stop_after` if given (the schedule is the 4 steps' still)."""
+    tf = pytest.importorskip("transformers")
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            ids = (i + torch.arange(16)) % 64
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    class Losses(tf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if stop_after is not None and state.global_step - 1 >= stop_after:
+                control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses[state.global_step - 1] = logs["loss"]
+
+    cfg = tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    assert cfg.resid_pdrop > 0                   # the redone steps draw dropout masks again
+    torch.manual_seed(0)
+    args = tf.TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4,
+                                learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
+                                save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                                dataloader_num_workers=0, disable_tqdm=True)
+    return tf.Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(), callbacks=[Losses()])
+
+
+def test_hf_trainer_resumed_from_memory_trains_the_next_steps_bit_for_bit(ctx, monkeypatch, tmp_path):
+    """The callback's per-step copy in the in-memory tier, given back through `resume_dir` as a
+    Trainer checkpoint, puts back the model, the optimizer, the data position and the random
+    generators: the steps after the restored one give the losses they gave the first time."""
+    pytest.importorskip("transformers")
+    from stalwart.worker.adapters import hf
+    whole: dict = {}
+    _hf_trainer(str(tmp_path / "whole"), whole).train()     # the reference: 4 steps, no fault
+    first: dict = {}
+    trainer = _hf_trainer(str(tmp_path / "a"), first, stop_after=1)
+    hf.install(trainer).ctx = ctx                # (attached already: the fixture's context)
+    trainer.train()                              # steps 0 and 1, then the "fault"
+    assert first == {0: whole[0], 1: whole[1]}
+    step, path = memckpt.latest(ctx.mem.dir, 0)
+    assert step == 1
+    monkeypatch.setenv(Env.RESTORE_PATH, path)   # as the agent sets it for the restarted rank
+    again: dict = {}
+    redo = _hf_trainer(str(tmp_path / "b"), again)
+    cb = hf.install(redo, checkpoint=False)
+    resume = cb.resume_dir()
+    assert resume is not None and os.path.exists(os.path.join(resume, "rng_state.pth"))
+    redo.train(resume_from_checkpoint=resume)
+    assert again == {2: whole[2], 3: whole[3]}

@@ -47,6 +47,8 @@ def recorded_sim(faults: list[Fault], policy: str = "stalwart", model: Model | N
     handle = JobCore.handle
 
     def spy(core, st, ev, now):
+        if core is not getattr(sim, "core", None):       # (only this simulation's core is recorded)
+            return handle(core, st, ev, now)
         c = sim.cluster
         seen = (set(c.order) - c.out, set(c.dead_at), set(c.busy), {m: c.labels(m) for m in c.order})
         before = copy.deepcopy(ev)          # the core keeps (and updates) a registered version's row

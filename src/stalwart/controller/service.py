@@ -50,6 +50,7 @@ BACKEND_WATCH_S = 1.0     # how often the backend is asked whether the cluster t
 REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for this long
 MONITOR_EVERY_S = 0.1
 STALL_S = 0.5             # the monitor woke this much later than asked: the controller stalled
+CLOSE_WAIT_S = 10.0        # how long close waits for the job threads to finish the event in hand
 # Chaos for the control plane: a file naming a job phase; the controller SIGKILLs itself right after
 # a job enters it (its decision saved and sent), once. Restart-safety tests kill it mid-recovery.
 SELF_KILL_FILE = os.path.join("chaos", "controller-kill")
@@ -225,6 +226,13 @@ class Controller:
         """Stop serving. Jobs are left as they are: the next controller on this store takes them
         over (cancel a job through the API to end it)."""
         self._stop.set()
+        runners = list(self.jobs.values())
+        for runner in runners:
+            runner.stop()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for runner in runners:       # (a runner mid-save finishes it: the store closes after)
+            if runner.thread.is_alive():
+                runner.thread.join(max(0.0, deadline - time.monotonic()))
         if self.lease is not None:
             self.lease.release()
         self.command_queues.close()

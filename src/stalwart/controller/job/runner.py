@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -50,10 +51,17 @@ class JobRunner:
         self._save_cost = 0.0          # seconds the last save took to encode
         self._save_bytes = 1 << 62     # its size (unknown before the first: written in pieces)
         self._dirty = True
-        self.thread = supervised(f"job-{state.job_id}", self._loop, start=False)
+        self._halt = threading.Event()
+        self.thread = supervised(f"job-{state.job_id}", self._loop, self._halt, start=False)
 
     def start(self) -> None:
         self.thread.start()
+
+    def stop(self) -> None:
+        """End the loop (the controller closes): the job stays as it is in the store, for the next
+        controller to take over. Returns at once; `thread` ends after the event in hand."""
+        self._halt.set()
+        self.inbox.put([])          # wakes the loop, which dispatches nothing and sees the flag
 
     def post(self, ev: JobEvent) -> None:
         self.inbox.put(ev)
@@ -83,7 +91,7 @@ class JobRunner:
     def _loop(self) -> None:
         self.ctl.store.patient()
         next_tick = time.monotonic()
-        while not self.state.terminal:
+        while not self.state.terminal and not self._halt.is_set():
             try:
                 got = self.inbox.get(timeout=max(0.0, next_tick - time.monotonic()))
             except queue.Empty:

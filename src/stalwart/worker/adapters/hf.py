@@ -10,21 +10,25 @@ What it does:
 - `on_train_begin`: joins the job on the process groups Accelerate built (`worker.attach()`);
   under DDP, registers the gradient-check communication hook (`adapters.ddp`) on the wrapped model;
 - every optimizer step (`on_step_end`): the model's, optimizer's and scheduler's state and the
-  `TrainerState` copied into the in-memory tier (the step waits for the copy alone); the step is
+  `TrainerState` and the random generators' states (Python's, NumPy's, torch's: dropout draws
+  from them) copied into the in-memory tier (the step waits for the copy alone); the step is
   reported with the loss and gradient norm the Trainer logs (`logging_steps=1` reports each
   step's loss; a step without a log is reported without one);
 - `resume_dir`: the state this run restores (from this rank's memory, its backup peer's or the
   durable tier, as the agent found it) written as a Trainer checkpoint directory
-  (`pytorch_model.bin`, `optimizer.pt`, `scheduler.pt`, `trainer_state.json`), so the Trainer
-  restores it, its position in the data included, through `resume_from_checkpoint`.
+  (`pytorch_model.bin`, `optimizer.pt`, `scheduler.pt`, `trainer_state.json`,
+  `rng_state_<rank>.pth`), so the Trainer restores it, its position in the data and its random
+  draws included, through `resume_from_checkpoint`: a step trained again gives the same loss.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from stalwart.worker.adapters import require, restored_state
@@ -57,6 +61,9 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
             torch.save(state["scheduler"], os.path.join(out, "scheduler.pt"))
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             f.write(state["trainer_state"])
+        if state.get("rng") is not None:    # (a distributed Trainer reads its process index's file)
+            torch.save(state["rng"], os.path.join(out, f"rng_state_{rank}.pth"))
+            torch.save(state["rng"], os.path.join(out, "rng_state.pth"))
         self._restored = (step, tier)
         return out
 
@@ -91,7 +98,8 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
         if self.checkpoint and model is not None and optimizer is not None:
             snap = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                    "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+                    "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+                    "rng": rng_state()}
             self.ctx.checkpoint(snap, step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
@@ -108,6 +116,17 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
             self._pending = None
         self.ctx.finish()       # the last commit is flushed; attached: the groups stay Accelerate's
         self.ctx = None
+
+
+def rng_state() -> dict:
+    """The random generators' states as the Trainer saves them in a checkpoint (`rng_state.pth`):
+    the next step's draws (dropout, sampling) start from here."""
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                           "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():     # (all devices' under DDP, the current one's alone otherwise)
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        out["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    return out
 
 
 def install(trainer: Any, checkpoint: bool = True) -> StalwartCallback:
