@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# as root the demo's machines get network namespaces of their own (--isolate-network), as the
+# network faults need; otherwise they share the host's network
 demo: setup
 	$(BIN)/stalwart run --state-dir .stalwart/demo --fresh --machines 4 --gpus-per-machine 2 \
+	    $(if $(filter 0,$(shell id -u)),--isolate-network) \
 	    --tp 2 --pp 2 --dp 2 --steps 200 --standby 1 --ckpt-every 10 \
 	    --chaos "crash@step=60,machine=1" --chaos "gpu-xid@step=120,machine=2" \
 	    -- python -m stalwart.examples.gpt

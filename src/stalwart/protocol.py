@@ -500,6 +500,7 @@ class Registration(msgspec.Struct, kw_only=True):
     inventory: dict[str, dict[int, list[int]]] = {}
     warm: int = 0                          # warm spare workers waiting at the barrier
     labels: dict[str, str] = {}
+    isolated: bool = False                 # its workers have a network namespace of their own
 
 
 # -- the agent's channel: one WebSocket per agent (controller/channel.py, agent/link.py) ---------

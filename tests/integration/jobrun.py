@@ -21,9 +21,10 @@ def gpt_spec(machines: int = 2, gpus: int = 2, steps: int = 40, **kw) -> dict:
 
 
 def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: str | None = None,
-            spare: int = 0) -> dict:
+            spare: int = 0, network: str = "auto") -> dict:
     """Start a cluster sized for `spec` (plus `spare` idle machines), run the job to the end, stop
-    everything, return the report.
+    everything, return the report. The machines have their own network namespaces where they can
+    (`network="auto"`: as root), so network faults are real.
 
     `during(client, job_id, status)` is called on every poll (to inject faults mid-run); the
     cluster is `client.cluster`. Polls ride out a controller restart.
@@ -32,7 +33,7 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
     total = js.machines + standby_count(js) + spare
     cluster = LocalCluster(str(state_dir), total, js.gpus_per_machine,
                            heartbeat_s=js.policy.heartbeat_s, missed_beats=js.policy.missed_beats,
-                           db_url=db_url)
+                           db_url=db_url, network=network)
     try:
         cluster.start()
         job = cluster.client().post("/api/jobs", {"spec": js.to_dict()})["job"]

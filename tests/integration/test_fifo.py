@@ -1,6 +1,7 @@
 """Jobs take machines in submission order (Controller.free_for): only the oldest waiting job
 sees free machines, a running job refills standbys only while nobody waits, and machines another
 job has just decided to take are never offered twice."""
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,8 +16,13 @@ class FakeRunner:
     terminal: bool = False
     mine: set = field(default_factory=set)
 
+    thread = threading.Thread()        # (never started: a runner the controller made but did not run)
+
     def held(self):
         return set(self.mine)
+
+    def stop(self) -> None:
+        self.terminal = True
 
 
 @pytest.fixture

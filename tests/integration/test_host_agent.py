@@ -57,7 +57,7 @@ def health(state_dir, job: int, kind: str) -> list[dict]:
 @contextmanager
 def host_agent(tmp_path, *agent_args: str):
     """A controller, one agent `h0` started by hand with `agent_args`, and a job running on it."""
-    cluster = LocalCluster(str(tmp_path), 0, 1, heartbeat_s=0.5, missed_beats=4, network="loopback")
+    cluster = LocalCluster(str(tmp_path), 0, 1, heartbeat_s=0.5, missed_beats=4, network="host")
     try:
         cluster.start()
         argv = [sys.executable, "-m", "stalwart.cli", "agent", "--controller", cluster.url, "--machine-id", "h0",

@@ -141,3 +141,13 @@ def test_every_kind_is_injected_by_some_test():
             assert marker in (ROOT / path).read_text(), kind
         else:
             assert re.search(rf"[\"'(]{re.escape(kind)}[@\"']", tests), f"no integration test injects {kind}"
+
+
+def test_network_kinds_need_machines_with_their_own_network():
+    assert catalogue.NETWORK_KINDS == {"nic-down", "nic-flap", "link-slow", "partition"} <= set(catalogue.KINDS)
+    catalogue.check_isolated("crash", isolated=False)
+    catalogue.check_isolated("link-slow", isolated=True)
+    for kind in sorted(catalogue.NETWORK_KINDS):
+        with pytest.raises(ChaosError, match=rf"chaos {kind} needs machines with their own network: start "
+                                             r"the cluster with `stalwart run --isolate-network` \(as root\)"):
+            catalogue.check_isolated(kind, isolated=False)

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import socket
+import sys
 import time
 
 import pytest
@@ -226,3 +227,26 @@ def test_one_meaning_per_option():
         for cmd, act in opts[o]:
             if cmd != "controller" and not cmd.startswith(("slurm", "k8s")):
                 assert "$STALWART_" in act.help, (o, cmd)
+
+
+def test_run_refuses_a_network_fault_on_the_host_s_network_before_starting(tmp_path, capsys):
+    state = tmp_path / "state"
+    argv = ["run", "--state-dir", str(state), "--machines", "2", "--gpus-per-machine", "1",
+            "--chaos", "partition@step=3,machine=0,peer=1", "--", sys.executable, "-c", "pass"]
+    assert run(argv) == EXIT.USAGE
+    err = capsys.readouterr().err
+    assert "chaos partition needs machines with their own network" in err and "--isolate-network" in err
+    assert len(err.strip().splitlines()) == 1 and not state.exists()      # nothing started
+
+
+def test_run_isolate_network_says_why_it_cannot(tmp_path, capsys, monkeypatch):
+    from stalwart.devices import netns
+    monkeypatch.setattr(netns, "available", lambda: (False, "needs root (uid 1000)"))
+    state = tmp_path / "state"
+    argv = ["run", "--state-dir", str(state), "--isolate-network", "--machines", "2", "--gpus-per-machine", "1",
+            "--chaos", "nic-down@step=3,machine=1", "--", sys.executable, "-c", "pass"]
+    assert run(argv) == EXIT.USAGE
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --isolate-network: machines with their own network are unavailable here: "
+                   "needs root (uid 1000)")
+    assert not state.exists()

@@ -210,7 +210,8 @@ class Agent:
                               running_run=self._run if ranks or done else None, job=self._job, ranks=ranks,
                               done_ranks=done,
                               last_step={r: s for r, s in self._last_step.items() if r in ranks},
-                              inventory=self.ckpt.inventory(), warm=warm, labels=self.labels)
+                              inventory=self.ckpt.inventory(), warm=warm, labels=self.labels,
+                              isolated=self.netns is not None)
 
     def _register(self) -> None:
         reply = self.link.register(p.encode(self.registration()))

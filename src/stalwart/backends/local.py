@@ -4,11 +4,15 @@ Machines are named m0 … m{N+S-1} (the N active ones first, then the S standbys
 topology labels (`synthetic_labels`: a switch per 4 machines, a pod per 16). The cluster
 watches the controller it started and restarts it on the same database when it dies (on the same
 port when it can; agents re-read `controller.json` when the address changes), so a killed
-controller costs seconds, never the job. As root, each
-machine's workers live in their own network namespace with their own address on a bridge (the
-agent stays in the root namespace, like a management network), so NIC faults, slow links and
-partitions are real; without root, machines share loopback and network chaos says it is
-unavailable. Every process is
+controller costs seconds, never the job.
+
+The machines share the host's network by default (`network="host"`): a job run as root reaches
+what it reaches without stalwart (DNS, a dataset server, an experiment tracker). Isolated
+(`network="isolated"`, `stalwart run --isolate-network`, root only), each machine's workers live
+in their own network namespace with their own address on a bridge (the agent stays in the root
+namespace, like a management network), so NIC faults, slow links and partitions are real; the
+namespaces have no DNS and no route out. `network="auto"` isolates where it can (root, `ip`).
+Network chaos on machines that share the host's network is refused with the reason. Every process is
 started in its own session and recorded in `<state_dir>/pids.json`, so `stalwart cleanup` (and the
 next start) can remove what a crashed `stalwart run` left behind.
 """
@@ -48,6 +52,13 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "stalwart.cli"]
 
 
+NETWORK_MODES = ("host", "isolated", "auto")
+
+
+class NetworkUnavailable(RuntimeError):
+    """Isolated machines were asked for where network namespaces cannot be made (not root, no `ip`)."""
+
+
 class LocalCluster(Backend):
     """The local backend: a fixed set of machines on this host, started with the cluster (N
     active, S standby, P spare): `request` has none to add, the pool refills from the spares, and
@@ -58,9 +69,9 @@ class LocalCluster(Backend):
 
     def __init__(self, state_dir: str, machines: int, gpus_per_machine: int,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, db_url: str | None = None,
-                 log_level: str = "INFO", network: str = "auto"):
-        if network not in ("auto", "netns", "loopback"):
-            raise ValueError(f"network must be auto, netns or loopback (got {network!r})")
+                 log_level: str = "INFO", network: str = "host"):
+        if network not in NETWORK_MODES:
+            raise ValueError(f"network must be one of {', '.join(NETWORK_MODES)} (got {network!r})")
         self.state_dir = os.path.abspath(state_dir)
         self.n = machines
         self.gpus = gpus_per_machine
@@ -180,11 +191,13 @@ class LocalCluster(Backend):
     def _start_network(self) -> str:
         """Create the machines' namespaces when wanted and possible; returns the store host."""
         from stalwart.backends import netns
+        if self.network_mode == "host":
+            return "127.0.0.1"
         ok, why = netns.available()
-        if self.network_mode == "netns" and not ok:
-            raise RuntimeError(f"machines with their own network are unavailable: {why}")
-        if self.network_mode == "loopback" or not ok:
-            self.net_unavailable_reason = why if not ok else "loopback requested"
+        if self.network_mode == "isolated" and not ok:
+            raise NetworkUnavailable(f"--isolate-network: machines with their own network are unavailable "
+                                     f"here: {why}")
+        if not ok:
             return "127.0.0.1"
         prefix = "sw" + os.urandom(3).hex()
         self.net = netns.Network(prefix, state_dir=os.path.join(self.state_dir, "netns"))

@@ -45,7 +45,7 @@ class SlurmCluster(LocalCluster):
                  env: dict[str, str] | None = None, agent_args: list[str] | None = None,
                  srun_args: list[str] | None = None):
         super().__init__(state_dir, nodes, gpus_per_node, heartbeat_s=heartbeat_s, missed_beats=missed_beats,
-                         log_level=log_level, network="loopback")
+                         log_level=log_level, network="host")
         self.advertise = advertise
         self.cfg = SlurmConfig(state_dir=self.state_dir, tag=os.urandom(3).hex(), token_file=self.token_file,
                                gpus=gpus_per_node, heartbeat_s=heartbeat_s, log_level=log_level,

@@ -40,6 +40,12 @@ ROOT_KINDS = {"nic-down": "network namespaces", "nic-flap": "network namespaces"
               "freeze": "the cgroup freezer", "cpu-throttle": "cgroup CPU quotas"}
 
 
+# Kinds that act on a machine's own network: they need machines isolated in network namespaces
+# (`stalwart run --isolate-network`); on machines sharing the host's network they would cut the host.
+NETWORK_KINDS = frozenset({"nic-down", "nic-flap", "link-slow", "partition"})
+ISOLATE_HINT = "start the cluster with `stalwart run --isolate-network` (as root)"
+
+
 class ChaosError(InvalidRequest):
     """A chaos request that cannot be understood or cannot be applied."""
 
@@ -99,6 +105,13 @@ def check_runnable(kind: str, euid: int | None = None) -> None:
     euid = os.geteuid() if euid is None else euid
     if kind in ROOT_KINDS and euid != 0:
         raise ChaosError(f"chaos {kind} needs root ({ROOT_KINDS[kind]}); this runs as uid {euid}")
+
+
+def check_isolated(kind: str, isolated: bool) -> None:
+    """Refuse a network fault on machines that share the host's network."""
+    if kind in NETWORK_KINDS and not isolated:
+        raise ChaosError(f"chaos {kind} needs machines with their own network: {ISOLATE_HINT}; here the "
+                         f"machines share the host's network, which the fault would cut")
 
 
 def validate_against(spec: ChaosSpec, machines_total: int, gpus_per_machine: int,

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable
 
+from stalwart.chaos import catalogue
 from stalwart.chaos.net import ChaosUnavailable
 from stalwart.devices.netns import Machine
 from stalwart.devices.simgpu import SimGpu
@@ -59,8 +60,8 @@ class MachineChaos:
 
     def _machine(self, machine_id: str | None = None):
         if not self.network:
-            raise ChaosUnavailable("needs machines with their own network (run as root: network "
-                                   "namespaces); this cluster shares loopback")
+            raise ChaosUnavailable(f"needs machines with their own network: {catalogue.ISOLATE_HINT}; "
+                                   f"this machine shares the host's network")
         d = self.network["self"] if machine_id is None else self.network["machines"].get(machine_id)
         if d is None:
             raise ChaosUnavailable(f"machine {machine_id} has no network of its own")

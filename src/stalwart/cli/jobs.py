@@ -18,6 +18,13 @@ def cmd_run(a) -> int:
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
+    for c in spec.chaos:
+        catalogue.check_isolated(catalogue.parse(c).kind, a.isolate_network)
+    if a.isolate_network:
+        from stalwart.devices import netns
+        ok, why = netns.available()
+        if not ok:
+            raise UserError(f"--isolate-network: machines with their own network are unavailable here: {why}")
     from stalwart.cli.logs import LogTail, parse_ranks
     shown = parse_ranks(a.log_ranks)
     lock = StateDirLock(a.state_dir)
@@ -30,7 +37,8 @@ def cmd_run(a) -> int:
             lock.clear()
         total = spec.machines + standby_count(spec) + a.spare
         cluster = LocalCluster(a.state_dir, total, spec.gpus_per_machine, heartbeat_s=spec.policy.heartbeat_s,
-                               missed_beats=spec.policy.missed_beats, log_level=a.log_level)
+                               missed_beats=spec.policy.missed_beats, log_level=a.log_level,
+                               network="isolated" if a.isolate_network else "host")
         print(f"stalwart: starting a controller and {total} machines ({spec.machines} active, "
               f"{standby_count(spec)} standby, {a.spare} spare) in {os.path.abspath(a.state_dir)}", flush=True)
         shows = "every rank" if shown is None else (
@@ -129,6 +137,10 @@ def add_parsers(sub) -> None:
                    help="extra idle machines the standby pool refills from after a failover (default 0)")
     r.add_argument("--state-dir", default=DEFAULT_STATE)
     r.add_argument("--fresh", action="store_true", help="delete the state dir first")
+    r.add_argument("--isolate-network", action="store_true",
+                   help="each machine's workers in their own network namespace on a bridge (root only): "
+                        "network faults become real, but the workers have no DNS and no route out "
+                        "(default: the host's network, as without stalwart)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     r.set_defaults(fn=cmd_run)
 

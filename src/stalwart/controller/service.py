@@ -251,7 +251,7 @@ class Controller:
             m = self._machines.get(machine)
             state = m["state"] if m and m["state"] in ("active", "standby", "evicted") else "idle"
             rec = {"id": machine, "state": state, "address": reg.address, "info": protocol.encode(reg),
-                   "registered_at": now, "last_beat": now, "alive": True,
+                   "registered_at": now, "last_beat": now, "alive": True, "isolated": reg.isolated,
                    "job_id": m.get("job_id") if m else None, "reason": m.get("reason") if m else None}
             self._machines[machine] = rec
             self._earliest_beat = min(self._earliest_beat, now)
@@ -617,6 +617,8 @@ class Controller:
             catalogue.validate_against(c, len(self._machines), runner.spec.gpus_per_machine,
                                        runner.spec.machines, slots=list(runner.state.slots),
                                        known=set(self._machines))
+            if self._machines[c.machine_id()].get("isolated") is False:    # (not known yet: the agent says)
+                catalogue.check_isolated(c.kind, False)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         runner.post(Inject(kind=c.kind, machine=c.machine, rank=c.rank, params=dict(c.params)))
