@@ -101,12 +101,18 @@ class Progress:
             self.live.stop()
 
 
-def summary(rep: dict) -> str:
+def summary(rep: dict, target_given: bool = True) -> str:
+    """The job's end in a few lines. A step target is shown as `Progress` shows it: named by the
+    user, or trained to by the SDK; never for steps the step hook counted, nor for a job that
+    reported none without a target given."""
+    done = rep["steps_completed"]
+    script = rep.get("steps_source") == "script"
+    target = rep.get("steps_target") if not script and (target_given or done > 0) else None
+    steps = f"  steps {done}" + (f"/{target}" if target else "") + (" (counted by the step hook)" if script else "")
+    if rep.get("final_loss") is not None:
+        steps += f", final loss {rep['final_loss']}"
     lines = [f"job {rep['job']}: {rep['state']}" + (f" ({rep['reason']})" if rep.get("reason") else ""),
-             (f"  steps {rep['steps_completed']}/{rep['steps_target']}, final loss {rep['final_loss']}"
-              if rep.get("steps_target") else
-              f"  steps {rep['steps_completed']} (counted by the step hook)" if rep.get("steps_source") == "script"
-              else f"  steps {rep['steps_completed']}, final loss {rep['final_loss']}"),
+             steps,
              f"  wall {rep['wall_s']:.1f}s, productive {rep['productive_s']:.1f}s, ETTR {rep['ettr']:.3f}",
              "  unproductive: " + ", ".join(f"{k} {v:.2f}s" for k, v in rep["unproductive_s"].items() if v)]
     if rep.get("startup_phases"):

@@ -83,3 +83,7 @@ def test_a_plain_scripts_progress_line_counts_steps_and_shows_no_target():
            "steps_source": "script", "final_loss": None, "wall_s": 10.0, "productive_s": 8.0, "ettr": 0.8,
            "unproductive_s": {"startup": 2.0}, "incidents": []}
     assert "steps 96 (counted by the step hook)" in summary(rep)
+    # a job that reported no step and was given no target: no target, no loss to speak of
+    quiet = {**rep, "steps_completed": 0, "steps_target": 100, "steps_source": "sdk"}
+    assert summary(quiet, target_given=False).splitlines()[1] == "  steps 0"
+    assert summary({**quiet, "final_loss": 2.5}).splitlines()[1] == "  steps 0/100, final loss 2.5"

@@ -79,5 +79,5 @@ def run_job(cluster, spec, start: Callable[[], None], job: int | None = None,
         return 130
     finally:
         cluster.stop()
-    print(summary(rep))
+    print(summary(rep, target_given=target_given))
     return 0 if rep["state"] == "succeeded" else 1

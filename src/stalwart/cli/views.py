@@ -36,9 +36,10 @@ def cmd_status(a) -> int:
     live = rep.get("live") or {}
     print(f"job {rep['job']}: {live.get('state', rep['state'])}" + (f" ({rep['reason']})" if rep.get("reason") else ""))
     target = f"/{rep['steps_target']}" if rep.get("steps_target") else ""       # none for a plain script
+    loss = live.get("loss", rep["final_loss"])          # none until the SDK reports one
     print(f"  step {live.get('step', rep['steps_completed'])}{target}"
-          f"  loss {live.get('loss', rep['final_loss'])}"
-          f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
+          + (f"  loss {loss}" if loss is not None else "")
+          + f"  run {live.get('run', len(rep['runs']))}  ETTR {rep['ettr']:.3f}")
     warm = set(live.get("standby_warm") or ())
     for m in rep["machines"]:
         note = " (warm)" if m["id"] in warm else ""
