@@ -17,6 +17,8 @@ import secrets
 import ssl
 import stat
 
+from stalwart.errors import StalwartError
+
 TOKEN_FILE = "token"
 SECRET_FILE = "secret"     # the controller's secret: checkpoint keys and scoped tokens derive from it
 TOKEN_ENV = "STALWART_TOKEN"
@@ -24,7 +26,7 @@ PUBLIC_PATHS = ("/", "/api/health", "/api/openapi.json")
 PUBLIC_PREFIXES = ("/static/",)
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(StalwartError, ValueError):
     """A token or certificate file that cannot be used (the message says which and why)."""
 
 

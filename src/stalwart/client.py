@@ -7,13 +7,14 @@ import threading
 import urllib.parse
 
 from stalwart import auth
+from stalwart.errors import StalwartError
 
 
-class ControllerUnreachable(RuntimeError):
+class ControllerUnreachable(StalwartError, RuntimeError):
     """The controller did not answer (not running, wrong address, network down)."""
 
 
-class ApiError(RuntimeError):
+class ApiError(StalwartError, RuntimeError):
     """The controller answered with an error."""
 
     def __init__(self, status: int, message: str):

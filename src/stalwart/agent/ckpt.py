@@ -37,6 +37,7 @@ from stalwart.agent.paths import secure_dir
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
 from stalwart.worker import memckpt
+from stalwart.errors import StalwartError
 
 SCAN_EVERY_S = 1.0      # the fallback scan of the shared memory (announcements do the rest)
 # A rank's memory copies (own, a peer's backup) are reported to the controller at most this often
@@ -48,7 +49,7 @@ ANNOUNCE_EVERY_S = 1.0
 log = logging.getLogger("stalwart.agent")
 
 
-class RestoreFailed(RuntimeError):
+class RestoreFailed(StalwartError, RuntimeError):
     """No tier holds a valid copy of a rank's shard for the requested step."""
 
 

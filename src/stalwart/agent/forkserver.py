@@ -37,12 +37,14 @@ import sys
 import time
 import types
 
+from stalwart.errors import StalwartError
+
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 PRELOAD_ENV = "STALWART_FORK_PRELOAD"     # comma list of modules (replaces the default)
 PR_SET_PDEATHSIG = 1
 
 
-class Unsupported(ValueError):
+class Unsupported(StalwartError, ValueError):
     """A command line this server cannot become (the client starts that worker the usual way)."""
 
 

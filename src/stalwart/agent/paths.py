@@ -16,6 +16,8 @@ import hashlib
 import os
 import stat
 
+from stalwart.errors import StalwartError
+
 SHM = "/dev/shm"
 PREFIX = "stalwart-"
 OWNER = "owner"
@@ -40,7 +42,7 @@ def claim(workdir: str, shm: str = SHM) -> str:
     return root
 
 
-class UnsafeDir(RuntimeError):
+class UnsafeDir(StalwartError, RuntimeError):
     """A checkpoint directory that someone else could read or swap (the message says why)."""
 
 

@@ -21,12 +21,14 @@ import hmac
 import secrets
 from typing import Callable
 
+from stalwart.errors import StalwartError
+
 NONCE_BYTES = 32
 AUTH_FRAME = 1024          # the most a frame may hold before the peer proved it has the key
 AUTH_TIMEOUT_S = 10.0      # ...and how long it has to
 
 
-class AuthError(RuntimeError):
+class AuthError(StalwartError, RuntimeError):
     """The other end did not prove it holds the job's checkpoint key."""
 
 

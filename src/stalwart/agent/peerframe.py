@@ -8,12 +8,13 @@ import struct
 from typing import Iterator
 
 from stalwart.agent.backups import recv_into_all
+from stalwart.errors import StalwartError
 
 CHUNK = 4 << 20
 MAX_FRAME = 64 << 20
 
 
-class PeerError(RuntimeError):
+class PeerError(StalwartError, RuntimeError):
     """The peer refused or failed a transfer (its message says why)."""
 
 

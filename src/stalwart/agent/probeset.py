@@ -34,6 +34,7 @@ from stalwart.agent.probes.gpu import GpuProbe, make_gpu_source
 from stalwart.agent.probes.host import HostProbe
 from stalwart.agent.probes.kmsg import KmsgProbe
 from stalwart.agent.probes.nic import NicProbe
+from stalwart.errors import StalwartError
 
 log = logging.getLogger("stalwart.agent")
 
@@ -42,7 +43,7 @@ NIC_INTERVAL_S = 1.0          # a sysfs read per interface: cheap enough to see 
 RTF_UP = 0x1
 
 
-class ProbeSetupError(ValueError):
+class ProbeSetupError(StalwartError, ValueError):
     """A probe option that cannot work on this host (an unknown --nic): one line for the user."""
 
 

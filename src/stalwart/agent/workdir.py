@@ -10,10 +10,12 @@ from __future__ import annotations
 import fcntl
 import os
 
+from stalwart.errors import StalwartError
+
 LOCK = "agent.lock"
 
 
-class WorkdirInUse(RuntimeError):
+class WorkdirInUse(StalwartError, RuntimeError):
     """Another live agent holds the work directory."""
 
 

@@ -32,6 +32,7 @@ from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
 from stalwart.client import Client, ControllerUnreachable
+from stalwart.errors import StalwartError
 
 log = logging.getLogger("stalwart.local")
 
@@ -55,7 +56,7 @@ def _python() -> list[str]:
 NETWORK_MODES = ("host", "isolated", "auto")
 
 
-class NetworkUnavailable(RuntimeError):
+class NetworkUnavailable(StalwartError, RuntimeError):
     """Isolated machines were asked for where network namespaces cannot be made (not root, no `ip`)."""
 
 

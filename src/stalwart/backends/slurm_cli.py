@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from stalwart.errors import StalwartError
+
 CLI_TIMEOUT_S = 30.0
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
                "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -26,7 +28,7 @@ ENDED = {"PREEMPTED": "was preempted", "TIMEOUT": "reached its time limit", "CAN
 _json_refused: set[str] = set()          # commands that said they take no --json (an older Slurm)
 
 
-class SlurmError(RuntimeError):
+class SlurmError(StalwartError, RuntimeError):
     """A Slurm command failed (its stderr says why)."""
 
 

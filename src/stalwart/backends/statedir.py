@@ -16,6 +16,8 @@ import shutil
 import sys
 import time
 
+from stalwart.errors import StalwartError
+
 LOCK_NAME = "run.lock"
 DB_NAME = "stalwart.db"         # the controller's database in a state dir (SQLite unless --db says)
 
@@ -30,7 +32,7 @@ def db_url(state_dir: str) -> str:
     return f"sqlite:///{db_path(state_dir)}"
 
 
-class StateDirBusy(RuntimeError):
+class StateDirBusy(StalwartError, RuntimeError):
     """Another live `stalwart run` holds the state dir."""
 
 

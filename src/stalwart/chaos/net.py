@@ -23,6 +23,7 @@ import time
 from typing import Sequence
 
 from stalwart.devices.netns import Machine
+from stalwart.errors import StalwartError
 
 _TIMEOUT_S = 10.0
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")
@@ -32,7 +33,7 @@ _RATE_UNITS = {
 }
 
 
-class ChaosUnavailable(RuntimeError):
+class ChaosUnavailable(StalwartError, RuntimeError):
     """A fault cannot be injected on this host; the message says why."""
 
 

@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as e:
         print(f"error: the controller refused: {e}", file=sys.stderr)
         return EXIT.REFUSED
+    except RuntimeError as e:  # the local cluster could not start (a StalwartError or not): say why
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT.JOB_FAILED
     except (UserError, ValueError, StalwartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT.USAGE
-    except RuntimeError as e:  # the local cluster could not start: say why, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT.JOB_FAILED

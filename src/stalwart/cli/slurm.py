@@ -19,6 +19,7 @@ import yaml
 from stalwart.backends.slurm import NOTES, JobInfo, SlurmError, ended_reason, job_info, run_cli
 from stalwart.backends.slurm_alloc import COMMENT_PREFIX, InsideCluster, batch_script, gpu_request, remember
 from stalwart.backends.slurm_submit import SlurmCluster, default_advertise
+from stalwart.errors import StalwartError
 from stalwart.cli.common import job_options, spec_from_args
 from stalwart.errors import UserError
 
@@ -97,7 +98,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(fn=cmd_slurm_submit)
 
 
-class AllocationEnding(Exception):
+class AllocationEnding(StalwartError):
     """Slurm is ending this allocation (SIGTERM to the batch script)."""
 
 

@@ -1,7 +1,8 @@
 """The controller's HTTP/JSON API (agents and the CLI) and the dashboard, served by aiohttp.
 
 Errors: a `StalwartError` is answered with its status (400 invalid request, 404 not found, 409
-conflict) and its message; anything else is a bug: 500, logged with its traceback.
+conflict, 503 store unavailable, 500 for the rest, which is logged) and its message; anything else
+is a bug: 500, logged with its traceback.
 """
 from __future__ import annotations
 
@@ -365,6 +366,8 @@ class ApiServer:
                 else:
                     out = await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args))
             except StalwartError as e:
+                if e.status == 500:     # (a lease lost, a schema mismatch; 503, the store away, the probe says)
+                    log.error("%s %s failed: %s: %s", method, loggable(path), type(e).__name__, e)
                 return reply(e.status, {"error": str(e).strip("'\"")})
             except Exception as e:
                 log.exception("%s %s failed", method, loggable(path))

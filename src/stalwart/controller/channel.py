@@ -164,6 +164,9 @@ class Channels:
                 else:
                     return self._register(conn.machine, msg, t0)
             except StalwartError as e:
+                if e.status == 500:
+                    log.error("channel of %s: a %s message failed: %s: %s", conn.machine, kind.__name__,
+                              type(e).__name__, e)
                 code, reply = e.status, protocol.ChannelError(seq=seq, error=str(e).strip("'\""), status=e.status)
             except Exception as e:          # a bug: logged, answered; the channel goes on
                 log.exception("channel of %s: a %s message failed", conn.machine, kind.__name__)
@@ -182,6 +185,8 @@ class Channels:
                     role=out["role"], steps_batch=bool(out.get("steps_batch")))
                 code = 200
             except StalwartError as e:
+                if e.status == 500:
+                    log.error("channel of %s: a registration failed: %s: %s", machine, type(e).__name__, e)
                 code, reply = e.status, protocol.ChannelError(seq=msg.seq, error=str(e), status=e.status)
             except Exception as e:
                 log.exception("channel of %s: a registration failed", machine)

@@ -162,7 +162,7 @@ def _enc(values: dict) -> dict:
             for k, v in values.items()}
 
 
-class StoreSchemaError(RuntimeError):
+class StoreSchemaError(StalwartError, RuntimeError):
     """The database was made by another version of stalwart."""
 
 
@@ -172,7 +172,7 @@ class StoreUnavailable(StalwartError):
     status = 503
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(StalwartError, RuntimeError):
     """Another controller holds the lease: this one must not write or act any more."""
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from stalwart.errors import StalwartError
+
 IFNAMSIZ = 15  # usable characters of a Linux interface name
 SUBNET_BASE = "10.213"
 MAX_MACHINES = 245  # host part 10 + i must stay <= 254
@@ -39,7 +41,7 @@ RESOLV_CONF = ("# stalwart namespace machine: no DNS here, fail lookups at once\
                "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
-class NetnsError(RuntimeError):
+class NetnsError(StalwartError, RuntimeError):
     """A system command that builds or removes the network failed."""
 
 

@@ -32,11 +32,13 @@ import threading
 import time
 from datetime import timedelta
 
+from stalwart.errors import StalwartError
+
 CHECKS = ("selftest", "intra", "inter", "align")
 PAIR_BOUND = 1.5     # a pair's test, once both ends joined, takes at most this many timeouts
 
 
-class PlanError(ValueError):
+class PlanError(StalwartError, ValueError):
     pass
 
 

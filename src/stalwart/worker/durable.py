@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from stalwart.errors import StalwartError
 
-class CorruptCheckpoint(RuntimeError):
+
+class CorruptCheckpoint(StalwartError, RuntimeError):
     """A checkpoint shard is missing, truncated or fails its checksum."""
 
 

@@ -44,13 +44,15 @@ import zlib
 import blake3
 import xxhash
 
+from stalwart.errors import StalwartError
+
 FORMAT = "stalwart-shard/1"
 ALIGN = 64
 CRC_CHUNK = 16 << 20
 _NAME = re.compile(r"^rank(\d{5})\.(slot\d{1,3}|step\d{12})\.hdr$")
 
 
-class CorruptShard(RuntimeError):
+class CorruptShard(StalwartError, RuntimeError):
     """A shard is incomplete, truncated, or fails its checksum."""
 
 
@@ -296,7 +298,7 @@ def step_shards(dir: str, rank: int) -> list[tuple[int, str]]:
 
 # ----------------------------------------------------------------------------- space
 
-class NoSpace(OSError):
+class NoSpace(StalwartError, OSError):
     """The shared memory cannot hold a checkpoint slot or backup (the message says how much)."""
 
 

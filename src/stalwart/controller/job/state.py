@@ -38,6 +38,7 @@ from stalwart.controller.peerwatch import PeerWatch
 from stalwart.controller.policy import Alert, Exit, Resolution
 from stalwart.controller.restore import Availability
 from stalwart.controller.scriptsteps import ScriptRun
+from stalwart.errors import StalwartError
 
 
 class JobPhase(str, enum.Enum):
@@ -92,7 +93,7 @@ INCIDENT_TRANSITIONS: dict[IncidentPhase, set[IncidentPhase]] = {
 }
 
 
-class TransitionError(RuntimeError):
+class TransitionError(StalwartError, RuntimeError):
     """A flow asked for a transition the tables above do not allow: a bug in the flow."""
 
 

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from stalwart.protocol import Env
 from stalwart.worker import memckpt
 from stalwart.worker.standby import wait_if_standby
+from stalwart.errors import StalwartError
 
 FORMAT = "stalwart-dcp-1"
 DURABLE_PREFIX = "dcp_step_"
@@ -62,7 +63,7 @@ DURABLE_PREFIX = "dcp_step_"
 wait_if_standby()      # a warm standby waits here for its ranks, torch loaded (worker/standby.py)
 
 
-class StateTooLarge(RuntimeError):
+class StateTooLarge(StalwartError, RuntimeError):
     """The state does not fit the shared-memory filesystem of the in-memory tier."""
 
 
