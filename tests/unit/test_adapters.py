@@ -290,3 +290,60 @@ def test_hf_trainer_resumed_from_memory_trains_the_next_steps_bit_for_bit(ctx, m
     assert resume is not None and os.path.exists(os.path.join(resume, "rng_state.pth"))
     redo.train(resume_from_checkpoint=resume)
     assert again == {2: whole[2], 3: whole[3]}
+
+
+def _lightning_run(root: str, losses: dict, stop_after: int | None = None, callbacks: tuple = ()):
+    """A tiny model with dropout under a one-process Lightning Trainer of 4 steps (SGD, no
+    scheduler), each step's batch drawn from the step (Lightning restarts a plain loader's epoch on
+    a resume: docs/integration.md); `losses` collects each step's loss; training stops after step
+    `stop_after`."""
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
+
+        def training_step(self, _indices, i):
+            g = torch.Generator().manual_seed(self.global_step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            loss = (self.net(x) - y).pow(2).mean()
+            losses[self.global_step] = float(loss)
+            if stop_after is not None and self.global_step >= stop_after:
+                self.trainer.should_stop = True
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        callbacks=list(callbacks))
+    return trainer, Net(), torch.utils.data.DataLoader(list(range(16)), batch_size=1)
+
+
+def test_lightning_resumed_from_memory_trains_the_next_steps_bit_for_bit(ctx, monkeypatch, tmp_path):
+    """The callback's per-step copy of Lightning's checkpoint, its own state (the random generators)
+    included, resumes a model with dropout: the steps after the restored one give the losses they
+    gave the first time."""
+    pytest.importorskip("lightning.pytorch")
+    from stalwart.worker.adapters.lightning import StalwartCallback
+    whole: dict = {}
+    trainer, model, data = _lightning_run(str(tmp_path / "whole"), whole)
+    trainer.fit(model, data)                                 # the reference: 4 steps, no fault
+    first: dict = {}
+    cb = StalwartCallback()
+    cb.ctx = ctx                                             # (attached already: the fixture's context)
+    trainer, model, data = _lightning_run(str(tmp_path / "a"), first, stop_after=1, callbacks=(cb,))
+    trainer.fit(model, data)                                 # steps 0 and 1, then the "fault"
+    assert first == {0: whole[0], 1: whole[1]}
+    step, path = memckpt.latest(ctx.mem.dir, 0)
+    assert step == 1
+    monkeypatch.setenv(Env.RESTORE_PATH, path)               # as the agent sets it for the restarted rank
+    monkeypatch.setenv(Env.CKPT_DIR, str(tmp_path / "resume"))
+    again: dict = {}
+    cb2 = StalwartCallback(checkpoint=False)
+    trainer, model, data = _lightning_run(str(tmp_path / "b"), again, callbacks=(cb2,))
+    trainer.fit(model, data, ckpt_path=cb2.resume_path())
+    assert again == {2: whole[2], 3: whole[3]}

@@ -51,3 +51,40 @@ def restored_state() -> Restored | None:
     step, state = memckpt.load(path, rank)
     return Restored(rank, step, state, os.environ.get(Env.RESTORE_TIER, "?"),
                     os.environ.get(Env.CKPT_DIR) or os.path.abspath("checkpoints"))
+
+
+def rng_state(plain: bool = False) -> dict:
+    """The random generators' states, in the layout the Hugging Face Trainer saves (`rng_state.pth`):
+    Python's, NumPy's, torch's CPU one and, with CUDA, the devices' (all of them under DDP, the
+    current one's otherwise). A step trained again after a restore draws its dropout masks (and
+    whatever else it samples) from here, so it gives the same loss as the first time. `plain`:
+    NumPy's key as a list, so that `torch.load(weights_only=True)` (Lightning's) reads it."""
+    import random
+
+    import numpy as np
+    import torch
+    numpy: Any = np.random.get_state()
+    if plain:
+        numpy = (numpy[0], numpy[1].tolist(), *numpy[2:])
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": numpy, "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        out["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what `rng_state` took."""
+    import random
+
+    import numpy as np
+    import torch
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):
+            torch.cuda.random.set_rng_state_all(cuda)
+        else:
+            torch.cuda.random.set_rng_state(cuda)

@@ -25,13 +25,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 
-from stalwart.worker.adapters import require, restored_state
+from stalwart.worker.adapters import require, restored_state, rng_state
 from stalwart.worker.standby import wait_if_standby
 
 _tf = require("transformers", "hf", "Hugging Face")
@@ -116,17 +114,6 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
             self._pending = None
         self.ctx.finish()       # the last commit is flushed; attached: the groups stay Accelerate's
         self.ctx = None
-
-
-def rng_state() -> dict:
-    """The random generators' states as the Trainer saves them in a checkpoint (`rng_state.pth`):
-    the next step's draws (dropout, sampling) start from here."""
-    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                           "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():     # (all devices' under DDP, the current one's alone otherwise)
-        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        out["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
-    return out
 
 
 def install(trainer: Any, checkpoint: bool = True) -> StalwartCallback:

@@ -12,7 +12,9 @@ What it does, each hook where Lightning gives the moment:
 - each training batch: `begin_step`, then the step's report (loss, gradient norms) and Lightning's
   whole checkpoint (model, optimizers, schedulers, loops' progress, callbacks' state: what
   `trainer.save_checkpoint` would write) copied into the in-memory tier, every step, the step
-  waiting for the copy alone;
+  waiting for the copy alone; this callback's own state in it is the random generators' (Lightning
+  keeps none), put back before the first step a restored run trains, so that a step trained again
+  draws the same dropout masks and gives the same loss;
 - `resume_path`: the checkpoint this run restores (the agent materialized it from this rank's
   memory, its backup peer's or the durable tier), written as a Lightning checkpoint file for
   `fit(ckpt_path=...)`, so Lightning restores everything itself, its loops included;
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stalwart.worker.adapters import require, restored_state
+from stalwart.worker.adapters import require, restored_state, rng_state, set_rng_state
 from stalwart.worker.standby import wait_if_standby
 
 _pl = require("lightning.pytorch", "lightning", "Lightning")
@@ -40,6 +42,7 @@ class StalwartCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         self.watch: Any = None
         self._restored: tuple[int, str] | None = None
         self.start_step = 0       # the first step this run trains (after `resume_path`)
+        self._rng: dict | None = None     # the generators' states to put back (a restored run)
 
     def resume_path(self) -> str | None:
         """A Lightning checkpoint file of the state this run restores, or None on a fresh start."""
@@ -69,7 +72,16 @@ class StalwartCallback(_pl.Callback):  # type: ignore[misc,name-defined]
             from stalwart.worker.adapters import ddp
             self.watch = ddp.watch(model, self.ctx, start_step=trainer.global_step)
 
+    def state_dict(self) -> dict:
+        return {"rng": rng_state(plain=True)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._rng = state_dict.get("rng")
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._rng is not None:             # (the first step after a restore)
+            set_rng_state(self._rng)
+            self._rng = None
         self.ctx.begin_step(trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
