@@ -19,7 +19,7 @@ from stalwart.auth import create_token_file
 from stalwart.agent.workers import kill_tree
 from stalwart.backends.local import LocalCluster
 from stalwart.client import Client, ControllerUnreachable
-from stalwart.controller.service import SELF_KILL_FILE
+from stalwart.chaos.controller import SELF_KILL_FILE
 from stalwart.spec import JobSpec
 
 
@@ -127,7 +127,7 @@ def start(state_dir, spec: dict, db_url=None) -> tuple[LocalCluster, int, JobSpe
     js = JobSpec.from_dict(spec)
     total = js.machines + int(js.standby)
     cluster = LocalCluster(str(state_dir), total, js.gpus_per_machine, heartbeat_s=js.policy.heartbeat_s,
-                           missed_beats=js.policy.missed_beats, db_url=db_url)
+                           missed_beats=js.policy.missed_beats, db_url=db_url, controller_chaos=True)
     cluster.start()
     job = cluster.client().post("/api/jobs", {"spec": js.to_dict()})["job"]
     return cluster, job, js

@@ -70,7 +70,7 @@ class LocalCluster(Backend):
 
     def __init__(self, state_dir: str, machines: int, gpus_per_machine: int,
                  heartbeat_s: float = 1.0, missed_beats: int = 3, db_url: str | None = None,
-                 log_level: str = "INFO", network: str = "host"):
+                 log_level: str = "INFO", network: str = "host", controller_chaos: bool = False):
         if network not in NETWORK_MODES:
             raise ValueError(f"network must be one of {', '.join(NETWORK_MODES)} (got {network!r})")
         self.state_dir = os.path.abspath(state_dir)
@@ -85,6 +85,7 @@ class LocalCluster(Backend):
         self.url: str | None = None
         self.token: str | None = None
         self.network_mode = network
+        self.controller_chaos = controller_chaos      # the controller kills itself on cue (chaos/controller.py)
         self.net = None                    # backends.netns.Network when machines have their own network
         self.network_file: str | None = None
         self._netns_machines: dict[str, dict] = {}      # machine -> its namespace (network.json)
@@ -147,7 +148,8 @@ class LocalCluster(Backend):
             _python() + ["controller", "--db", self.db_url, "--listen", listen,
                          "--state-dir", self.state_dir, "--port-file", port_file, "--store-host", self.store_host,
                          "--heartbeat", str(self.heartbeat_s), "--missed-beats", str(self.missed_beats),
-                         "--log-level", self.log_level] + self.controller_args() + list(extra), "controller.log")
+                         "--log-level", self.log_level] + self.controller_args() + list(extra)
+            + (["--chaos-self-kill"] if self.controller_chaos else []), "controller.log")
         self.controller = proc
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):

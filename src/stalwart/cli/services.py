@@ -42,11 +42,13 @@ def cmd_controller(a) -> int:
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
     # whatever --state-dir said, and a controller started elsewhere died on a traceback)
     db = a.db or statedir.db_url(a.state_dir)
+    from stalwart.chaos.controller import self_kill
     try:
         ctl = Controller(db, a.state_dir, store_host=store_host, heartbeat_s=a.heartbeat,
                          missed_beats=a.missed_beats, abandon_running=a.abandon_running,
                          backend=load_backend(a.backend) if a.backend else None, secret_file=a.secret_file,
-                         checkpoint_dir=a.checkpoint_dir, lease=a.lease, url=a.advertise, on_lease_lost=_lease_lost)
+                         checkpoint_dir=a.checkpoint_dir, lease=a.lease, url=a.advertise, on_lease_lost=_lease_lost,
+                         on_phase=self_kill(a.state_dir) if a.chaos_self_kill else None)
     except sa_exc.OperationalError as e:
         raise UserError(f"cannot open the database {db}: {e.orig}") from None
     except auth.AuthConfigError as e:
@@ -221,6 +223,9 @@ def add_parsers(sub) -> None:
                         "the others wait as standbys and take over within seconds of its silence (NAME: "
                         "this controller's name in the lease; default host:pid). A controller that lost "
                         "the lease exits with code 75")
+    c.add_argument("--chaos-self-kill", action="store_true",
+                   help="chaos for restart tests: SIGKILL this controller as a job enters the phase named in "
+                        "<state-dir>/chaos/controller-kill (once)")
     c.set_defaults(fn=cmd_controller)
 
     g = sub.add_parser("agent", help="run the agent of one machine")

@@ -18,9 +18,9 @@ import logging
 import math
 import os
 import re
-import signal
 import threading
 import time
+from typing import Callable
 from collections.abc import Iterable
 
 import msgspec
@@ -51,9 +51,6 @@ REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for 
 MONITOR_EVERY_S = 0.1
 STALL_S = 0.5             # the monitor woke this much later than asked: the controller stalled
 CLOSE_WAIT_S = 10.0        # how long close waits for the job threads to finish the event in hand
-# Chaos for the control plane: a file naming a job phase; the controller SIGKILLs itself right after
-# a job enters it (its decision saved and sent), once. Restart-safety tests kill it mid-recovery.
-SELF_KILL_FILE = os.path.join("chaos", "controller-kill")
 
 
 def natural_key(s: str):
@@ -110,12 +107,16 @@ class Controller:
     def __init__(self, db_url: str, state_dir: str, store_host: str = "127.0.0.1",
                  heartbeat_s: float = 1.0, missed_beats: int = 3, abandon_running: bool = False,
                  backend=None, secret_file: str | None = None, lease: str | None = None, url: str | None = None,
-                 on_lease_lost=None, checkpoint_dir: str | None = None):
+                 on_lease_lost=None, checkpoint_dir: str | None = None,
+                 on_phase: Callable[[int, str], None] | None = None):
         """`secret_file`: the controller's secret (credentials and checkpoint keys derive from it;
         default: made once in the state dir). `lease`: share the store with other controllers under
         this holder name ("" for host:pid): wait here until this one holds the lease
         (`controller/lease.py`); `on_lease_lost` is called with the reason when another takes it
-        (the CLI exits). `checkpoint_dir`: where durable checkpoints go (default: the state dir's)."""
+        (the CLI exits). `checkpoint_dir`: where durable checkpoints go (default: the state dir's).
+        `on_phase(job id, phase)`: called after each transition a job carried out (the control
+        plane's chaos, `chaos/controller.py`)."""
+        self.on_phase = on_phase
         self.state_dir = os.path.abspath(state_dir)
         # durable checkpoints: a directory every agent sees at the same path, or an fsspec URL
         self.checkpoint_dir = checkpoint_dir or os.path.join(self.state_dir, "checkpoints")
@@ -206,21 +207,6 @@ class Controller:
         for runner in taken:
             runner.post(Resumed(down_at=self._down_at or up_at, up_at=up_at))
             runner.start()
-
-    def phase_entered(self, job_id: int, phase: str) -> None:
-        """Called by a runner after each transition it carried out (see SELF_KILL_FILE)."""
-        path = os.path.join(self.state_dir, SELF_KILL_FILE)
-        try:
-            with open(path) as f:
-                want = f.read().strip()
-        except OSError:
-            return
-        if want != phase:
-            return
-        os.unlink(path)
-        log.warning("chaos: killing the controller as job %s enters %s", job_id, phase)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
         """Stop serving. Jobs are left as they are: the next controller on this store takes them

@@ -152,8 +152,8 @@ class JobRunner:
             return
         if save:
             self._saved_key, self._saved_at, self._dirty = key, time.monotonic(), False
-        if self.state.phase != before:
-            self.ctl.phase_entered(self.job_id, self.state.phase.value)
+        if self.state.phase != before and self.ctl.on_phase is not None:
+            self.ctl.on_phase(self.job_id, self.state.phase.value)
 
     def _waited(self, now: float, t0: float) -> None:
         """The decision made at `now` is committed: if its commit waited for the store, its
