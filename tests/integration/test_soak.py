@@ -182,6 +182,7 @@ def test_a_hundred_faults_in_a_row(tmp_path):
     # every fault that takes a machine out took out the machine it was injected into
     for fault, inc in zip(injected, incs):
         if fault["kind"] in ("machine-down", "gpu-xid", "sigstop", "nan"):
-            assert inc["machines_evicted"] == [fault["machine"]], (fault, inc)
+            assert inc["machines_evicted"] == [fault["machine"]], (fault, inc["machines_evicted"], inc["cause"])
         else:
-            assert inc["mechanism"] in ("reattempt", "replay") and inc["machines_evicted"] == [], (fault, inc)
+            assert inc["mechanism"] in ("reattempt", "replay") and inc["machines_evicted"] == [], \
+                (fault, inc["mechanism"], inc["machines_evicted"], inc["cause"])

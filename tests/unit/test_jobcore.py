@@ -195,6 +195,20 @@ def test_a_machine_whose_checks_died_without_a_result_is_the_one_evicted():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     assert "produced no result" in of(acts, a.AssignMachine)[0].reason
 
+def test_checks_that_time_out_on_every_machine_evict_nobody_and_the_crash_is_reattempted():
+    """A host too loaded for the checks' bound: nobody finishes, nobody is blamed for it."""
+    h = started(Harness())
+    h.steps(3)
+    crash(h)
+    assert of(h.stopped(), a.RunChecks)
+    acts = h.advance(h.st.diag.deadline - h.now + 1.0)
+    assert not of(acts, a.AssignMachine)
+    upd = [x for x in of(acts, a.UpdateIncident) if "mechanism" in x.fields][0].fields
+    assert (upd["mechanism"], upd["evicted"]) == ("reattempt", [])
+    assert "stop-time checks inconclusive: none of the 2 machines finished its checks in time" in upd["cause"]
+    assert of(acts, a.StartRun)[0].slots == ["m0", "m1"]
+
+
 def test_lost_machine_is_replaced_without_checks():
     h = started(Harness())
     h.steps(3)

@@ -86,6 +86,16 @@ def test_selftest_failure_and_missing_machine_are_bad():
     assert set(v["bad"]) == {"m0", "m3"} and "selftest failed" in v["bad"]["m0"]
 
 
+def test_checks_that_no_machine_finished_in_time_blame_nobody():
+    v = ladder.verdict([], SLOTS, {}, missing=SLOTS)
+    assert v["bad"] == {} and v["inconclusive"] == f"none of the {len(SLOTS)} machines finished its checks in time"
+    assert ladder.evictions(v, 4) == ([], "")
+    # but one machine of several silent, one lost, or a job of one machine: those are evidence
+    assert set(ladder.verdict([], SLOTS, {}, missing=SLOTS[1:], lost=SLOTS[:1])["bad"]) == set(SLOTS)
+    assert ladder.verdict([], ["m0"], {}, missing=["m0"])["bad"] == {"m0": "did not finish its checks in time"}
+    assert "inconclusive" not in ladder.verdict(base(), SLOTS, {})
+
+
 def test_slow_selftest_is_bad_against_the_median():
     rows = base()
     for r in rows:

@@ -79,9 +79,17 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
     Machines in `missing` never reported (they timed out): that alone fails them; machines in
     `lost` fell silent during the checks. A machine that reported without a single row while
     others have rows fails too: its check processes died (a machine going down takes them along).
-    Returns {"bad": {machine: reason}, "links": [...], "summary": {...}}.
+    When no machine finished in time (two or more, none lost) the checks say nothing about any
+    of them: a host or a control plane too loaded for the checks' bound, not every machine
+    broken at once. The verdict is then inconclusive (`"inconclusive"` says why) and blames nobody,
+    as a stack round that flags most machines flags nobody; the ladder goes on without it.
+    Returns {"bad": {machine: reason}, "links": [...], "pairs": {...}, "checks": [...]}.
     """
     results = list(results)
+    missing, lost = list(missing), list(lost)
+    if len(slots) >= 2 and not lost and not results and set(slots) <= set(missing):
+        return {"bad": {}, "links": [], "pairs": {}, "checks": [],
+                "inconclusive": f"none of the {len(slots)} machines finished its checks in time"}
     bad: dict[str, str] = {m: "lost during the checks (no heartbeat)" for m in lost}
     for m in missing:
         bad.setdefault(m, "did not finish its checks in time")

@@ -137,7 +137,8 @@ class DiagnosisFlow:
         evict, why = ladder.evictions(v, ready)
         took = round(now - d.started, 3)
         inc.data["stop_time_checks"] = {"checks": d.checks, "seconds": took, "bad": v["bad"],
-                                        "links": v["links"], "pairs": v["pairs"], "results": d.results}
+                                        "links": v["links"], "pairs": v["pairs"], "results": d.results,
+                                        "inconclusive": v.get("inconclusive")}
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=evict)]
         if evict:
@@ -147,7 +148,9 @@ class DiagnosisFlow:
             if short is not None:
                 res = dataclasses.replace(res, mechanism="fail", fail_reason=f"stop-time checks: {short}")
             return acts + self.core.failure.recover(st, inc, res, now)
-        if d.checks:
+        if v.get("inconclusive"):
+            res = dataclasses.replace(res, cause=f"{res.cause}; stop-time checks inconclusive: {v['inconclusive']}")
+        elif d.checks:
             res = dataclasses.replace(
                 res, cause=f"{res.cause}; stop-time checks ({', '.join(d.checks)}) passed in {took:.1f}s")
         if inc.confirm:
