@@ -19,6 +19,10 @@ still complete and books nothing.
 from __future__ import annotations
 
 import os
+import select
+import subprocess
+import threading
+import time
 
 import msgspec
 
@@ -41,7 +45,8 @@ class AgentState(msgspec.Struct, frozen=True):
     job: int | None = None
     run: int | None = None
     workers: tuple[WorkerRecord, ...] = ()
-    last_step: dict[int, int] = {}
+    ckpt: dict | None = None            # the run's checkpoint plan (protocol.CkptPlan), as sent
+    fork_servers: tuple[tuple[int, int], ...] = ()    # (pid, start ticks) of the agent's fork servers
 
 
 class Adoption(msgspec.Struct, frozen=True):
@@ -69,7 +74,7 @@ def decide(state: AgentState | None, machine_id: str, live: dict[int, int]) -> A
                     + ", ".join(f"{w.rank} (pid {w.pid})" for w in sorted(state.workers, key=lambda w: w.rank)))
 
 
-# -- the edges: /proc and the state file ---------------------------------------------------------
+# -- the edges: /proc, the state file, an adopted process ---------------------------------------------------------
 def start_ticks(pid: int) -> int | None:
     """The kernel's start time of `pid` (None: no such process, or a zombie that is done)."""
     try:
@@ -92,6 +97,16 @@ def live_of(state: AgentState | None) -> dict[int, int]:
     return out
 
 
+def leftovers(workdir: str) -> list[int]:
+    """The live processes the state file of `workdir` names (its fork servers and workers, each
+    verified by its start time): what a machine's agent may have left when it was killed."""
+    state = load(workdir)
+    if state is None:
+        return []
+    pairs = list(state.fork_servers) + [(w.pid, w.start_ticks) for w in state.workers]
+    return [pid for pid, t in pairs if start_ticks(pid) == t]
+
+
 def load(workdir: str) -> AgentState | None:
     try:
         with open(os.path.join(workdir, STATE), "rb") as f:
@@ -108,3 +123,66 @@ def save(workdir: str, state: AgentState) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(msgspec.json.encode(state))
     os.replace(tmp, path)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s children (none when it is gone)."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    out.extend(int(c) for c in f.read().split())
+            except OSError:
+                continue
+    except OSError:
+        return []
+    return out
+
+
+UNKNOWN_EXIT = -9       # an adopted worker whose exit code nobody noted (reported as killed)
+
+
+class AdoptedProcess:
+    """A worker started by an earlier agent, its exit noted by the fork server that forked it
+    (`<exits_dir>/<pid>`, see forkserver.py). Waits with a pidfd: not a child of this process."""
+
+    def __init__(self, pid: int, exits_dir: str):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exits_dir = exits_dir
+        self._ended = threading.Event()
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except OSError:
+            self._fd = None
+        threading.Thread(target=self._wait, name=f"adopted-{pid}", daemon=True).start()
+
+    def _wait(self) -> None:
+        if self._fd is not None:
+            select.select([self._fd], [], [])
+            os.close(self._fd)
+        path = os.path.join(self._exits_dir, str(self.pid))
+        deadline = time.monotonic() + 5.0      # its server reaps it at once (on SIGCHLD)
+        code = UNKNOWN_EXIT
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    code = int(f.read().strip())
+                break
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def exited(self) -> bool:
+        return self.returncode is not None or start_ticks(self.pid) is None

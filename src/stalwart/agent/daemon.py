@@ -29,11 +29,14 @@ from stalwart.agent.outbox import EVENT_LINGER_S, STEP_GATHER_S, STEP_PACE_S, Ou
 from stalwart.agent.armed import ChaosCommands
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
-from stalwart.agent.forkclient import ForkServers
+from stalwart.agent.forkclient import ForkedProcess, ForkServers
 from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
 from stalwart.agent.workdir import hold
-from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, take_run_names, warm_nice
+from stalwart.agent import adopt
+from stalwart.agent.adopt import AdoptedProcess
+from stalwart.agent.workers import (Worker, WorkerSet, kill_tree, renice, tail, take_run_names,
+                                    warm_nice)
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -73,9 +76,12 @@ class Agent:
         self.sock_path = os.path.join(self.workdir, "agent.sock")
         self.simgpu_path = os.path.join(self.workdir, "simgpu.json")
         # the machine's fork server: workers, spares and standbys forked from one process that
-        # imported torch once (agent/forkclient.py); started with the first run's workers
-        self.forks = ForkServers(os.path.join(self.workdir, "logs"), preexec=die_with_parent,
-                                 hide_paths=(hook_dir(),))
+        # imported torch once (agent/forkclient.py); started with the first run's workers. It
+        # outlives this agent while its workers run, for a restarted agent to adopt them
+        # (agent/adopt.py), noting their exits in `exits_dir`.
+        self.exits_dir = os.path.join(self.workdir, "logs", "exits")
+        self.forks = ForkServers(os.path.join(self.workdir, "logs"), hide_paths=(hook_dir(),),
+                                 exits_dir=self.exits_dir)
         self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit, self.forks)
         # Warm workers: torch imported, the user's module loaded, blocked at the activation barrier.
         # A standby machine holds them for its first run; every machine keeps spares for the next
@@ -96,6 +102,8 @@ class Agent:
         self._lock = threading.Lock()
         self._run: int | None = None
         self._job: int | None = None
+        self._ckpt_plan: dict | None = None     # the run's checkpoint plan (kept for a successor)
+        self._missed_beats = 3                  # the controller's limit, in beats (from its reply)
         self.registered = threading.Event()
         self.network = self._load_network(network_file)
         self.netns = None
@@ -169,6 +177,7 @@ class Agent:
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         self._start_socket_server()
+        self._adopt()
         if self.keep_warm and not warm_nice():
             log.info("not root: warm workers wait at normal priority (giving an activated one its "
                      "priority back needs root)")
@@ -189,11 +198,94 @@ class Agent:
         self.diagnoser.stop()
         self.ckpt.close()
         self.link.close()
+        self._save_state()
         import shutil
         shutil.rmtree(self.ckpt.root, ignore_errors=True)
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    # -- a restart: the workers an earlier agent left (agent/adopt.py) ----------------------------
+    def _save_state(self) -> None:
+        """Note what this agent runs in its work directory, for a successor to adopt."""
+        records = []
+        for w in list(self.workers.workers):
+            if w.rank is None:
+                continue
+            records.append(adopt.WorkerRecord(
+                pid=w.proc.pid, rank=w.rank, local_rank=w.local_rank,
+                start_ticks=adopt.start_ticks(w.proc.pid) or 0, out_path=w.out_path, err_path=w.err_path,
+                forked=isinstance(w.proc, (ForkedProcess, AdoptedProcess))))
+        servers = tuple((pid, t) for pid in self.forks.server_pids() if (t := adopt.start_ticks(pid)))
+        try:
+            adopt.save(self.workdir, adopt.AgentState(
+                machine=self.machine_id, agent_pid=os.getpid(), job=self._job,
+                run=self._run if records else None, workers=tuple(records), ckpt=self._ckpt_plan,
+                fork_servers=servers + self._old_servers))
+        except OSError as e:
+            log.warning("could not note the workers in %s: %s (a restarted agent will not adopt them)",
+                        self.workdir, e)
+
+    _old_servers: tuple[tuple[int, int], ...] = ()    # an earlier agent's fork servers still serving adopted workers
+
+    def _report_lost(self, state: adopt.AgentState, reason: str) -> None:
+        """The recorded ranks this agent did not adopt ended: one `worker_exit` each (the code the
+        fork server noted, else killed), so the controller recovers the run as from a crash."""
+        for w in state.workers:
+            try:
+                with open(os.path.join(self.exits_dir, str(w.pid))) as f:
+                    code = int(f.read().strip())
+            except (OSError, ValueError):
+                code = adopt.UNKNOWN_EXIT
+            self.emit({"type": "worker_exit", "run": state.run, "rank": w.rank, "local_rank": w.local_rank,
+                       "code": code, "signal": -code if code < 0 else None, "expected": False, "pid": w.pid,
+                       "log_tail": "" if code == 0 else
+                       f"{tail(w.err_path, 4096)}\n[the agent restarted and adopted no workers: {reason}]"})
+
+    def _adopt(self) -> None:
+        """Take over the workers an earlier agent on this work directory left running, or stop
+        them, saying why (before the first registration: it reports the adopted run)."""
+        t0 = time.monotonic()
+        state = adopt.load(self.workdir)
+        decision = adopt.decide(state, self.machine_id, adopt.live_of(state))
+        adopted = {w.pid for w in decision.adopt}
+        strays = set(decision.strays)
+        servers = tuple((pid, t) for pid, t in (state.fork_servers if state else ()) if adopt.start_ticks(pid) == t)
+        for pid, _ in servers:         # (spares, checks: what no successor adopts)
+            strays |= set(adopt.children(pid)) - adopted
+        if strays:
+            threads = [threading.Thread(target=kill_tree, args=(pid,), daemon=True) for pid in sorted(strays)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        recorded = {w.pid for w in state.workers} if state else set()
+        if os.path.isdir(self.exits_dir):
+            for name in os.listdir(self.exits_dir):
+                if not name.isdigit() or int(name) not in recorded:
+                    os.unlink(os.path.join(self.exits_dir, name))
+        if state is None or not decision.adopt:
+            if state is not None:
+                (log.warning if state.workers else log.info)("adopting no workers: %s%s", decision.reason,
+                         f" (stopped {len(strays)} leftover process(es))" if strays else "")
+            if state is not None and state.machine == self.machine_id:
+                self._job = state.job       # (its checkpoint memory is that job's: a restart restores from it)
+                if state.run is not None:
+                    self._report_lost(state, decision.reason)
+            self._save_state()
+            return
+        assert state.run is not None
+        self._run, self._job, self._ckpt_plan = state.run, state.job, state.ckpt
+        self._old_servers = servers
+        if state.ckpt is not None:
+            plan = msgspec.convert(state.ckpt, p.CkptPlan)
+            backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
+                if plan.backup is not None else None
+            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
+        self.ckpt.adopt_run(state.run)
+        self.workers.take(list(decision.adopt), state.run, self.exits_dir)
+        self._save_state()
+        log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
 
     def registration(self) -> p.Registration:
         """Who this agent is and what it runs now (a restarted controller adopts a live run)."""
@@ -220,6 +312,7 @@ class Agent:
         # beats may ride on events when the controller allows 3 missed beats or more (a
         # controller that does not say so gets every heartbeat)
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
+        self._missed_beats = int(reply.get("missed_beats") or 3)
         self._merge_steps = bool(reply.get("steps_batch"))      # one step message per machine
         self.registered.set()
         log.info("registered with the controller as %s (%s, %s)", self.machine_id, reply.get("role"),
@@ -354,6 +447,9 @@ class Agent:
         while not self._stop.is_set():
             conn, _ = srv.accept()
             pid = socket_peer_pid(conn)
+            w = next((w for w in self.workers.workers if w.proc.pid == pid), None)
+            if w is not None and isinstance(w.proc, AdoptedProcess):
+                log.info("rank %s (pid %d) linked again", w.rank, pid)
             jl = JsonLineSocket(conn)
             with self._lock:
                 self._conns[pid] = jl
@@ -426,6 +522,9 @@ class Agent:
         env[p.Env.SIMGPU] = self.simgpu_path
         env[p.Env.MACHINE] = self.machine_id
         env[p.Env.SHM_DIR] = self.ckpt.shm_dir
+        # a worker's link waits this long for a restarted agent (past the controller's limit the
+        # machine is lost anyway)
+        env[p.Env.RELINK_S] = str(round(self.heartbeat_s * self._missed_beats + 5.0, 1))
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -464,6 +563,7 @@ class Agent:
         if extra is None:
             return
         self._run = cmd.spec.run
+        self._ckpt_plan = msgspec.to_builtins(cmd.ckpt) if cmd.ckpt is not None and not cmd.spec.replay else None
         n = len(cmd.workers)
         # A replay (stop-time diagnostics) is a throw-away run of another shape: it starts cold and
         # leaves the job's spares alone, for the run after it.
@@ -493,6 +593,7 @@ class Agent:
             warm = True
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm,
                    "preload_s": round(self.forks.preload_wait_s - preload_before, 3)})
+        self._save_state()
         if self.keep_warm and cmd.spec.spares and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
@@ -570,6 +671,7 @@ class Agent:
             self.diagnoser.stop()
             self._warm_key = None
         self.ckpt.workers_stopped()
+        self._save_state()
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
     def _trace(self, cmd: p.Trace) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import time
 from typing import Callable
 
 from stalwart import auth, identity
+from stalwart.agent.adopt import leftovers
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
@@ -266,13 +268,28 @@ class LocalCluster(Backend):
     def release(self) -> None:
         self.stop()
 
-    def start_agent(self, machine: str) -> None:
+    def restart_agent(self, machine: str) -> subprocess.Popen:
+        """Kill a machine's agent process alone (SIGKILL: a crash; its workers go on) and start
+        it again on the same work directory, as a supervisor would: it adopts the workers it
+        finds there (agent/adopt.py). Returns the new agent's process."""
+        with self._ctl_lock:
+            old = self.agents[machine]
+            if old.poll() is None:
+                os.kill(old.pid, signal.SIGKILL)
+                old.wait(timeout=10)
+            self.start_agent(machine, fresh=False)
+            return self.agents[machine]
+
+    def start_agent(self, machine: str, fresh: bool = True) -> None:
+        """Start `machine`'s agent (`fresh`: a new machine; else its agent restarts and keeps
+        what its work directory and memory hold)."""
         import shutil
 
         from stalwart.agent.paths import ckpt_root
         # a machine that starts here is new: memory at its path is a killed earlier cluster's
         # (same state dir path), never this machine's checkpoints
-        shutil.rmtree(ckpt_root(os.path.join(self.state_dir, "machines", machine)), ignore_errors=True)
+        if fresh:
+            shutil.rmtree(ckpt_root(os.path.join(self.state_dir, "machines", machine)), ignore_errors=True)
         extra = ["--network-file", self.network_file] if self.network_file else []
         if machine[1:].isdigit():
             for key, value in synthetic_labels(int(machine[1:])).items():
@@ -312,6 +329,11 @@ class LocalCluster(Backend):
         self._stopping.set()
         for p in list(self.agents.values()):
             kill_tree(p.pid)
+        # a restarted agent's adopted workers are not its children (nor are their fork servers)
+        machines = os.path.join(self.state_dir, "machines")
+        for m in os.listdir(machines) if os.path.isdir(machines) else []:
+            for pid in leftovers(os.path.join(machines, m)):
+                kill_tree(pid)
         with self._ctl_lock:
             if self.controller is not None:
                 kill_tree(self.controller.pid, grace_s=3.0)
