@@ -277,9 +277,9 @@ class ForkServers:
             return None
 
     def _in_starter(self, make: Callable[[], _Server]) -> _Server:
-        """Run `make` on this object's own thread, which lives as long as the object: a server dies
-        with the thread that started it (its death signal), and callers may be short-lived threads
-        (the stop-time checks run on one per command)."""
+        """Run `make` on this object's own thread, which lives as long as the object: a server
+        started with a death signal (`preexec`) dies with the thread that started it, and callers
+        may be short-lived threads (the stop-time checks run on one per command)."""
         with self._starter_lock:
             if self._starter is None:
                 self._starter = threading.Thread(target=self._start_loop, name="forkserver-starter", daemon=True)

@@ -25,8 +25,9 @@ Proc = subprocess.Popen | ForkedProcess | AdoptedProcess
 
 
 def die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies (so no worker outlives its
-    agent). Linux ties this to the forking *thread*: spawn only from long-lived threads."""
+    """In the child before exec: get SIGKILL when the parent dies (a worker started without the
+    fork server cannot be adopted by a restarted agent: it goes with its agent). Linux ties this
+    to the forking *thread*: spawn only from long-lived threads."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -330,10 +330,7 @@ class LocalCluster(Backend):
         for p in list(self.agents.values()):
             kill_tree(p.pid)
         # a restarted agent's adopted workers are not its children (nor are their fork servers)
-        machines = os.path.join(self.state_dir, "machines")
-        for m in os.listdir(machines) if os.path.isdir(machines) else []:
-            for pid in leftovers(os.path.join(machines, m)):
-                kill_tree(pid)
+        kill_leftovers(self.state_dir)
         with self._ctl_lock:
             if self.controller is not None:
                 kill_tree(self.controller.pid, grace_s=3.0)
@@ -371,6 +368,18 @@ def remove_machine_memory(state_dir: str) -> None:
         shutil.rmtree(ckpt_root(os.path.join(machines, m)), ignore_errors=True)
 
 
+def kill_leftovers(state_dir: str) -> list[int]:
+    """Kill what the machines' agents left running (agent/adopt.py: workers an agent killed alone
+    left to a successor, and the fork servers keeping them); their pids."""
+    killed = []
+    machines = os.path.join(state_dir, "machines")
+    for m in os.listdir(machines) if os.path.isdir(machines) else []:
+        for pid in leftovers(os.path.join(machines, m)):
+            kill_tree(pid)
+            killed.append(pid)
+    return killed
+
+
 def cleanup_stale(state_dir: str) -> list[int]:
     """Kill processes a crashed `stalwart run` left behind (recorded in pids.json), and remove
     the network namespaces, links and nft tables it created."""
@@ -398,6 +407,8 @@ def cleanup_stale(state_dir: str) -> list[int]:
                 killed.append(pid)
         except psutil.Error:
             pass
+    # workers that outlived their killed agents (and the fork servers that keep them)
+    killed += kill_leftovers(state_dir)
     os.unlink(pid_file)
     remove_machine_memory(state_dir)
     return killed
