@@ -182,8 +182,10 @@ class Server:
         ended, noting their exits in `exits`."""
         os.makedirs(exits, exist_ok=True)
         self.sel.unregister(0)
-        while self.children:
+        while True:
             self.reap(exits)
+            if not self.children:
+                return
             for key, _ in self.sel.select(timeout=1.0):
                 try:
                     while os.read(self.wake_r, 512):
