@@ -29,14 +29,13 @@ from stalwart.agent.outbox import EVENT_LINGER_S, STEP_GATHER_S, STEP_PACE_S, Ou
 from stalwart.agent.armed import ChaosCommands
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
-from stalwart.agent.forkclient import ForkedProcess, ForkServers
+from stalwart.agent.forkclient import ForkServers
 from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
 from stalwart.agent.workdir import hold
-from stalwart.agent import adopt
 from stalwart.agent.adopt import AdoptedProcess
-from stalwart.agent.workers import (Worker, WorkerSet, kill_tree, renice, tail, take_run_names,
-                                    warm_nice)
+from stalwart.agent.succession import Succession
+from stalwart.agent.workers import Worker, WorkerSet, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -139,6 +138,8 @@ class Agent:
                                    self._prefix, self.emit, self.forks)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
+        self.succession = Succession(self.workdir, machine_id, self.exits_dir, self.forks, self.workers,
+                                     self.ckpt, self.emit)
         self.chaos_cmds = ChaosCommands(self.chaos.apply, self.emit, lambda: self._last_step,
                                         lambda: [pid for pid in self.workers.pids() + self.warm.pids()
                                                  + [self.diagnoser.warm_pid() or 0] if pid])
@@ -205,87 +206,16 @@ class Agent:
     def shutdown(self) -> None:
         self._stop.set()
 
-    # -- a restart: the workers an earlier agent left (agent/adopt.py) ----------------------------
+    # -- a restart: the workers an earlier agent left (agent/succession.py) ----------------------
     def _save_state(self) -> None:
-        """Note what this agent runs in its work directory, for a successor to adopt."""
-        records = []
-        for w in list(self.workers.workers):
-            if w.rank is None:
-                continue
-            records.append(adopt.WorkerRecord(
-                pid=w.proc.pid, rank=w.rank, local_rank=w.local_rank,
-                start_ticks=adopt.start_ticks(w.proc.pid) or 0, out_path=w.out_path, err_path=w.err_path,
-                forked=isinstance(w.proc, (ForkedProcess, AdoptedProcess))))
-        servers = tuple((pid, t) for pid in self.forks.server_pids() if (t := adopt.start_ticks(pid)))
-        try:
-            adopt.save(self.workdir, adopt.AgentState(
-                machine=self.machine_id, agent_pid=os.getpid(), job=self._job,
-                run=self._run if records else None, workers=tuple(records), ckpt=self._ckpt_plan,
-                fork_servers=servers + self._old_servers))
-        except OSError as e:
-            log.warning("could not note the workers in %s: %s (a restarted agent will not adopt them)",
-                        self.workdir, e)
-
-    _old_servers: tuple[tuple[int, int], ...] = ()    # an earlier agent's fork servers still serving adopted workers
-
-    def _report_lost(self, state: adopt.AgentState, reason: str) -> None:
-        """The recorded ranks this agent did not adopt ended: one `worker_exit` each (the code the
-        fork server noted, else killed), so the controller recovers the run as from a crash."""
-        for w in state.workers:
-            try:
-                with open(os.path.join(self.exits_dir, str(w.pid))) as f:
-                    code = int(f.read().strip())
-            except (OSError, ValueError):
-                code = adopt.UNKNOWN_EXIT
-            self.emit({"type": "worker_exit", "run": state.run, "rank": w.rank, "local_rank": w.local_rank,
-                       "code": code, "signal": -code if code < 0 else None, "expected": False, "pid": w.pid,
-                       "log_tail": "" if code == 0 else
-                       f"{tail(w.err_path, 4096)}\n[the agent restarted and adopted no workers: {reason}]"})
+        self.succession.save(self._job, self._run, self._ckpt_plan)
 
     def _adopt(self) -> None:
-        """Take over the workers an earlier agent on this work directory left running, or stop
-        them, saying why (before the first registration: it reports the adopted run)."""
-        t0 = time.monotonic()
-        state = adopt.load(self.workdir)
-        decision = adopt.decide(state, self.machine_id, adopt.live_of(state))
-        adopted = {w.pid for w in decision.adopt}
-        strays = set(decision.strays)
-        servers = tuple((pid, t) for pid, t in (state.fork_servers if state else ()) if adopt.start_ticks(pid) == t)
-        for pid, _ in servers:         # (spares, checks: what no successor adopts)
-            strays |= set(adopt.children(pid)) - adopted
-        if strays:
-            threads = [threading.Thread(target=kill_tree, args=(pid,), daemon=True) for pid in sorted(strays)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        recorded = {w.pid for w in state.workers} if state else set()
-        if os.path.isdir(self.exits_dir):
-            for name in os.listdir(self.exits_dir):
-                if not name.isdigit() or int(name) not in recorded:
-                    os.unlink(os.path.join(self.exits_dir, name))
-        if state is None or not decision.adopt:
-            if state is not None:
-                (log.warning if state.workers else log.info)("adopting no workers: %s%s", decision.reason,
-                         f" (stopped {len(strays)} leftover process(es))" if strays else "")
-            if state is not None and state.machine == self.machine_id:
-                self._job = state.job       # (its checkpoint memory is that job's: a restart restores from it)
-                if state.run is not None:
-                    self._report_lost(state, decision.reason)
-            self._save_state()
-            return
-        assert state.run is not None
-        self._run, self._job, self._ckpt_plan = state.run, state.job, state.ckpt
-        self._old_servers = servers
-        if state.ckpt is not None:
-            plan = msgspec.convert(state.ckpt, p.CkptPlan)
-            backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
-                if plan.backup is not None else None
-            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
-        self.ckpt.adopt_run(state.run)
-        self.workers.take(list(decision.adopt), state.run, self.exits_dir)
+        """Before the first registration (it reports an adopted run)."""
+        taken = self.succession.take_over()
+        if taken is not None:
+            self._job, self._run, self._ckpt_plan = taken.job, taken.run, taken.ckpt
         self._save_state()
-        log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
 
     def registration(self) -> p.Registration:
         """Who this agent is and what it runs now (a restarted controller adopts a live run)."""
