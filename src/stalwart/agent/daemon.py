@@ -177,8 +177,8 @@ class Agent:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        self._adopt()                   # (first: an adopted worker's link may come back at once)
         self._start_socket_server()
-        self._adopt()
         if self.keep_warm and not warm_nice():
             log.info("not root: warm workers wait at normal priority (giving an activated one its "
                      "priority back needs root)")
