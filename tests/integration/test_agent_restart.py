@@ -79,7 +79,7 @@ def test_a_restarted_agent_whose_worker_died_reports_it_and_the_run_recovers(tmp
 
 
 @pytest.mark.timeout(60)
-def test_a_restarted_agent_stops_workers_it_cannot_adopt_and_says_why(tmp_path):
+def test_a_recycled_pid_is_neither_adopted_nor_stopped_and_the_agent_says_why(tmp_path):
     """A state file naming a live process that is not the recorded one (a recycled pid): never
     adopted, never killed; the agent says why in one line."""
     import subprocess
