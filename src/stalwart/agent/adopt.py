@@ -10,8 +10,8 @@ directory reads it and decides here, purely, what it adopts:
 - everything, when every recorded worker is still the same live process (pid *and* kernel start
   time, read from /proc: a recycled pid is never adopted) and the file is this machine's;
 - nothing otherwise, with the reason in one line (no record, another machine's, no run, a rank
-  gone): its live leftovers are then stopped and the normal path applies (the controller hears a
-  machine without the run and recovers as for a failed machine).
+  gone): its live leftovers are then stopped and each recorded rank is reported as ended, so the
+  normal path applies (the controller recovers the run as from a crash; agent/succession.py).
 
 The adopted workers are re-registered as `running_run`/`ranks`, so the controller sees its run
 still complete and books nothing.
