@@ -45,7 +45,7 @@ class AgentState(msgspec.Struct, frozen=True):
     job: int | None = None
     run: int | None = None
     workers: tuple[WorkerRecord, ...] = ()
-    ckpt: dict | None = None            # the run's checkpoint plan (protocol.CkptPlan), as sent
+    start: dict | None = None           # the run's command (protocol.Start, as sent): its checkpoint plan, its spares
     fork_servers: tuple[tuple[int, int], ...] = ()    # (pid, start ticks) of the agent's fork servers
 
 

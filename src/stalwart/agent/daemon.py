@@ -101,7 +101,7 @@ class Agent:
         self._lock = threading.Lock()
         self._run: int | None = None
         self._job: int | None = None
-        self._ckpt_plan: dict | None = None     # the run's checkpoint plan (kept for a successor)
+        self._start_cmd: p.Start | None = None  # the run's command (kept for a successor)
         self._missed_beats = 3                  # the controller's limit, in beats (from its reply)
         self.registered = threading.Event()
         self.network = self._load_network(network_file)
@@ -208,13 +208,16 @@ class Agent:
 
     # -- a restart: the workers an earlier agent left (agent/succession.py) ----------------------
     def _save_state(self) -> None:
-        self.succession.save(self._job, self._run, self._ckpt_plan)
+        self.succession.save(self._job, self._run, self._start_cmd)
 
     def _adopt(self) -> None:
         """Before the first registration (it reports an adopted run)."""
         taken = self.succession.take_over()
         if taken is not None:
-            self._job, self._run, self._ckpt_plan = taken.job, taken.run, taken.ckpt
+            self._job, self._run, self._start_cmd = taken.job, taken.run, taken.start
+            cmd = taken.start
+            if cmd is not None and self.keep_warm and cmd.spec.spares and not cmd.spec.replay:
+                self._refill_at = (time.time(), cmd)     # the spares died with the predecessor
         self._save_state()
 
     def registration(self) -> p.Registration:
@@ -493,7 +496,7 @@ class Agent:
         if extra is None:
             return
         self._run = cmd.spec.run
-        self._ckpt_plan = msgspec.to_builtins(cmd.ckpt) if cmd.ckpt is not None and not cmd.spec.replay else None
+        self._start_cmd = cmd
         n = len(cmd.workers)
         # A replay (stop-time diagnostics) is a throw-away run of another shape: it starts cold and
         # leaves the job's spares alone, for the run after it.

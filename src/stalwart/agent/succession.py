@@ -28,10 +28,11 @@ log = logging.getLogger("stalwart.agent")
 
 
 class Taken(msgspec.Struct, frozen=True):
-    """What an agent took over: the run it now runs, or only the job whose memory it holds."""
+    """What an agent took over: the run it now runs (and the command that started it), or only
+    the job whose memory it holds."""
     job: int | None
     run: int | None
-    ckpt: dict | None
+    start: p.Start | None
 
 
 class Succession:
@@ -41,7 +42,7 @@ class Succession:
         self.forks, self.workers, self.ckpt, self.emit = forks, workers, ckpt, emit
         self._old_servers: tuple[tuple[int, int], ...] = ()   # a predecessor's fork servers keeping adopted workers
 
-    def save(self, job: int | None, run: int | None, ckpt_plan: dict | None) -> None:
+    def save(self, job: int | None, run: int | None, start: p.Start | None) -> None:
         """Note what this agent runs in its work directory, for a successor to adopt."""
         records = []
         for w in list(self.workers.workers):
@@ -56,7 +57,8 @@ class Succession:
         try:
             adopt.save(self.workdir, adopt.AgentState(
                 machine=self.machine_id, agent_pid=os.getpid(), job=job, run=run if records else None,
-                workers=tuple(records), ckpt=ckpt_plan, fork_servers=servers))
+                workers=tuple(records), start=p.encode(start) if start is not None and records else None,
+                fork_servers=servers))
         except OSError as e:
             log.warning("could not note the workers in %s: %s (a restarted agent will not adopt them)",
                         self.workdir, e)
@@ -93,18 +95,23 @@ class Succession:
             if state.run is not None:
                 self._report_lost(state, decision.reason)
             # (its checkpoint memory is that job's: the run's restart restores from it)
-            return Taken(job=state.job, run=None, ckpt=None)
+            return Taken(job=state.job, run=None, start=None)
         assert state.run is not None
         self._old_servers = servers
-        if state.ckpt is not None:
-            plan = msgspec.convert(state.ckpt, p.CkptPlan)
+        start = None
+        try:
+            start = msgspec.convert(state.start, p.Start) if state.start is not None else None
+        except msgspec.ValidationError as e:     # (another version's record: no spares, no backups)
+            log.warning("the adopted run's command is unreadable (%s): no checkpoint plan, no spares", e)
+        plan = start.ckpt if start is not None and not start.spec.replay else None
+        if plan is not None:
             backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
                 if plan.backup is not None else None
             self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
         self.ckpt.adopt_run(state.run)
         self.workers.take(list(decision.adopt), state.run, self.exits_dir)
         log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
-        return Taken(job=state.job, run=state.run, ckpt=state.ckpt)
+        return Taken(job=state.job, run=state.run, start=start)
 
     def _report_lost(self, state: adopt.AgentState, reason: str) -> None:
         """The recorded ranks not adopted have ended: one `worker_exit` each (the code the fork
