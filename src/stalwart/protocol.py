@@ -37,6 +37,9 @@ class Env:
     CODE_VERSION = "STALWART_CODE_VERSION"
     STANDBY = "STALWART_STANDBY"
     AGENT_SOCK = "STALWART_AGENT_SOCK"
+    # seconds the SDK's link waits for its agent to come back (a restarted agent adopts the
+    # worker, agent/adopt.py) before the worker gives up and exits; absent or 0: at once
+    RELINK_S = "STALWART_RELINK_S"
     SIMGPU = "STALWART_SIMGPU"
     MACHINE = "STALWART_MACHINE"
     SHM_DIR = "STALWART_SHM_DIR"

@@ -172,3 +172,32 @@ def test_a_relative_script_has_an_absolute_file_and_traceback(forks, tmp_path):
     assert read(tmp_path / "o") == f"{tmp_path / 'boom.py'} boom.py\n"
     err = read(tmp_path / "e")
     assert f'File "{tmp_path / "boom.py"}", line 3' in err and "IndexError: bucket" in err
+
+
+def test_a_server_whose_agent_died_keeps_its_workers_and_notes_their_exits(tmp_path, monkeypatch):
+    """A bare end of the server's input (its agent died) leaves the workers running for a
+    successor; each exit goes to `<exits_dir>/<pid>`, and the server ends with the last one.
+    `close()` (an agent that stops) still ends them all."""
+    monkeypatch.setenv("STALWART_FORK_PRELOAD", "json,random")
+    fs = ForkServers(str(tmp_path / "logs"), exits_dir=str(tmp_path / "exits"))
+    try:
+        go = tmp_path / "go"
+        code = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)\nraise SystemExit(3)"
+        p = fs.spawn([PY, "-c", code], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e"))
+        assert p is not None
+        [srv] = fs._servers.values()
+        srv.proc.stdin.close()                    # the agent is gone (no `quit`)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None and os.path.exists(f"/proc/{p.pid}")     # both live on
+        go.touch()
+        assert wait_for(lambda: os.path.exists(tmp_path / "exits" / str(p.pid)))
+        assert read(tmp_path / "exits" / str(p.pid)) == "3"
+        assert srv.proc.wait(timeout=10) == 0     # its last worker ended: so does the server
+    finally:
+        fs._servers.clear()
+    fs2 = ForkServers(str(tmp_path / "logs2"), exits_dir=str(tmp_path / "exits"))
+    p = fs2.spawn([PY, "-c", "import time; time.sleep(60)"], env(), str(tmp_path), str(tmp_path / "o2"),
+                  str(tmp_path / "e2"))
+    assert p is not None
+    fs2.close()                                   # `quit`: the workers go with the server
+    assert p.wait(10) == -signal.SIGKILL

@@ -299,6 +299,12 @@ class CkptManager:
         self.store.twins.expect(w.rank for w in cmd.workers)
         return extra
 
+    def adopt_run(self, run: int) -> None:
+        """A restarted agent adopted `run`'s workers: their copies in memory (the next scan
+        announces them) and those to come are that run's."""
+        with self._cfg_lock:
+            self._run = run
+
     def start_from(self, rank: int, step: int, run: int | None = None) -> None:
         """A run starts `rank` after `step` (its restore is materialized by now): the rank's own
         slots holding later steps belong to the run that stopped and go (a scan would announce

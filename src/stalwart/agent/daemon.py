@@ -33,7 +33,9 @@ from stalwart.agent.forkclient import ForkServers
 from stalwart.agent.progress import ProgressWatch, hook_dir, hook_env
 from stalwart.agent.tracer import trace_workers
 from stalwart.agent.workdir import hold
-from stalwart.agent.workers import Worker, WorkerSet, die_with_parent, renice, take_run_names, warm_nice
+from stalwart.agent.adopt import AdoptedProcess
+from stalwart.agent.succession import Succession
+from stalwart.agent.workers import Worker, WorkerSet, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
 from stalwart.jsonlines import JsonLineSocket
@@ -73,9 +75,12 @@ class Agent:
         self.sock_path = os.path.join(self.workdir, "agent.sock")
         self.simgpu_path = os.path.join(self.workdir, "simgpu.json")
         # the machine's fork server: workers, spares and standbys forked from one process that
-        # imported torch once (agent/forkclient.py); started with the first run's workers
-        self.forks = ForkServers(os.path.join(self.workdir, "logs"), preexec=die_with_parent,
-                                 hide_paths=(hook_dir(),))
+        # imported torch once (agent/forkclient.py); started with the first run's workers. It
+        # outlives this agent while its workers run, for a restarted agent to adopt them
+        # (agent/adopt.py), noting their exits in `exits_dir`.
+        self.exits_dir = os.path.join(self.workdir, "logs", "exits")
+        self.forks = ForkServers(os.path.join(self.workdir, "logs"), hide_paths=(hook_dir(),),
+                                 exits_dir=self.exits_dir)
         self.workers = WorkerSet(os.path.join(self.workdir, "logs"), self._on_worker_exit, self.forks)
         # Warm workers: torch imported, the user's module loaded, blocked at the activation barrier.
         # A standby machine holds them for its first run; every machine keeps spares for the next
@@ -96,6 +101,8 @@ class Agent:
         self._lock = threading.Lock()
         self._run: int | None = None
         self._job: int | None = None
+        self._start_cmd: p.Start | None = None  # the run's command (kept for a successor)
+        self._missed_beats = 3                  # the controller's limit, in beats (from its reply)
         self.registered = threading.Event()
         self.network = self._load_network(network_file)
         self.netns = None
@@ -131,6 +138,8 @@ class Agent:
                                    self._prefix, self.emit, self.forks)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,
                                   self.disk_override, self.network, self.workers, self._send_to_rank)
+        self.succession = Succession(self.workdir, machine_id, self.exits_dir, self.forks, self.workers,
+                                     self.ckpt, self.emit)
         self.chaos_cmds = ChaosCommands(self.chaos.apply, self.emit, lambda: self._last_step,
                                         lambda: [pid for pid in self.workers.pids() + self.warm.pids()
                                                  + [self.diagnoser.warm_pid() or 0] if pid])
@@ -168,6 +177,7 @@ class Agent:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        self._adopt()                   # (first: an adopted worker's link may come back at once)
         self._start_socket_server()
         if self.keep_warm and not warm_nice():
             log.info("not root: warm workers wait at normal priority (giving an activated one its "
@@ -189,11 +199,26 @@ class Agent:
         self.diagnoser.stop()
         self.ckpt.close()
         self.link.close()
+        self._save_state()
         import shutil
         shutil.rmtree(self.ckpt.root, ignore_errors=True)
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    # -- a restart: the workers an earlier agent left (agent/succession.py) ----------------------
+    def _save_state(self) -> None:
+        self.succession.save(self._job, self._run, self._start_cmd)
+
+    def _adopt(self) -> None:
+        """Before the first registration (it reports an adopted run)."""
+        taken = self.succession.take_over()
+        if taken is not None:
+            self._job, self._run, self._start_cmd = taken.job, taken.run, taken.start
+            cmd = taken.start
+            if cmd is not None and self.keep_warm and cmd.spec.spares and not cmd.spec.replay:
+                self._refill_at = (time.time(), cmd)     # the spares died with the predecessor
+        self._save_state()
 
     def registration(self) -> p.Registration:
         """Who this agent is and what it runs now (a restarted controller adopts a live run)."""
@@ -220,6 +245,7 @@ class Agent:
         # beats may ride on events when the controller allows 3 missed beats or more (a
         # controller that does not say so gets every heartbeat)
         self._skip_beats = int(reply.get("missed_beats") or 0) >= SKIP_BEATS_FROM
+        self._missed_beats = int(reply.get("missed_beats") or 3)
         self._merge_steps = bool(reply.get("steps_batch"))      # one step message per machine
         self.registered.set()
         log.info("registered with the controller as %s (%s, %s)", self.machine_id, reply.get("role"),
@@ -354,6 +380,9 @@ class Agent:
         while not self._stop.is_set():
             conn, _ = srv.accept()
             pid = socket_peer_pid(conn)
+            w = next((w for w in self.workers.workers if w.proc.pid == pid), None)
+            if w is not None and isinstance(w.proc, AdoptedProcess):
+                log.info("rank %s (pid %d) linked again", w.rank, pid)
             jl = JsonLineSocket(conn)
             with self._lock:
                 self._conns[pid] = jl
@@ -426,6 +455,9 @@ class Agent:
         env[p.Env.SIMGPU] = self.simgpu_path
         env[p.Env.MACHINE] = self.machine_id
         env[p.Env.SHM_DIR] = self.ckpt.shm_dir
+        # a worker's link waits this long for a restarted agent (past the controller's limit the
+        # machine is lost anyway)
+        env[p.Env.RELINK_S] = str(round(self.heartbeat_s * self._missed_beats + 5.0, 1))
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -464,6 +496,7 @@ class Agent:
         if extra is None:
             return
         self._run = cmd.spec.run
+        self._start_cmd = cmd
         n = len(cmd.workers)
         # A replay (stop-time diagnostics) is a throw-away run of another shape: it starts cold and
         # leaves the job's spares alone, for the run after it.
@@ -493,6 +526,7 @@ class Agent:
             warm = True
         self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm,
                    "preload_s": round(self.forks.preload_wait_s - preload_before, 3)})
+        self._save_state()
         if self.keep_warm and cmd.spec.spares and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
             # (PR_SET_PDEATHSIG), so never from a short-lived one.
@@ -570,6 +604,7 @@ class Agent:
             self.diagnoser.stop()
             self._warm_key = None
         self.ckpt.workers_stopped()
+        self._save_state()
         self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
 
     def _trace(self, cmd: p.Trace) -> None:

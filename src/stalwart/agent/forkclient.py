@@ -34,6 +34,7 @@ READY_TIMEOUT_S = 120.0      # the server's preload (import torch) on a loaded m
 SPAWN_TIMEOUT_S = 30.0       # a fork, once the server is ready
 DISABLE_ENV = "STALWART_FORK_SERVER"      # "0": never fork workers (start each the usual way)
 PRELOAD_ENV = "STALWART_FORK_PRELOAD"     # the modules a server imports (forkserver.PRELOAD_ENV)
+EXITS_ENV = "STALWART_FORK_EXITS"         # where a server outliving its agent notes exits (forkserver.EXITS_ENV)
 
 
 # Read by the worker at run time, not by a library at import: they may differ between a server
@@ -175,9 +176,11 @@ class _Server:
             return any(p.returncode is None for p in self.procs.values())
 
     def close(self) -> None:
-        """End the server; it kills every worker it forked."""
+        """End the server; it kills every worker it forked (`quit`: a bare end of its input would
+        leave them to a successor, see forkserver.py)."""
         try:
             if self.proc.stdin is not None:
+                self.proc.stdin.write(b'{"op":"quit"}\n')
                 self.proc.stdin.close()
         except OSError:
             pass
@@ -192,12 +195,15 @@ class ForkServers:
     """The machine's fork server(s): one per key, the newest kept (see the module's doc)."""
 
     def __init__(self, log_dir: str, preexec: Callable[[], None] | None = None, enabled: bool | None = None,
-                 hide_paths: tuple[str, ...] = ()):
-        """`preexec`: run in the server's process before exec (its death signal, say);
+                 hide_paths: tuple[str, ...] = (), exits_dir: str | None = None):
+        """`preexec`: run in the server's process before exec (its death signal, say); `exits_dir`:
+        the servers outlive this process while workers they forked run, noting their exits there
+        (forkserver.py, for a successor that adopts them);
         `hide_paths`: PYTHONPATH entries the server itself must not have (a start-up hook that is
         the workers', such as the flight-recorder hook's directory)."""
         self.log_dir = log_dir
         self.preexec = preexec
+        self.exits_dir = exits_dir
         self.hide_paths = {os.path.abspath(p) for p in hide_paths}
         self.enabled = os.environ.get(DISABLE_ENV, "1") != "0" if enabled is None else enabled
         self._lock = threading.Lock()
@@ -256,6 +262,8 @@ class ForkServers:
         server_env["PYTHONUNBUFFERED"] = "1"
         if key[3] is not None:
             server_env[PRELOAD_ENV] = key[3]
+        if self.exits_dir:
+            server_env[EXITS_ENV] = self.exits_dir
         path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                 if p and os.path.abspath(p) not in self.hide_paths]
         if path:                  # (stalwart itself may be there)
@@ -269,9 +277,9 @@ class ForkServers:
             return None
 
     def _in_starter(self, make: Callable[[], _Server]) -> _Server:
-        """Run `make` on this object's own thread, which lives as long as the object: a server dies
-        with the thread that started it (its death signal), and callers may be short-lived threads
-        (the stop-time checks run on one per command)."""
+        """Run `make` on this object's own thread, which lives as long as the object: a server
+        started with a death signal (`preexec`) dies with the thread that started it, and callers
+        may be short-lived threads (the stop-time checks run on one per command)."""
         with self._starter_lock:
             if self._starter is None:
                 self._starter = threading.Thread(target=self._start_loop, name="forkserver-starter", daemon=True)
@@ -312,6 +320,10 @@ class ForkServers:
             log.info("fork server: first worker after %.1fs (preload %.1fs)", time.time() - t0,
                      srv.info.get("preload_s", -1))
         return proc
+
+    def server_pids(self) -> list[int]:
+        with self._lock:
+            return [s.proc.pid for s in self._servers.values() if not s.dead.is_set()]
 
     def close(self) -> None:
         """End every server (and so every worker they forked)."""

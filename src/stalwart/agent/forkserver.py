@@ -23,8 +23,11 @@ exists when it forks):
 * whenever a child ends: ``{"exit": P, "code": C}`` (C as `subprocess.Popen.returncode`: the exit
   status, or minus the signal number)
 
-stdin's end (the agent is gone) kills every child and ends the server. The client side is
-`agent/forkclient.py`.
+``{"op": "quit"}`` (the agent stops) kills every child and ends the server. stdin's end without
+it means the agent died: with STALWART_FORK_EXITS set (a directory), the server stays while its
+children run, for the agent's successor to adopt them (agent/adopt.py), and writes each one's
+exit code to `<that directory>/<pid>`; without it, the children are killed as on `quit`. The
+client side is `agent/forkclient.py`.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from stalwart.errors import StalwartError
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 PRELOAD_ENV = "STALWART_FORK_PRELOAD"     # comma list of modules (replaces the default)
 PR_SET_PDEATHSIG = 1
+EXITS_ENV = "STALWART_FORK_EXITS"         # where an orphaned server notes its children's exits
 
 
 class Unsupported(StalwartError, ValueError):
@@ -124,11 +128,16 @@ class Server:
                 else:
                     data = os.read(0, 1 << 16)
                     if not data:
+                        if os.environ.get(EXITS_ENV) and self.children:
+                            self.orphaned(os.environ[EXITS_ENV])
                         self.shutdown()
                         return None
                     self.buf += data
                     while b"\n" in self.buf:
                         line, self.buf = self.buf.split(b"\n", 1)
+                        if line.strip() == b'{"op":"quit"}':
+                            self.shutdown()
+                            return None
                         child = self.request(line)
                         if child is not None:
                             return child
@@ -147,7 +156,9 @@ class Server:
             self.reap()
             time.sleep(0.01)
 
-    def reap(self) -> None:
+    def reap(self, exits: str | None = None) -> None:
+        """Reap the children that ended and report each exit (to the agent, or with `exits` to
+        a file of that directory)."""
         while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -156,7 +167,33 @@ class Server:
             if pid == 0:
                 return
             self.children.discard(pid)
-            _out({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            code = os.waitstatus_to_exitcode(status)
+            if exits is None:
+                _out({"exit": pid, "code": code})
+                continue
+            tmp = os.path.join(exits, f".{pid}.tmp")
+            try:
+                with open(tmp, "w") as f:
+                    f.write(str(code))
+                os.replace(tmp, os.path.join(exits, str(pid)))
+            except OSError:
+                pass
+
+    def orphaned(self, exits: str) -> None:
+        """The agent died: keep the children (a restarted agent adopts them) until every one has
+        ended, noting their exits in `exits`."""
+        os.makedirs(exits, exist_ok=True)
+        self.sel.unregister(0)
+        while True:
+            self.reap(exits)
+            if not self.children:
+                return
+            for key, _ in self.sel.select(timeout=1.0):
+                try:
+                    while os.read(self.wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
 
     def request(self, line: bytes) -> dict | None:
         try:
@@ -317,7 +354,8 @@ def become(req: dict, base_path: list[str]) -> None:
 def run() -> None:
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)                  # (run by path: this directory is not the workers' path)
-    _die_with_parent()
+    if not os.environ.get(EXITS_ENV):    # (else it outlives its agent while its children run)
+        _die_with_parent()
     # (set up before any environment change: setproctitle finds the memory it rewrites through
     # the environment as the interpreter started with it)
     retitle(f"stalwart fork server ({sys.executable})")

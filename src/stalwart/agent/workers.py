@@ -17,14 +17,17 @@ from typing import Callable
 
 import psutil
 
+from stalwart.agent.adopt import AdoptedProcess, WorkerRecord
 from stalwart.agent.forkclient import ForkedProcess, ForkServers
 
-Proc = subprocess.Popen | ForkedProcess      # a worker started by the agent, or forked by its fork server
+# a worker started by the agent, forked by its fork server, or adopted from an earlier agent
+Proc = subprocess.Popen | ForkedProcess | AdoptedProcess
 
 
 def die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies (so no worker outlives its
-    agent). Linux ties this to the forking *thread*: spawn only from long-lived threads."""
+    """In the child before exec: get SIGKILL when the parent dies (a worker started without the
+    fork server cannot be adopted by a restarted agent: it goes with its agent). Linux ties this
+    to the forking *thread*: spawn only from long-lived threads."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -72,7 +75,7 @@ def _exited(proc: Proc) -> bool:
     waits on it (it then answers None), so ask the kernel without reaping (WNOWAIT)."""
     if proc.returncode is not None:
         return True
-    if isinstance(proc, ForkedProcess):       # (not our child: its fork server reaps it)
+    if isinstance(proc, (ForkedProcess, AdoptedProcess)):   # (not our child: its fork server reaps it)
         return proc.exited()
     try:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
@@ -302,6 +305,15 @@ class WorkerSet:
         code = w.proc.wait()
         w.exit_code = code
         self.on_exit(w)
+
+    def take(self, records: list[WorkerRecord], run: int, exits_dir: str) -> None:
+        """Watch workers an earlier agent started (agent/adopt.py) as this set's own."""
+        with self._lock:
+            for r in records:
+                w = Worker(local_rank=r.local_rank, rank=r.rank, proc=AdoptedProcess(r.pid, exits_dir),
+                           out_path=r.out_path, err_path=r.err_path, run=run)
+                self.workers.append(w)
+                threading.Thread(target=self._watch, args=(w,), daemon=True, name=f"watch-adopted{r.rank}").start()
 
     def adopt(self, workers: list[Worker]) -> None:
         """Take over workers started by another set (warm workers handed their ranks)."""

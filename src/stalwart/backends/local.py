@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import time
 from typing import Callable
 
 from stalwart import auth, identity
+from stalwart.agent.adopt import leftovers
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
@@ -269,13 +271,28 @@ class LocalCluster(Backend):
     def release(self) -> None:
         self.stop()
 
-    def start_agent(self, machine: str) -> None:
+    def restart_agent(self, machine: str) -> subprocess.Popen:
+        """Kill a machine's agent process alone (SIGKILL: a crash; its workers go on) and start
+        it again on the same work directory, as a supervisor would: it adopts the workers it
+        finds there (agent/adopt.py). Returns the new agent's process."""
+        with self._ctl_lock:
+            old = self.agents[machine]
+            if old.poll() is None:
+                os.kill(old.pid, signal.SIGKILL)
+                old.wait(timeout=10)
+            self.start_agent(machine, fresh=False)
+            return self.agents[machine]
+
+    def start_agent(self, machine: str, fresh: bool = True) -> None:
+        """Start `machine`'s agent (`fresh`: a new machine; else its agent restarts and keeps
+        what its work directory and memory hold)."""
         import shutil
 
         from stalwart.agent.paths import ckpt_root
         # a machine that starts here is new: memory at its path is a killed earlier cluster's
         # (same state dir path), never this machine's checkpoints
-        shutil.rmtree(ckpt_root(os.path.join(self.state_dir, "machines", machine)), ignore_errors=True)
+        if fresh:
+            shutil.rmtree(ckpt_root(os.path.join(self.state_dir, "machines", machine)), ignore_errors=True)
         extra = ["--network-file", self.network_file] if self.network_file else []
         if machine[1:].isdigit():
             for key, value in synthetic_labels(int(machine[1:])).items():
@@ -315,6 +332,8 @@ class LocalCluster(Backend):
         self._stopping.set()
         for p in list(self.agents.values()):
             kill_tree(p.pid)
+        # a restarted agent's adopted workers are not its children (nor are their fork servers)
+        kill_leftovers(self.state_dir)
         with self._ctl_lock:
             if self.controller is not None:
                 kill_tree(self.controller.pid, grace_s=3.0)
@@ -352,6 +371,18 @@ def remove_machine_memory(state_dir: str) -> None:
         shutil.rmtree(ckpt_root(os.path.join(machines, m)), ignore_errors=True)
 
 
+def kill_leftovers(state_dir: str) -> list[int]:
+    """Kill what the machines' agents left running (agent/adopt.py: workers an agent killed alone
+    left to a successor, and the fork servers keeping them); their pids."""
+    killed = []
+    machines = os.path.join(state_dir, "machines")
+    for m in os.listdir(machines) if os.path.isdir(machines) else []:
+        for pid in leftovers(os.path.join(machines, m)):
+            kill_tree(pid)
+            killed.append(pid)
+    return killed
+
+
 def cleanup_stale(state_dir: str) -> list[int]:
     """Kill processes a crashed `stalwart run` left behind (recorded in pids.json), and remove
     the network namespaces, links and nft tables it created."""
@@ -379,6 +410,8 @@ def cleanup_stale(state_dir: str) -> list[int]:
                 killed.append(pid)
         except psutil.Error:
             pass
+    # workers that outlived their killed agents (and the fork servers that keep them)
+    killed += kill_leftovers(state_dir)
     os.unlink(pid_file)
     remove_machine_memory(state_dir)
     return killed

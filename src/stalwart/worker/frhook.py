@@ -21,6 +21,11 @@ request, and the summary it wrote just before it stopped is exactly the evidence
 ranks' summaries are at most a period old, while a hang means nothing moved for far longer. Why not a
 signal: Python runs signal handlers on the main thread, which is blocked inside the collective.
 
+The hook also bounds how long a worker outlives its agent (a plain script has no link to notice
+it): while the agent named in `<work directory>/agent.lock` is gone for STALWART_RELINK_S
+seconds, the process exits with code 70. A restarted agent writes its own pid there and adopts
+the worker (agent/adopt.py) well within that.
+
 Standard library only (the worker's interpreter need not have stalwart installed); the thread never
 imports torch (a script that does not use torch.distributed pays one dict lookup per period) and
 never raises into the training script.
@@ -38,6 +43,9 @@ from typing import Any, Iterable
 DIR_ENV = "STALWART_FR_DIR"
 PERIOD_ENV = "STALWART_FR_PERIOD"
 RUN_ENV = "STALWART_RUN"
+SOCK_ENV = "STALWART_AGENT_SOCK"    # protocol.Env.AGENT_SOCK: the agent's work directory holds it
+RELINK_ENV = "STALWART_RELINK_S"    # protocol.Env.RELINK_S
+LOCK = "agent.lock"                 # agent/workdir.py: "agent pid N (machine M)"
 KEEP = 3                       # entries kept per process group: the stuck one and the two before
 TRACE_MAX = 128                # collectives a summary's trace holds: the newest since the last one
 FIELDS = ("pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "is_p2p", "profiling_name",
@@ -192,8 +200,50 @@ def _loop(directory: str, period: float) -> None:
             continue
 
 
+def agent_alive(lock_path: str) -> bool:
+    """Does the agent named in its work directory's lock file run? (An unreadable file: yes.)"""
+    try:
+        with open(lock_path) as f:
+            words = f.read().split()
+        pid = int(words[words.index("pid") + 1])
+    except (OSError, ValueError, IndexError):
+        return True
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+
+
+def watch_agent(lock_path: str, bound: float, period: float = 1.0, exit=os._exit) -> None:
+    """Exit (code 70) once the agent has been gone for `bound` seconds."""
+    gone_since: float | None = None
+    while True:
+        time.sleep(period)
+        if agent_alive(lock_path):
+            gone_since = None
+            continue
+        now = time.monotonic()
+        gone_since = now if gone_since is None else gone_since
+        if now - gone_since >= bound:
+            sys.stderr.write(f"stalwart: the agent has been gone for {bound:.0f}s: this worker stops\n")
+            sys.stderr.flush()
+            exit(70)
+            return
+
+
 def start() -> threading.Thread | None:
     """Start the hook's thread when the agent asked for it (STALWART_FR_DIR set, period > 0)."""
+    sock = os.environ.get(SOCK_ENV)
+    try:
+        bound = float(os.environ.get(RELINK_ENV) or 0)
+    except ValueError:
+        bound = 0.0
+    if sock and bound > 0:
+        threading.Thread(target=watch_agent, args=(os.path.join(os.path.dirname(sock), LOCK), bound),
+                         name="stalwart-agentwatch", daemon=True).start()
     directory = os.environ.get(DIR_ENV)
     try:
         period = float(os.environ.get(PERIOD_ENV, "1"))

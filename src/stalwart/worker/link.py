@@ -12,6 +12,11 @@ once a step, for the commit (it woke every LAZY_S, 20 times a second, taking the
 lock from the training thread each time). Messages from the agent (activation of a warm
 standby, chaos) are handed to a callback on a reader thread. Without an agent (a plain torchrun
 job) the link is inert.
+
+When the agent's end closes (the agent died), the link connects to the same socket path again
+for up to STALWART_RELINK_S seconds: a restarted agent listens there and adopts the worker
+(agent/adopt.py); messages queued meanwhile go once it is back. Past the bound, or without it,
+the worker exits (code 70): it does not train on alone.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import time
 from typing import Callable, Deque
 
 from stalwart.jsonlines import JsonLineSocket
+from stalwart.protocol import Env
 
 LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...
 LAZY_IDLE_S = 1.0   # ...and within this when none follows, while the writer waits this long...
@@ -42,12 +48,42 @@ class AgentLink:
         self._untimed = False           # the writer waits without a bound (nothing may be waiting)
         self._conn: JsonLineSocket | None = None
         self._closed = threading.Event()
+        self._relink_lock = threading.Lock()
+        try:
+            self.relink_s = float(os.environ.get(Env.RELINK_S) or 0)
+        except ValueError:
+            self.relink_s = 0.0
         if path:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(path)
-            self._conn = JsonLineSocket(s)
+            self._conn = self._connect(path)
             threading.Thread(target=self._writer, name="stalwart-link-w", daemon=True).start()
             threading.Thread(target=self._reader, name="stalwart-link-r", daemon=True).start()
+
+    @staticmethod
+    def _connect(path: str) -> JsonLineSocket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            raise
+        return JsonLineSocket(s)
+
+    def _relink(self, lost: JsonLineSocket) -> bool:
+        """The connection `lost` failed: connect again within the bound (another thread may have
+        done it already). False: the agent did not come back."""
+        with self._relink_lock:
+            if self._conn is not lost:
+                return self._conn is not None
+            deadline = time.monotonic() + self.relink_s
+            while not self._closed.is_set() and self.path:
+                try:
+                    self._conn = self._connect(self.path)
+                    return True
+                except OSError:
+                    if time.monotonic() >= deadline:
+                        return False
+                    time.sleep(0.05)
+            return False
 
     @property
     def connected(self) -> bool:
@@ -79,7 +115,13 @@ class AgentLink:
         """Send synchronously (used before blocking on the agent, and before exit)."""
         if self._conn is not None:
             self.flush()
-            self._conn.send(msg)
+            conn = self._conn
+            try:
+                conn.send(msg)
+            except OSError:
+                if not self._relink(conn):
+                    raise
+                self._conn.send(msg)
 
     def flush(self, timeout: float = 5.0) -> None:
         if self._conn is None:
@@ -118,21 +160,27 @@ class AgentLink:
                 return
 
     def _write(self, text: str) -> bool:
-        assert self._conn is not None
-        try:
-            self._conn.send_raw(text.encode())
-            return True
-        except OSError:
-            return False
+        while True:
+            conn = self._conn
+            assert conn is not None
+            try:
+                conn.send_raw(text.encode())
+                return True
+            except OSError:
+                if not self._relink(conn):
+                    return False
 
     def _reader(self) -> None:
-        assert self._conn is not None
         while True:
+            conn = self._conn
+            assert conn is not None
             try:
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (OSError, ValueError):
                 msg = None
             if msg is None:
+                if not self._closed.is_set() and self._relink(conn):
+                    continue
                 if not self._closed.is_set():
                     # The agent is gone: the machine is being torn down. Do not train on alone.
                     os._exit(70)
