@@ -40,7 +40,8 @@ from stalwart.controller import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import AgentEvent, Cancel, JobEvent, MachineLost, Tick, VersionRegistered
+from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, Tick,
+                                            VersionRegistered)
 from stalwart.controller.pool import p99_standbys
 from stalwart.controller.restore import Availability
 from stalwart.sim.agents import Agents
@@ -153,6 +154,7 @@ class Sim:
         self.max_step = -1
         self.rngs: dict[int, random.Random] = {}
         self._pipes: dict[int, list[int]] = {}
+        self._penalties: dict[tuple[int, str], float] = {}
         self.coming = 0               # machines the scheduler is providing
         self.storage_until = T0       # the storage service is out until then
         self.resume_from_memory = False
@@ -275,7 +277,7 @@ class Sim:
         assert self.core is not None and self.st is not None
         if self.st.terminal:
             return
-        self.stats["core_events"] += 1
+        self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else 1
         acts = self.core.handle(self.st, ev, self.now)
         if acts:
             if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
@@ -289,8 +291,13 @@ class Sim:
         self.deliver(AgentEvent(machine=machine, event=ev))
 
     def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None:
-        for machine, ev in items:
-            self.agent_event(machine, ev, seg)
+        """Every machine's answer to one command: one event of the core (`AgentEvents`)."""
+        if self.seg is None or self.seg.index != seg:
+            return
+        dead = self.cluster.dead_at
+        live = tuple((m, ev) for m, ev in items if m not in dead)
+        if live:
+            self.deliver(AgentEvents(items=live))
 
     def machine_lost(self, machine: str, seg: int) -> None:
         if self.seg is not None and self.seg.index == seg:
@@ -365,12 +372,9 @@ class Sim:
         tr.reported = k
         tr.reports += 1
         self.stats["reports"] += 1
-        for i, m in enumerate(tr.slots):
-            self._handle(AgentEvent(machine=m, event=p.Step(
-                run=tr.run, rank=i, step=k, t=t_k, dur=dur, loss=loss, grad_norm=loss, local_grad_norm=1.0,
-                compute_s=comp[i] if comp else None)))
-            if self.st is not st or st.run_seq != tr.run:
-                return
+        self._handle(AgentEvents(items=tuple(
+            (m, p.Step(run=tr.run, rank=i, step=k, t=t_k, dur=dur, loss=loss, grad_norm=loss, local_grad_norm=1.0,
+                       compute_s=comp[i] if comp else None)) for i, m in enumerate(tr.slots))))
 
     def report_durable(self, tr: Training) -> None:
         """The newest durable checkpoints of a stopped run (one, two without memory copies), as its
@@ -382,9 +386,10 @@ class Sim:
         newest = [d for d in (d0, d0 - self.ckpt_every)[:1 if self.platform.memory_ckpt else 2]
                   if d > tr.durable_reported and d >= tr.start_step - 1]
         for d in reversed(newest):
-            for i, m in enumerate(tr.slots):
-                self._handle(AgentEvent(machine=m, event=p.Ckpt(run=tr.run, rank=i, step=d, tier="durable",
-                                                                location=f"durable/{d}", t=tr.done_at(d))))
+            t_d, where = tr.done_at(d), f"durable/{d}"
+            self._handle(AgentEvents(items=tuple(
+                (m, p.Ckpt(run=tr.run, rank=i, step=d, tier="durable", location=where, t=t_d))
+                for i, m in enumerate(tr.slots))))
         if newest:
             tr.durable_reported = newest[0]
 
@@ -517,8 +522,7 @@ class Sim:
         new = 0
         for i, m in enumerate(act.slots):
             if first or self.last_slots[i] != m:        # type: ignore[index]
-                home = [job_labels(j, self.cfg.pp, self.dp) for j in self.pipeline_slots(i)]
-                self.penalty[i] = PENALTY[placement.distance(self.cluster.true_labels(m), home)]
+                self.penalty[i] = self.slot_penalty(i, m)
                 if not first:
                     new += 1
                     fo = max(fo, self.warm_at.get(m, self.now) - self.now + pr.restart_s)
@@ -551,6 +555,16 @@ class Sim:
             slot = self.rng.randrange(len(act.slots))
             self.later(fo + 0.5 * tr.pace, self.recur, Fault(self.now - T0, "restart_failure", "crash", slot, False,
                                                             seed=self.rng.getrandbits(32)), act.slots[slot], tr)
+
+    def slot_penalty(self, slot: int, machine: str) -> float:
+        """The step-time penalty of `machine` in `slot` (its distance from the slot's pipeline);
+        a machine's labels never change, so each pair is computed once."""
+        key = (slot, machine)
+        got = self._penalties.get(key)
+        if got is None:
+            home = [job_labels(j, self.cfg.pp, self.dp) for j in self.pipeline_slots(slot)]
+            got = self._penalties[key] = PENALTY[placement.distance(self.cluster.true_labels(machine), home)]
+        return got
 
     def pace(self, slots: list[str]) -> float:
         p_ = self.cfg.step_s * (1 + (self.profile.memckpt_overhead if self.platform.memory_ckpt else 0.0))
