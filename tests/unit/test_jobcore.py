@@ -5,7 +5,8 @@ import pytest
 from corekit import NAN, Harness, kinds, of, records
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
-from stalwart.controller.job.events import Cancel, Inject, MachineLost, VersionRegistered
+from stalwart.controller.job import state as S
+from stalwart.controller.job.events import AgentEvents, Cancel, Inject, MachineLost, VersionRegistered
 from stalwart.controller.job.state import JobPhase, TransitionError
 
 
@@ -688,3 +689,42 @@ def test_a_run_restored_from_further_back_restores_its_own_copies_next_time():
     checks = of(h.stopped(), a.RunChecks)[0]
     run = of(h.diag(checks), a.StartRun)[0]
     assert run.restore_step == 8                      # its own copies, not durable step 5 again
+
+
+def test_several_agents_events_together_decide_as_each_one_alone():
+    """AgentEvents (every machine's answer to one command, every rank's report of a step) gives the
+    actions and the state of the same events handled one AgentEvent at a time: steps, a crash
+    nobody can pin on a machine, the stops, the checks that find the culprit, the restart."""
+    def drive(together: bool) -> tuple[list[a.Action], str]:
+        h = started(Harness(machines=4, gpus=2, standby=1))
+        out: list[a.Action] = []
+
+        def send(items: list[tuple[str, p.Event]]) -> None:
+            if together:
+                out.extend(h.event(AgentEvents(items=tuple(items))))
+            else:
+                for m, ev in items:
+                    out.extend(h.agent(m, ev))
+        for s in range(4):
+            h.now += 1.0
+            send([(h.machine_of(r), p.Step(run=1, rank=r, step=s, t=h.now, dur=1.0, loss=2.0, grad_norm=1.0))
+                  for r in range(h.world)])
+        send([(h.machine_of(r), p.Ckpt(run=1, rank=r, step=3, tier="durable", location="d/3")) for r in range(h.world)])
+        h.now += 1.0
+        send([("m1", p.WorkerExit(run=1, rank=2, code=1, log_tail=(
+            "RuntimeError: CUDA error: an illegal memory access was encountered")))])
+        send([(m, p.Stopped(run=1, inventory={"own": {2 * i: [3], 2 * i + 1: [3]}}))
+              for i, m in enumerate(h.st.slots)])
+        out.extend(h.tick(2.0))
+        checks = of(out, a.RunChecks)[-1]
+        send([(m, p.DiagResult(id=checks.name, results=[
+            {"check": "selftest", "ok": m != "m1", "detail": "ok" if m != "m1" else "failed",
+             "measure": {"gflops": 10.0}}, {"check": "intra", "ok": True, "detail": "ok", "measure": {}}]
+            + [{"check": "inter", "ok": True, "detail": "ok", "round": x.round, "peer": x.peer,
+                "measure": {"mbps": 100.0}} for x in checks.inter.get(m, [])])) for m in checks.machines])
+        return out, S.dumps(h.st)
+    one, st_one = drive(False)
+    together, st_together = drive(True)
+    assert repr(together) == repr(one) and st_together == st_one
+    evicted = [x.machine for x in of(one, a.AssignMachine) if x.state == "evicted"]
+    assert evicted == ["m1"] and [x.restore_step for x in of(one, a.StartRun)] == [3] and records(one, "step")

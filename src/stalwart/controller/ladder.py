@@ -120,10 +120,13 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
         for key, (i, j) in pair_index.items():
             rows = by_pair.get(key, [])
             ok = bool(rows) and all(r.get("ok") for r in rows)
-            pair_res[(i, j)] = {"ok": ok, "mbps": _worst(rows, "mbps", min) if ok else None,
-                                "latency_s": _worst(rows, "latency_s", max) if ok else None,
-                                "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
-                                or ("no result" if not rows else "")}
+            if ok:          # (no row failed: no detail to tell)
+                pair_res[(i, j)] = {"ok": True, "mbps": _worst(rows, "mbps", min),
+                                    "latency_s": _worst(rows, "latency_s", max), "detail": ""}
+            else:
+                pair_res[(i, j)] = {"ok": False, "mbps": None, "latency_s": None,
+                                    "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
+                                    or ("no result" if not rows else "")}
         judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS,
                              max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
         pairs_summary = judged["pairs"]
@@ -154,7 +157,7 @@ def _partners(pairs: Mapping[str, Mapping], i: int) -> list[tuple[int, str]]:
 def _worst(rows: Sequence[Mapping], key: str, worst) -> float | None:
     """The worse of both ends' measures of a pair (None unless both measured it)."""
     values = [(r.get("measure") or {}).get(key) for r in rows]
-    return worst(values) if values and all(v is not None for v in values) else None
+    return worst(values) if values and None not in values else None
 
 
 def evictions(v: Mapping, standby_ready: int) -> tuple[list[str], str]:

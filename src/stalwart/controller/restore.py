@@ -42,23 +42,35 @@ class Availability:
     def _put(self, rank: int, tier: str, new: Iterable[int], holder: str) -> None:
         """`holder` has `new` steps of the rank's tier; the tier keeps its newest ones (trimming once
         after several steps leaves what trimming after each would)."""
-        steps = self.copies.setdefault(rank, {}).setdefault(tier, {})
+        tiers = self.copies.get(rank)
+        if tiers is None:
+            tiers = self.copies[rank] = {}
+        steps = tiers.get(tier)
+        if steps is None:
+            steps = tiers[tier] = {}
         for step in new:
             steps[step] = holder
-        self._holders.setdefault(holder, set()).add((rank, tier))
+        held = self._holders.get(holder)
+        if held is None:
+            held = self._holders[holder] = set()
+        held.add((rank, tier))
         keep = min(self.keep, self.memory.get(tier, self.keep))
         if len(steps) > keep:
             for old in sorted(steps)[:-keep]:
                 del steps[old]
 
     def _forget(self, machine: str, tiers: tuple[str, ...]) -> None:
-        """Delete every copy of `tiers` that `machine` holds."""
-        held = self._holders.get(machine, set())
-        for rank, tier in sorted(x for x in held if x[1] in tiers):
-            steps = self.copies.get(rank, {}).get(tier, {})
-            for s in [s for s, h in steps.items() if h == machine]:
-                del steps[s]
-            held.discard((rank, tier))
+        """Delete every copy of `tiers` that `machine` holds (each in its own rank's and tier's
+        table: the order they are deleted in changes nothing)."""
+        held = self._holders.get(machine)
+        if not held:
+            return
+        for key in [x for x in held if x[1] in tiers]:
+            steps = self.copies.get(key[0], {}).get(key[1])
+            if steps:
+                for s in [s for s, h in steps.items() if h == machine]:
+                    del steps[s]
+            held.discard(key)
 
     def replace_held(self, machine: str, tier: str, steps_by_rank: dict[int, list[int]]) -> None:
         """What `machine` really holds in a memory tier (its inventory when its workers stopped):
@@ -108,7 +120,12 @@ def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[
         for by_step in tiers.values():
             steps.update(by_step)
     for step in sorted(steps - set(bad_steps), reverse=True):
-        cands = {r: candidates(av, r, step, next_machine[r], alive) for r in range(world)}
-        if all(cands.values()):
+        cands: dict[int, list[dict]] = {}
+        for r in range(world):
+            got = candidates(av, r, step, next_machine[r], alive)
+            if not got:
+                break               # a rank without a copy of this step: an older step, then
+            cands[r] = got
+        else:
             return step, cands
     return -1, {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from stalwart import protocol as p
-from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, ClusterView, Inject, JobEvent,
+from stalwart.controller.job.events import (AgentBack, AgentEvent, AgentEvents, Cancel, ClusterView, Inject, JobEvent,
                                             MachineLost, Resumed, Tick, VersionRegistered)
 from stalwart.controller.job.flows.base import Actions, Ctx
 from stalwart.controller.job.flows.diagnosis import DiagnosisFlow
@@ -49,6 +49,8 @@ class JobCore:
             return self.tick(st, now)
         if isinstance(ev, AgentEvent):
             return self.on_agent(st, ev.machine, ev.event, now)
+        if isinstance(ev, AgentEvents):
+            return self.on_agents(st, ev.items, now)
         if isinstance(ev, MachineLost):
             return self.failure.on_machine_lost(st, ev.machine, now)
         if isinstance(ev, Inject):
@@ -63,6 +65,15 @@ class JobCore:
         if isinstance(ev, Resumed):
             return self.reconcile.on_resumed(st, ev.down_at, ev.up_at, now)
         raise TypeError(f"unknown job event {ev!r}")
+
+    def on_agents(self, st: JobState, items: tuple[tuple[str, p.Event], ...], now: float) -> Actions:
+        """Events of several agents at one instant, in order (`AgentEvents`)."""
+        acts: Actions = []
+        for machine, ev in items:
+            if st.terminal:
+                break
+            acts += self.on_agent(st, machine, ev, now)
+        return acts
 
     def on_agent(self, st: JobState, machine: str, ev: p.Event, now: float) -> Actions:
         if isinstance(ev, p.Steps):         # several ranks' reports of one step: each in turn

@@ -16,6 +16,14 @@ class AgentEvent:
 
 
 @dataclass(frozen=True)
+class AgentEvents:
+    """Several agents' events that arrived together (every machine's answer to one command, every
+    rank's report of one step), handled in their order as one `AgentEvent` each would be: the
+    same actions, without a dispatch per machine. Once the job ends the rest are not handled."""
+    items: tuple[tuple[str, protocol.Event], ...]
+
+
+@dataclass(frozen=True)
 class MachineLost:
     machine: str
 
@@ -57,7 +65,7 @@ class Tick:
     pass
 
 
-JobEvent = Union[AgentEvent, MachineLost, Inject, Cancel, VersionRegistered, AgentBack, Resumed, Tick]
+JobEvent = Union[AgentEvent, AgentEvents, MachineLost, Inject, Cancel, VersionRegistered, AgentBack, Resumed, Tick]
 
 
 class ClusterView(Protocol):

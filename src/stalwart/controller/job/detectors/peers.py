@@ -28,8 +28,9 @@ class PeerDetector(BaseDetector):
         """A run starts: its peers are judged afresh, machine by machine within a pipeline stage."""
         p = self.ctx.policy
         stages: dict[int, list[str]] = {}
+        of, G = self.ctx.stages, self.ctx.G
         for i, m in enumerate(st.slots):
-            stages.setdefault(self.ctx.topo.coords(i * self.ctx.G)["pp"], []).append(m)
+            stages.setdefault(of[i * G], []).append(m)
         st.signals.peerwatch = PeerWatch.create(list(stages.values()), p.heartbeat_s, p.similarity_window_s,
                                                 p.similarity_continuity_s, not_before=None)
         st.signals.peer_next_check = now + p.heartbeat_s

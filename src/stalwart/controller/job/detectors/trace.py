@@ -47,10 +47,9 @@ class TraceDetector(BaseDetector):
 
     def peer_groups(self) -> list[list[int]]:
         """Ranks that run the same sequence of collectives: those of one pipeline stage."""
-        topo = self.ctx.topo
         stages: dict[int, list[int]] = {}
-        for r in range(topo.world_size):
-            stages.setdefault(topo.coords(r)["pp"], []).append(r)
+        for r, stage in enumerate(self.ctx.stages):
+            stages.setdefault(stage, []).append(r)
         return list(stages.values())
 
     def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:

@@ -29,6 +29,11 @@ class Ctx:
         """The standby pool's size (the P99 sizing needs scipy: computed once, not every refill)."""
         return standby_count(self.spec)
 
+    @cached_property
+    def stages(self) -> list[int]:
+        """The pipeline stage of every rank (the topology never changes: computed once)."""
+        return [self.topo.coords(r)["pp"] for r in range(self.topo.world_size)]
+
     @property
     def G(self) -> int:
         return self.spec.gpus_per_machine

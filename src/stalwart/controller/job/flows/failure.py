@@ -111,8 +111,14 @@ class FailureFlow:
         # silent relative to the job's freshest machine, not to the clock: a controller too busy to
         # read heartbeats (a backlog after a restart, a loaded host) hears every machine late, and
         # that is no machine's fault; a dead machine falls behind the live ones
-        heard = {m: self.ctx.cluster.last_heard(m) for m in st.slots} if inc.awaiting else {}
-        latest = max((t for t in heard.values() if t is not None), default=now)
+        # (only the machines still awaited are judged: their times alone are kept, the freshest
+        # time is any slot's)
+        heard: dict[str, float | None] = {}
+        latest = now
+        if inc.awaiting:
+            last_heard, slots = self.ctx.cluster.last_heard, set(st.slots)
+            latest = max((t for t in map(last_heard, st.slots) if t is not None), default=now)
+            heard = {m: last_heard(m) for m in inc.awaiting if m in slots}
         noted: Actions = []
         late = self.ctx.cluster.beat_late_s() if inc.awaiting else 0.0
         for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s, late):
