@@ -21,7 +21,7 @@ demo: setup
 	    $(if $(filter 0,$(shell id -u)),--isolate-network) \
 	    --tp 2 --pp 2 --dp 2 --steps 200 --standby 1 --ckpt-every 10 \
 	    --chaos "crash@step=60,machine=1" --chaos "gpu-xid@step=120,machine=2" \
-	    -- python -m stalwart.examples.gpt
+	    -- python -m stalwart.examples.gpt --log-every 20
 	$(BIN)/stalwart report --state-dir .stalwart/demo
 
 lint: setup
