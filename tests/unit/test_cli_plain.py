@@ -87,3 +87,17 @@ def test_a_plain_scripts_progress_line_counts_steps_and_shows_no_target():
     quiet = {**rep, "steps_completed": 0, "steps_target": 100, "steps_source": "sdk"}
     assert summary(quiet, target_given=False).splitlines()[1] == "  steps 0"
     assert summary({**quiet, "final_loss": 2.5}).splitlines()[1] == "  steps 0/100, final loss 2.5"
+
+
+def test_logs_of_a_rank_that_wrote_nothing_say_so(tmp_path, capsys):
+    from stalwart.cli import main
+    logs = tmp_path / "machines" / "m0" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "run1_rank1.out").write_text("before the crash\n")
+    for name in ("run2_rank0.out", "run2_rank1.out", "run2_rank1.err"):
+        (logs / name).write_text("step 3\n" if name == "run2_rank0.out" else "")
+    assert main(["logs", "--rank", "1", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "stalwart: rank 1 wrote nothing in run 2 (--all-runs for the earlier runs)\n"
+    assert main(["logs", "--rank", "1", "--all-runs", "--state-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "[rank1]:before the crash\n"

@@ -138,9 +138,16 @@ def cmd_logs(a) -> int:
     run = a.run if a.run is not None else max((f[0] for f in files), default=None)
     ranks = None if a.rank is None else {a.rank}
     tail = LogTail(a.state_dir, ranks=ranks, errors=a.rank is None, from_start=True, run=None if a.all_runs else run)
+    printed = 0
     for line in tail.lines(final=not a.follow):
         print(line)
+        printed += 1
     if not a.follow:
+        if not printed:         # (say so: an empty answer reads as a broken command)
+            said = "no rank wrote anything" if a.rank is None else f"rank {a.rank} wrote nothing"
+            where = "in any run" if a.all_runs or run is None else f"in run {run}"
+            hint = "" if a.all_runs or run is None or run <= 1 else " (--all-runs for the earlier runs)"
+            print(f"stalwart: {said} {where}{hint}", file=sys.stderr)
         return 0
     tail.run = None            # a restart's new run goes on in new files
     try:
