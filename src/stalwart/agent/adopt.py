@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import select
-import subprocess
 import threading
 import time
 
 import msgspec
+
+from stalwart.agent.forkclient import ForkedProcess
 
 STATE = "workers.json"
 
@@ -143,15 +144,13 @@ def children(pid: int) -> list[int]:
 UNKNOWN_EXIT = -9       # an adopted worker whose exit code nobody noted (reported as killed)
 
 
-class AdoptedProcess:
+class AdoptedProcess(ForkedProcess):
     """A worker started by an earlier agent, its exit noted by the fork server that forked it
     (`<exits_dir>/<pid>`, see forkserver.py). Waits with a pidfd: not a child of this process."""
 
     def __init__(self, pid: int, exits_dir: str):
-        self.pid = pid
-        self.returncode: int | None = None
+        super().__init__(pid)
         self._exits_dir = exits_dir
-        self._ended = threading.Event()
         try:
             self._fd: int | None = os.pidfd_open(pid)
         except OSError:
@@ -172,17 +171,7 @@ class AdoptedProcess:
                 break
             except (OSError, ValueError):
                 time.sleep(0.02)
-        self.returncode = code
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-        assert self.returncode is not None
-        return self.returncode
+        self._set(code)
 
     def exited(self) -> bool:
         return self.returncode is not None or start_ticks(self.pid) is None
