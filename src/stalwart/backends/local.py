@@ -62,6 +62,14 @@ class NetworkUnavailable(StalwartError, RuntimeError):
     """Isolated machines were asked for where network namespaces cannot be made (not root, no `ip`)."""
 
 
+def require_isolation() -> None:
+    """Raise `NetworkUnavailable`, saying why, where isolated machines cannot be made."""
+    from stalwart.devices import netns
+    ok, why = netns.available()
+    if not ok:
+        raise NetworkUnavailable(f"--isolate-network: machines with their own network are unavailable here: {why}")
+
+
 class LocalCluster(Backend):
     """The local backend: a fixed set of machines on this host, started with the cluster (N
     active, S standby, P spare): `request` has none to add, the pool refills from the spares, and
@@ -198,11 +206,9 @@ class LocalCluster(Backend):
         from stalwart.backends import netns
         if self.network_mode == "host":
             return "127.0.0.1"
-        ok, why = netns.available()
-        if self.network_mode == "isolated" and not ok:
-            raise NetworkUnavailable(f"--isolate-network: machines with their own network are unavailable "
-                                     f"here: {why}")
-        if not ok:
+        if self.network_mode == "isolated":
+            require_isolation()
+        elif not netns.available()[0]:
             return "127.0.0.1"
         prefix = "sw" + os.urandom(3).hex()
         self.net = netns.Network(prefix, state_dir=os.path.join(self.state_dir, "netns"))

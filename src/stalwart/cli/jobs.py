@@ -21,10 +21,11 @@ def cmd_run(a) -> int:
     for c in spec.chaos:
         catalogue.check_isolated(catalogue.parse(c).kind, a.isolate_network)
     if a.isolate_network:
-        from stalwart.devices import netns
-        ok, why = netns.available()
-        if not ok:
-            raise UserError(f"--isolate-network: machines with their own network are unavailable here: {why}")
+        from stalwart.backends.local import NetworkUnavailable, require_isolation
+        try:
+            require_isolation()
+        except NetworkUnavailable as e:
+            raise UserError(str(e)) from None
     from stalwart.cli.logs import LogTail, parse_ranks
     shown = parse_ranks(a.log_ranks)
     lock = StateDirLock(a.state_dir)
