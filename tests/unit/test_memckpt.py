@@ -438,3 +438,32 @@ def test_a_state_whose_shapes_change_every_step_is_copied_right_every_step(shm_d
             got_step, got = load(shm_dir, 0)
             assert got_step == s
             _assert_same(state, got)
+
+
+def test_a_slots_commit_the_commit_thread_has_not_started_is_done_by_the_snapshot_that_needs_it(shm_dir):
+    """A busy host can keep the nice-19 commit thread from running for many steps; the snapshot
+    that reuses a slot then commits the slot's earlier step itself instead of waiting behind it,
+    and every commit is still announced once, in step order."""
+    committed: list[int] = []
+    m = MemCheckpointer(shm_dir, 0, slots=2, on_commit=lambda step, path: committed.append(step))
+    release, expired = threading.Event(), threading.Event()
+
+    def hold() -> None:                       # the commit thread, held (as the OS may hold it)
+        if not release.wait(30):
+            expired.set()
+
+    m._pool.submit(hold)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    try:
+        for step in range(3):                 # step 2 reuses step 0's slot, whose commit is queued
+            state["w"].add_(1)
+            m.snapshot(state, step)
+        assert not expired.is_set()           # the snapshot did not wait for the held thread
+        assert committed == [0], committed    # step 0's commit ran here, not on the held thread
+    finally:
+        release.set()
+        m.wait()
+        m.close()
+    assert committed == [0, 1, 2]
+    step, path = latest(shm_dir, 0)
+    assert step == 2 and torch.equal(load(shm_dir, 0, 2)[1]["w"], state["w"])

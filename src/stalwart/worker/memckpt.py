@@ -223,6 +223,7 @@ class _Slot:
         self.buf = None           # torch uint8 tensor mapping base.data
         self.layout_key = None    # set once `views` were zeroed and made for the current buffer
         self.pending: Future | None = None
+        self.commit_args: tuple | None = None   # what `pending` commits, while it may not have started
         self.shapes: tuple | None = None   # the (dtype, shape) of each tensor last written...
         self.plan: tuple[list[dict], int] | None = None     # ...their table and size...
         self.table_json = ""                                # (the table, encoded)
@@ -301,7 +302,15 @@ class MemCheckpointer:
         slot = self._slots[step % len(self._slots)]
         if slot.pending is not None:
             fut, slot.pending = slot.pending, None
-            _finished(fut)        # previous write of this slot must be finished (re-raises its error)
+            args, slot.commit_args = slot.commit_args, None
+            if args is not None and fut.cancel():
+                # the commit thread has not started this slot's previous commit: do it here. On a
+                # busy host the nice-19 thread can wait behind every other runnable thread for
+                # many steps, and the training thread would wait with it (priority inversion);
+                # here it costs the commit's own work (the checksum, the MAC, the header).
+                self._commit(*args)
+            else:
+                _finished(fut)    # previous write of this slot must be finished (re-raises its error)
         p, meta = _pickle_state(state, strict=False)
         # (checked here, not by the nice-19 commit thread: measured under load, Python work there
         # holds the interpreter lock while the OS has that thread waiting, and the training
@@ -341,7 +350,8 @@ class MemCheckpointer:
             _copy(views, src)     # the step blocks for the copy alone
             # the header (the tensor table, the base64 of the metadata), its checksum and its
             # commit are the background thread's: the training thread only copied
-            slot.pending = self._pool.submit(self._commit, slot, step, slot.table_json, nbytes, meta)
+            slot.commit_args = (slot, step, slot.table_json, nbytes, meta)
+            slot.pending = self._pool.submit(self._commit, *slot.commit_args)
         self._last_step = step
 
     def _versions(self, src: list) -> list[int] | None:
@@ -399,7 +409,7 @@ class MemCheckpointer:
         background failure."""
         for slot in self._slots:
             if slot.pending is not None:
-                fut, slot.pending = slot.pending, None
+                fut, slot.pending, slot.commit_args = slot.pending, None, None
                 _finished(fut)
 
     def close(self) -> None:
