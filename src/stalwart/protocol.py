@@ -9,6 +9,7 @@ environment; the environment a worker sees is built here, once, from the command
 """
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Any, Union
 
@@ -307,10 +308,17 @@ class WorkerExit(_Msg, tag="worker_exit", kw_only=True):
     t: float = 0.0
 
 
+class Severity(enum.StrEnum):
+    """How bad a probe's finding is (a str: it travels and is stored as its value)."""
+    FATAL = "fatal"      # the machine cannot train
+    WARN = "warn"        # degraded, maybe transient
+    INFO = "info"        # worth a line in the job's log
+
+
 class Health(_Msg, tag="health", kw_only=True):
     probe: str = ""
     kind: str
-    severity: str
+    severity: Severity
     machine_certain: bool = False
     network: bool = False
     detail: Any = None

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
+from stalwart.controller.policy import Mechanism
 from stalwart.diag.pairs import judge_digests, judge_pairs, judge_speed
 
-UNEXPLAINED = ("reattempt", "rollback", "replay")     # rungs that did not evict a machine
+UNEXPLAINED = (Mechanism.REATTEMPT, Mechanism.ROLLBACK, Mechanism.REPLAY)   # rungs that evicted no machine
 NUMERIC = ("nan", "loss_spike")
 # Thresholds are loose on purpose: a busy host measures healthy machines several times apart, while
 # the faults they must catch (a throttled link at kbit/s, a GPU at a quarter speed) are far off.

@@ -1,8 +1,8 @@
 """Pure decision rules: what to do about an event, and how to resolve an incident.
 
 Everything here is a function of plain data (a snapshot of the job, the evidence, `now`); nothing
-here does I/O. The job state machine (`jobs.py`) executes the actions and the cluster simulator can
-reuse the rules unchanged.
+here does I/O. The job core (`controller/job/`) executes the actions, and the cluster simulator drives that
+same core, so both take the rules unchanged.
 
 The ladder implemented so far (DESIGN.md "Fault handling"):
 - a machine that stopped heart-beating is lost: evict it, hand its ranks to a standby;
@@ -16,8 +16,21 @@ The ladder implemented so far (DESIGN.md "Fault handling"):
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
+
+from stalwart.protocol import Severity
+
+
+class Mechanism(enum.StrEnum):
+    """How an incident was resolved (a str: stored, reported and exported as its value)."""
+    REATTEMPT = "reattempt"            # the same machines again, from the newest checkpoint
+    EVICT_RESTART = "evict_restart"    # the culprits evicted, standbys take their ranks
+    ROLLBACK = "rollback"              # back to the code version before the last update
+    REPLAY = "replay"                  # dual-phase replay found (or cleared) the culprits
+    HOT_UPDATE = "hot_update"          # a planned stop for new code, not a fault
+    FAIL = "fail"                      # the job stops: a human must look
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,7 @@ class Alert:
     """A health event from a probe."""
     machine: str
     kind: str
-    severity: str                    # fatal | warn | info
+    severity: Severity
     machine_certain: bool
     network: bool = False
     detail: str = ""
@@ -90,7 +103,7 @@ class Resolution:
     cause: str
     suspects: list[str]
     evict: list[str] = field(default_factory=list)
-    mechanism: str = "reattempt"     # reattempt | evict_restart | fail
+    mechanism: Mechanism = Mechanism.REATTEMPT
     fail_reason: str | None = None
     # every eviction rests on certain evidence (a lost machine, a dead GPU): False when one is a
     # guess (a network alert, the stacks' over-eviction), which a check confirms before the job is
@@ -130,11 +143,11 @@ def standing_since(alerts: Iterable[Alert]) -> dict[str, tuple[float, Alert]]:
 
 def should_open_incident(alert: Alert, snap: Snapshot, now: float) -> bool:
     """Does this health alert stop the job right away?"""
-    if alert.severity != "fatal" and not alert.network:
+    if alert.severity != Severity.FATAL and not alert.network:
         return False
     if alert.machine not in snap.active:
         return False
-    if alert.machine_certain and alert.severity == "fatal":
+    if alert.machine_certain and alert.severity == Severity.FATAL:
         return True
     if alert.network:
         found = network_occurrences(snap.recent_alerts + (alert,), alert.machine, now,
@@ -185,7 +198,7 @@ def cause_in_hand(planned: bool, exits: tuple[Exit, ...], alerts: tuple[Alert, .
     (peers of a dead worker failing in their collectives) and the runner gives the probes a moment.
     """
     return (planned or bool(lost) or any(not e.secondary for e in exits)
-            or any(a.severity == "fatal" and a.machine_certain for a in alerts))
+            or any(a.severity == Severity.FATAL and a.machine_certain for a in alerts))
 
 
 def _primary_exits(exits: tuple[Exit, ...]) -> list[Exit]:
@@ -205,7 +218,7 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
             reasons.append(f"machine {m} lost (no heartbeat)")
     if ev.lost:
         symptom = "machine_lost"
-    certain = [a for a in ev.alerts if a.severity == "fatal" and a.machine_certain]
+    certain = [a for a in ev.alerts if a.severity == Severity.FATAL and a.machine_certain]
     for a in certain:
         if a.machine in snap.active and a.machine not in evict:
             evict.append(a.machine)
@@ -242,23 +255,23 @@ def resolve(snap: Snapshot, ev: Evidence, now: float) -> Resolution:
 
     if any(e.user_code for e in primary) and not evict:
         return Resolution(symptom="user_code_exception", category="user_code", cause=cause,
-                          suspects=suspects, mechanism="fail",
+                          suspects=suspects, mechanism=Mechanism.FAIL,
                           fail_reason=f"user code raised an exception: {primary[0].detail or cause}"
                                       + (f" (at {primary[0].location})" if primary[0].location else ""))
     if snap.restarts_without_progress >= snap.max_restarts_without_progress:
         return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                          evict=evict, mechanism="fail",
+                          evict=evict, mechanism=Mechanism.FAIL,
                           fail_reason=f"no progress across {snap.restarts_without_progress} restarts; "
                                       f"last failure: {cause}")
     if evict:
         short = standby_shortfall(evict, len(snap.standby_ready))
         if short is not None:
             return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                              evict=evict, mechanism="fail", fail_reason=short, certain=sure)
+                              evict=evict, mechanism=Mechanism.FAIL, fail_reason=short, certain=sure)
         return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                          evict=evict, mechanism="evict_restart", certain=sure)
+                          evict=evict, mechanism=Mechanism.EVICT_RESTART, certain=sure)
     return Resolution(symptom=symptom, category=category, cause=cause, suspects=suspects,
-                      mechanism="reattempt")
+                      mechanism=Mechanism.REATTEMPT)
 
 
 def _network_verdicts(snap: Snapshot, ev: Evidence, now: float,

@@ -248,7 +248,7 @@ class Agents:
         if plat.inspection and kind in PROBE and not f.ambiguous:
             probe, alert, field = PROBE[kind]
             dt = getattr(pr, field)
-            self.send(dt, m, p.Health(probe=probe, kind=alert, severity="fatal", machine_certain=True,
+            self.send(dt, m, p.Health(probe=probe, kind=alert, severity=p.Severity.FATAL, machine_certain=True,
                                       t=now + dt))
         if plat.inspection and kind == "network":
             for x in machines:
@@ -278,7 +278,7 @@ class Agents:
         alerts once)."""
         sim = self.sim
         dt = sim.profile.detect_network_s
-        self.send(dt, machine, p.Health(probe="nic", kind="nic_down", severity="warn", network=True,
+        self.send(dt, machine, p.Health(probe="nic", kind="nic_down", severity=p.Severity.WARN, network=True,
                                         t=sim.now + dt))
         if f.persistent and n < 10:
             sim.later(dt, self._again, f, machine, run, n + 1)

@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SEVERITIES = ("fatal", "warn", "info")
+from stalwart.protocol import Severity
+
+SEVERITIES = tuple(s.value for s in Severity)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class HealthEvent:
 
     probe: str
     kind: str
-    severity: str
+    severity: Severity
     machine_certain: bool
     detail: dict[str, Any] = field(default_factory=dict)
     t: float = 0.0
@@ -42,6 +44,7 @@ class HealthEvent:
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
             raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+        object.__setattr__(self, "severity", Severity(self.severity))
         if not self.probe or not self.kind:
             raise ValueError("a HealthEvent needs a probe name and a kind")
 
@@ -55,7 +58,7 @@ class HealthEvent:
         return cls(
             probe=d["probe"],
             kind=d["kind"],
-            severity=d["severity"],
+            severity=Severity(d["severity"]),
             machine_certain=bool(d["machine_certain"]),
             detail=dict(d.get("detail") or {}),
             t=float(d.get("t", 0.0)),
@@ -97,7 +100,7 @@ class Probe:
     def event(
         self,
         kind: str,
-        severity: str,
+        severity: Severity | str,
         machine_certain: bool,
         now: float,
         **detail: Any,

@@ -35,7 +35,7 @@ from stalwart.analyzer.replay import ReplayPlan
 from stalwart.analyzer.traces import TraceWatch
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.peerwatch import PeerWatch
-from stalwart.controller.policy import Alert, Exit, Resolution
+from stalwart.controller.policy import Alert, Exit, Mechanism, Resolution
 from stalwart.controller.restore import Availability
 from stalwart.controller.scriptsteps import ScriptRun
 from stalwart.errors import StalwartError
@@ -172,7 +172,7 @@ class PastIncident:
     detected_at: float
     symptom: str
     category: str
-    mechanism: str | None
+    mechanism: Mechanism | None
     evicted: list[str]
     cause: str | None
 

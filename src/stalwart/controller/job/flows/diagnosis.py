@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.controller import ladder, policy, versions
+from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, InterPair, RunChecks
 from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
 from stalwart.controller.job.state import (Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PairKey,
@@ -34,7 +35,7 @@ class DiagnosisFlow:
         inc.resolution = res
         if res.evict and not self._confirm(st, inc, res):
             return None
-        if not res.evict and res.mechanism != "reattempt":
+        if not res.evict and res.mechanism != Mechanism.REATTEMPT:
             return None
         checks = ladder.checks_for(res.symptom, res.category, len(st.slots), p.stop_time_checks,
                                    p.alignment_test)
@@ -55,7 +56,7 @@ class DiagnosisFlow:
         if res.fail_reason not in (None, short):      # failing for another reason (no progress)
             return False
         inc.confirm = True
-        inc.resolution = dataclasses.replace(res, mechanism="reattempt", fail_reason=None,
+        inc.resolution = dataclasses.replace(res, mechanism=Mechanism.REATTEMPT, fail_reason=None,
                                              cause=f"{res.cause}; {short}: confirming with stop-time checks")
         return True
 
@@ -142,11 +143,11 @@ class DiagnosisFlow:
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=evict)]
         if evict:
-            res = dataclasses.replace(res, evict=evict, suspects=list(evict), mechanism="evict_restart",
+            res = dataclasses.replace(res, evict=evict, suspects=list(evict), mechanism=Mechanism.EVICT_RESTART,
                                       cause=f"{res.cause}; stop-time checks: {why}")
             short = policy.standby_shortfall(evict, ready)
             if short is not None:
-                res = dataclasses.replace(res, mechanism="fail", fail_reason=f"stop-time checks: {short}")
+                res = dataclasses.replace(res, mechanism=Mechanism.FAIL, fail_reason=f"stop-time checks: {short}")
             return acts + self.core.failure.recover(st, inc, res, now)
         if v.get("inconclusive"):
             res = dataclasses.replace(res, cause=f"{res.cause}; stop-time checks inconclusive: {v['inconclusive']}")
@@ -154,7 +155,7 @@ class DiagnosisFlow:
             res = dataclasses.replace(
                 res, cause=f"{res.cause}; stop-time checks ({', '.join(d.checks)}) passed in {took:.1f}s")
         if inc.confirm:
-            res = dataclasses.replace(res, evict=[], suspects=[], mechanism="reattempt",
+            res = dataclasses.replace(res, evict=[], suspects=[], mechanism=Mechanism.REATTEMPT,
                                       cause=f"{res.cause}; no machine confirmed: evicting none")
         previous = ladder.streak([dataclasses.asdict(h) for h in st.history], self.ctx.policy.ladder_window_s,
                                  inc.detected_at)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from stalwart import protocol
 from stalwart.analyzer.classify import classify
 from stalwart.controller import placement, policy, versions
+from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, record
@@ -155,7 +156,7 @@ class FailureFlow:
             return self.core.hotupdate.apply_planned(st, inc, now)
         if inc.symptom == CONTROL_PLANE and not (inc.exits or inc.lost or inc.alerts):
             res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
-                                    cause=inc.reason or "the controller restarted", mechanism="reattempt")
+                                    cause=inc.reason or "the controller restarted", mechanism=Mechanism.REATTEMPT)
             return self.recover(st, inc, res, now)
         res = self.resolution(st, inc, now)
         started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
@@ -200,21 +201,21 @@ class FailureFlow:
                             category=res.category, mechanism=res.mechanism, evicted=list(res.evict),
                             cause=res.cause)
         st.history.append(past)
-        if st.version_id is not None and res.mechanism in ("fail", "reattempt") and not res.evict:
+        if st.version_id is not None and res.mechanism in (Mechanism.FAIL, Mechanism.REATTEMPT) and not res.evict:
             why = versions.rollback_reason(st.version(), [dataclasses.asdict(h) for h in st.history],
                                            now + 1e-6)
             if why is not None:       # the new code is to blame: back to the last stable version
                 acts += self.core.hotupdate.rollback(st, why, now)
-                res = dataclasses.replace(res, mechanism="rollback", cause=f"{res.cause}; {why}")
+                res = dataclasses.replace(res, mechanism=Mechanism.ROLLBACK, cause=f"{res.cause}; {why}")
                 past.mechanism, past.cause = res.mechanism, res.cause
-                acts += [UpdateIncident(seq=inc.seq, fields={"mechanism": "rollback", "cause": res.cause}),
+                acts += [UpdateIncident(seq=inc.seq, fields={"mechanism": Mechanism.ROLLBACK, "cause": res.cause}),
                          record("version_rolled_back", now, incident=inc.seq, to=st.version_id)]
-        if res.mechanism == "fail":
+        if res.mechanism == Mechanism.FAIL:
             inc.move(IncidentPhase.FAILED)
             return acts + self.finish(st, "failed", res.fail_reason, now)
         inc.move(IncidentPhase.RESTARTING)
         acts += self.replace_machines(st, inc, res, now)
-        if st.version_id is not None and res.mechanism != "rollback":
+        if st.version_id is not None and res.mechanism != Mechanism.ROLLBACK:
             acts += self.core.hotupdate.apply_due_at_failure(st, inc, now)   # lazy updates ride along
         return acts + self.core.run.restart(st, now)
 

@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 from stalwart.controller import versions
+from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import PrepareSpares, SaveVersion, UpdateIncident
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import HotUpdatePrep, Incident, IncidentPhase, JobState
@@ -124,9 +125,9 @@ class HotUpdateFlow:
         assert cur is not None
         inc.move(IncidentPhase.RESTARTING)
         acts += [UpdateIncident(seq=inc.seq, fields=dict(
-                     mechanism="hot_update", localized_at=now, suspects=[],
+                     mechanism=Mechanism.HOT_UPDATE, localized_at=now, suspects=[],
                      cause=f"hot update to version {cur['id']} ({cur['hash'][:12]}, {cur['mode']})")),
-                 record("incident_localized", now, incident=inc.seq, mechanism="hot_update"),
+                 record("incident_localized", now, incident=inc.seq, mechanism=Mechanism.HOT_UPDATE),
                  record("version_applied", now, version=cur["id"], incident=inc.seq)]
         return acts + self.core.run.restart(st, now)
 

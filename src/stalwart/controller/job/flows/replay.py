@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from stalwart import protocol
 from stalwart.analyzer import replay
 from stalwart.controller import policy
+from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, StartReplayGroup, StopWorkers
 from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
 from stalwart.controller.job.state import Incident, IncidentPhase, JobPhase, JobState, Replay, ReplayGroup
@@ -113,11 +114,11 @@ class ReplayFlow:
         acts: Actions = [StopWorkers(machines=list(g.machines), run=run) for run, g in rp.groups.items()]
         acts += [CloseScratch(name=rp.name),
                  record("replay_done", now, incident=inc.seq, machines=lost, seconds=round(now - rp.started, 3))]
-        res = dataclasses.replace(inc.resolution, mechanism="evict_restart", evict=lost, suspects=lost,
+        res = dataclasses.replace(inc.resolution, mechanism=Mechanism.EVICT_RESTART, evict=lost, suspects=lost,
                                   cause=f"{inc.resolution.cause}; {', '.join(lost)} lost during the dual-phase replay")
         short = policy.standby_shortfall(lost, len(self.ctx.ready_standbys(st)))
         if short is not None:
-            res = dataclasses.replace(res, mechanism="fail", fail_reason=short)
+            res = dataclasses.replace(res, mechanism=Mechanism.FAIL, fail_reason=short)
         return acts + self.core.failure.recover(st, inc, res, now)
 
     def check(self, st: JobState, now: float) -> Actions:
@@ -164,16 +165,16 @@ class ReplayFlow:
         acts: Actions = [CloseScratch(name=rp.name), save_data(inc),
                          record("replay_done", now, incident=inc.seq, machines=found, seconds=took)]
         if found:
-            res = dataclasses.replace(res, mechanism="replay", evict=list(found), suspects=list(found),
+            res = dataclasses.replace(res, mechanism=Mechanism.REPLAY, evict=list(found), suspects=list(found),
                                       cause=f"{res.cause}; dual-phase replay isolated {', '.join(found)} "
                                             f"in {took:.1f}s")
             short = policy.standby_shortfall(list(found), len(self.ctx.ready_standbys(st)))
             if short is not None:
-                res = dataclasses.replace(res, mechanism="fail",
+                res = dataclasses.replace(res, mechanism=Mechanism.FAIL,
                                           fail_reason=f"dual-phase replay isolated {', '.join(found)} "
                                                       f"but {short}")
         else:
             what = "failed in every group: no machine to blame" if everywhere else "reproduced nothing"
-            res = dataclasses.replace(res, mechanism="replay",
+            res = dataclasses.replace(res, mechanism=Mechanism.REPLAY,
                                       cause=f"{res.cause}; dual-phase replay {what} in {took:.1f}s")
         return acts + self.core.failure.recover(st, inc, res, now)
