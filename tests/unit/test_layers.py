@@ -57,9 +57,7 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
 
 # (importer, imported) pairs that point to a higher layer, with the reason.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("stalwart.agent.daemon", "stalwart.backends.netns"): "names network namespaces by their old path",
     ("stalwart.sim.whatif", "stalwart.cli.common"): "what-if takes the CLI's state-dir options and API client",
-    ("stalwart.worker.context", "stalwart.agent.probes.simgpu"): "names the simulated GPU by its old path",
 }
 
 

@@ -107,7 +107,7 @@ class Agent:
         self.network = self._load_network(network_file)
         self.netns = None
         if self.network:
-            from stalwart.backends.netns import Machine
+            from stalwart.devices.netns import Machine
             self.netns = Machine(**self.network["self"])
             self.address = self.netns.address
         self.kmsg_path = os.path.join(self.workdir, "kmsg.log")
@@ -115,7 +115,7 @@ class Agent:
         for stale in (self.disk_override,):
             if os.path.exists(stale):
                 os.unlink(stale)
-        from stalwart.agent.probes.simgpu import SimGpu
+        from stalwart.devices.simgpu import SimGpu
         if os.path.exists(self.simgpu_path):
             os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
         SimGpu(self.simgpu_path, self.gpus)

@@ -96,7 +96,7 @@ class LocalCluster(Backend):
         self.token: str | None = None
         self.network_mode = network
         self.controller_chaos = controller_chaos      # the controller kills itself on cue (chaos/controller.py)
-        self.net = None                    # backends.netns.Network when machines have their own network
+        self.net = None                    # devices.netns.Network when machines have their own network
         self.network_file: str | None = None
         self._netns_machines: dict[str, dict] = {}      # machine -> its namespace (network.json)
         self.store_host = "127.0.0.1"
@@ -203,7 +203,7 @@ class LocalCluster(Backend):
 
     def _start_network(self) -> str:
         """Create the machines' namespaces when wanted and possible; returns the store host."""
-        from stalwart.backends import netns
+        from stalwart.devices import netns
         if self.network_mode == "host":
             return "127.0.0.1"
         if self.network_mode == "isolated":
@@ -399,7 +399,7 @@ def cleanup_stale(state_dir: str) -> list[int]:
     if os.path.isdir(netns_dir):
         from pathlib import Path
 
-        from stalwart.backends import netns
+        from stalwart.devices import netns
         netns.cleanup_stale(Path(netns_dir))
     if not os.path.exists(pid_file):
         return killed

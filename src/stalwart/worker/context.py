@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from stalwart.agent.probes.simgpu import fatal_line, slowdown_factor
+from stalwart.devices.simgpu import fatal_line, slowdown_factor
 from stalwart.protocol import WARM_TITLE_MARK, Env
 from stalwart.topology import Topology
 from stalwart.worker import durable, memckpt
