@@ -57,7 +57,6 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
 
 # (importer, imported) pairs that point to a higher layer, with the reason.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("stalwart.sim.whatif", "stalwart.cli.common"): "what-if takes the CLI's state-dir options and API client",
 }
 
 
