@@ -48,9 +48,6 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
      "stalwart.controller.job.flows.reconcile", "stalwart.controller.job.flows.replay",
      "stalwart.controller.job.flows.run"):
         "the flows reach each other through the core (self.core.<flow>)",
-    ("stalwart.worker", "stalwart.worker.context", "stalwart.worker.standby"):
-        "the package's init() builds a Context; context imports durable, memckpt from the package; "
-        "standby takes context's warm-up helpers, context takes standby's link",
 }
 
 # (importer, imported) pairs that point to a higher layer, with the reason.
