@@ -291,7 +291,7 @@ class TorchrunPair:
 def torchrun_detection(kinds: list[str], step: int, bound_s: float, workdir: str,
                        startup_s: float = 180.0) -> dict[str, dict]:
     """Run one torchrun pair per kind at once, inject at `step`, wait for each notice (bounded)."""
-    from stalwart.backends import netns
+    from stalwart.devices import netns
     root, why = netns.available()
     out: dict[str, dict] = {}
     pairs: list[TorchrunPair] = []

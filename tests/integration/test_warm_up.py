@@ -6,8 +6,8 @@ import sys
 def test_warm_up_imports_what_the_first_optimizer_needs():
     code = ("import sys, torch\n"
             "assert 'torch._dynamo' not in sys.modules\n"
-            "from stalwart.worker.context import _warm_up_torch\n"
-            "_warm_up_torch()\n"
+            "from stalwart.worker.warmup import warm_up_torch\n"
+            "warm_up_torch()\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

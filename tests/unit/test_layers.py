@@ -48,18 +48,10 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
      "stalwart.controller.job.flows.reconcile", "stalwart.controller.job.flows.replay",
      "stalwart.controller.job.flows.run"):
         "the flows reach each other through the core (self.core.<flow>)",
-    ("stalwart.sim.agents", "stalwart.sim.engine"):
-        "the simulated agents call back into the engine that owns them",
-    ("stalwart.worker", "stalwart.worker.context", "stalwart.worker.standby"):
-        "the package's init() builds a Context; context imports durable, memckpt from the package; "
-        "standby takes context's warm-up helpers, context takes standby's link",
 }
 
 # (importer, imported) pairs that point to a higher layer, with the reason.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("stalwart.agent.daemon", "stalwart.backends.netns"): "names network namespaces by their old path",
-    ("stalwart.sim.whatif", "stalwart.cli.common"): "what-if takes the CLI's state-dir options and API client",
-    ("stalwart.worker.context", "stalwart.agent.probes.simgpu"): "names the simulated GPU by its old path",
 }
 
 

@@ -38,6 +38,8 @@ from stalwart.agent.succession import Succession
 from stalwart.agent.workers import Worker, WorkerSet, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
 from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.devices.netns import Machine
+from stalwart.devices.simgpu import SimGpu
 from stalwart.jsonlines import JsonLineSocket
 
 log = logging.getLogger("stalwart.agent")
@@ -107,7 +109,6 @@ class Agent:
         self.network = self._load_network(network_file)
         self.netns = None
         if self.network:
-            from stalwart.backends.netns import Machine
             self.netns = Machine(**self.network["self"])
             self.address = self.netns.address
         self.kmsg_path = os.path.join(self.workdir, "kmsg.log")
@@ -115,7 +116,6 @@ class Agent:
         for stale in (self.disk_override,):
             if os.path.exists(stale):
                 os.unlink(stale)
-        from stalwart.agent.probes.simgpu import SimGpu
         if os.path.exists(self.simgpu_path):
             os.unlink(self.simgpu_path)       # a fresh machine has healthy GPUs
         SimGpu(self.simgpu_path, self.gpus)

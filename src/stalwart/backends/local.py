@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from stalwart import auth, identity
@@ -34,6 +35,7 @@ from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
 from stalwart.client import Client, ControllerUnreachable
+from stalwart.devices import netns
 from stalwart.errors import StalwartError
 
 log = logging.getLogger("stalwart.local")
@@ -64,7 +66,6 @@ class NetworkUnavailable(StalwartError, RuntimeError):
 
 def require_isolation() -> None:
     """Raise `NetworkUnavailable`, saying why, where isolated machines cannot be made."""
-    from stalwart.devices import netns
     ok, why = netns.available()
     if not ok:
         raise NetworkUnavailable(f"--isolate-network: machines with their own network are unavailable here: {why}")
@@ -96,7 +97,7 @@ class LocalCluster(Backend):
         self.token: str | None = None
         self.network_mode = network
         self.controller_chaos = controller_chaos      # the controller kills itself on cue (chaos/controller.py)
-        self.net = None                    # backends.netns.Network when machines have their own network
+        self.net = None                    # devices.netns.Network when machines have their own network
         self.network_file: str | None = None
         self._netns_machines: dict[str, dict] = {}      # machine -> its namespace (network.json)
         self.store_host = "127.0.0.1"
@@ -203,7 +204,6 @@ class LocalCluster(Backend):
 
     def _start_network(self) -> str:
         """Create the machines' namespaces when wanted and possible; returns the store host."""
-        from stalwart.backends import netns
         if self.network_mode == "host":
             return "127.0.0.1"
         if self.network_mode == "isolated":
@@ -397,9 +397,6 @@ def cleanup_stale(state_dir: str) -> list[int]:
     killed = []
     netns_dir = os.path.join(state_dir, "netns")
     if os.path.isdir(netns_dir):
-        from pathlib import Path
-
-        from stalwart.backends import netns
         netns.cleanup_stale(Path(netns_dir))
     if not os.path.exists(pid_file):
         return killed

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_parsers(sub)   # stalwart slurm …
     k8s.add_parsers(sub)     # stalwart k8s …
     from stalwart.sim.command import add_commands as add_sim
-    add_sim(sub)             # stalwart sim, stalwart whatif
+    add_sim(sub)             # stalwart sim
     c = sub.add_parser("completion", help="print the shell completion script (bash or zsh)",
                        description="Print a completion script for the shell: `eval \"$(stalwart completion "
                                    "bash)\"` in ~/.bashrc, or `stalwart completion zsh > ~/.zfunc/_stalwart`.")

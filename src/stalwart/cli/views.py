@@ -1,6 +1,6 @@
-"""Commands that read a job: `status`, `report`, `machines`, `versions`, `stacks`, `logs`. Each asks
-the controller (--controller, $STALWART_CONTROLLER or the state dir's); `report`, `machines` and
-`stacks` read the state dir's store when no controller runs there. `--json` prints what the API
+"""Commands that read a job: `status`, `report`, `machines`, `versions`, `stacks`, `whatif`. Each asks
+the controller (--controller, $STALWART_CONTROLLER or the state dir's); `report`, `machines`,
+`stacks` and `whatif` read the state dir's store when no controller runs there. `--json` prints what the API
 answered."""
 from __future__ import annotations
 
@@ -114,6 +114,31 @@ def cmd_stacks(a) -> int:
     return 0
 
 
+def cmd_whatif(a) -> int:
+    """The what-if straggler analysis (`stalwart.analyzer.whatif`) of a job: the controller's answer
+    (`GET /api/jobs/{job}/whatif`), or with `--db` or no controller, computed from the store."""
+    from stalwart.analyzer.whatif import render
+    from stalwart.sim.whatif import from_store
+    if a.microbatches < 1:
+        raise UserError(f"--microbatches must be >= 1 (got {a.microbatches})")
+    url = a.db
+    if url is None:
+        try:
+            res = api_client(a, 60).get(f"/api/jobs/{a.job}/whatif?microbatches={a.microbatches}")
+            job_id = res.pop("job_id")
+        except (UserError, ControllerUnreachable):
+            if a.controller:
+                raise
+            url = state_store_url(a)
+    if url is not None:
+        job_id, res = from_store(url, str(a.job), a.microbatches)
+    if a.json:
+        print_json({"job_id": job_id, **res})
+    else:
+        print(render(job_id, res))
+    return 0
+
+
 def offline_incident(url: str, job: str, incident: int) -> dict:
     """One incident as `GET /api/jobs/{job}/incidents/{id}` answers it, read from a store."""
     from stalwart.controller.dashboard import incident_detail
@@ -162,3 +187,11 @@ def add_parsers(sub) -> None:
     state_options(st)
     st.add_argument("--db", help="read this store (SQLAlchemy URL) instead of asking a controller")
     st.set_defaults(fn=cmd_stacks)
+
+    w = sub.add_parser("whatif", help="how much faster a finished job would have been without its slowest "
+                                      "rank / machine / pipeline stage")
+    state_options(w)
+    w.add_argument("--db", help="read this store (SQLAlchemy URL) instead of asking a controller")
+    w.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (pipeline model)")
+    w.add_argument("--json", action="store_true", help="print the analysis as JSON on stdout")
+    w.set_defaults(fn=cmd_whatif)

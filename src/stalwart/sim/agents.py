@@ -6,18 +6,23 @@ They decide nothing about the job: which machine to evict, whether to check, rep
 is the job core's. What they know is the truth of the simulation (which machine is faulty), and
 they tell it only through what a real agent would report: check results (caught with the
 profile's recall), stacks, exits, alerts.
+
+They see the simulation that owns them through `World` (the engine's `Sim` is one): its clock and
+queue, the truth of the faults, the running training, and the few happenings they cause there.
 """
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
-from stalwart.sim.failures import Fault
-
-if TYPE_CHECKING:
-    from stalwart.sim.engine import Sim
+from stalwart.controller.job import state as S
+from stalwart.sim.cluster import SimCluster
+from stalwart.sim.config import Segment
+from stalwart.sim.failures import Fault, Model
+from stalwart.sim.peers import Platform
+from stalwart.sim.training import Training
 
 # what a worker prints when it dies of each kind of fault (the controller's classifier reads it)
 TAILS = {
@@ -45,8 +50,36 @@ def stack(rank: int, fn: str, status: str = "sleeping") -> dict:
                 {"name": "train_step", "module": "train"}]}]}
 
 
+class World(Protocol):
+    """What the agents read of the simulation and the happenings they cause in it."""
+    seed: int
+    now: float
+    profile: Any                  # the profile's durations, drawn once per name and instant
+    platform: Platform
+    model: Model
+    cluster: SimCluster
+    st: S.JobState | None         # the job core's state (what memory holds, the code path)
+    seg: Segment | None           # the current submission: answers to an older one are dropped
+    training: Training | None
+    backed_up_by: list[list[int]]
+    bad: dict[str, Fault]         # the truth: the faulty machines
+    bugs: dict[int, str | None]   # code version -> the bug it carries
+    stuck: bool
+
+    def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
+    def agent_event(self, machine: str, ev: p.Event, seg: int) -> None: ...
+    def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None: ...
+    def report_durable(self, tr: Training) -> None: ...
+    def active_faults(self) -> list[tuple[Fault, list[str]]]: ...
+    def pipeline_slots(self, slot: int) -> list[int]: ...
+    def draw(self, f: Fault) -> float: ...
+    def freeze(self, t: float) -> None: ...
+    def machine_dies(self, machine: str) -> None: ...
+    def slowed(self, machine: str) -> None: ...
+
+
 class Agents:
-    def __init__(self, sim: "Sim"):
+    def __init__(self, sim: World):
         self.sim = sim
         self.rng = random.Random(sim.seed ^ 0xA6E)
 

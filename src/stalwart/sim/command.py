@@ -27,7 +27,7 @@ DEFAULT_POLICIES = ("requeue,nvrx-like,byterobust,stalwart,stalwart-no-standby,s
 
 
 def add_commands(sub: Any) -> None:
-    """`stalwart sim` and `stalwart whatif` (the heavy modules load when they run)."""
+    """`stalwart sim` (the heavy modules load when it runs)."""
     s = sub.add_parser("sim", help="simulate one long job on a large cluster under several policies (ETTR)",
                        description=__doc__.split("\n\n")[0])
     s.add_argument("--gpus", type=int, default=9600, help="GPUs of the whole job, all machines together "
@@ -62,8 +62,6 @@ def add_commands(sub: Any) -> None:
                    help="agents report per-rank compute times; print the what-if straggler analysis")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
     s.set_defaults(fn=main)
-    from stalwart.sim.whatif import add_parser as add_whatif
-    add_whatif(sub)
 
 
 def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platform]]:

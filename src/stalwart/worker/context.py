@@ -12,13 +12,16 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from stalwart.agent.probes.simgpu import fatal_line, slowdown_factor
-from stalwart.protocol import WARM_TITLE_MARK, Env
+import stalwart.worker.durable as durable
+import stalwart.worker.memckpt as memckpt
+from stalwart.devices.simgpu import fatal_line, slowdown_factor
+from stalwart.protocol import Env
 from stalwart.topology import Topology
-from stalwart.worker import durable, memckpt
 from stalwart.worker.link import AgentLink
 from stalwart.worker.simgpu_view import SimGpuView
+from stalwart.worker.standby import take_link
 from stalwart.worker.teardown import release_process_groups
+from stalwart.worker.warmup import untitle_warm, warm_up_torch
 
 GROUP_KINDS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -26,33 +29,6 @@ GROUP_KINDS = ("tp", "cp", "ep", "dp", "pp")
 def _env_int(name: str, default: int | None = None) -> int | None:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default
-
-
-def _warm_up_torch() -> None:
-    """Pay torch's first-use costs while waiting as a spare, not after activation.
-
-    Building the first optimizer imports torch._dynamo (about 1 s on these machines, as long as
-    importing torch itself); the first backward starts the autograd engine's threads. A training
-    script does both right after `init()` returns, so a warm worker that skipped this would spend
-    that second on the restart's critical path.
-    """
-    p = torch.nn.Parameter(torch.ones(8))
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    (p * p).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _untitle_warm() -> None:
-    """A warm worker forked by its machine's fork server shows that it waits in its command line
-    (agent/forkclient.py's WARM_MARK): it trains now."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    title = setproctitle.getproctitle()
-    if title.endswith(WARM_TITLE_MARK):
-        setproctitle.setproctitle(title[:-len(WARM_TITLE_MARK)])
 
 
 class Context:
@@ -71,8 +47,7 @@ class Context:
         self._imported_at = time.time()       # torch and the training script are loaded
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
-        from stalwart.worker import standby
-        self.link = standby.take_link(self._on_agent_message) or \
+        self.link = take_link(self._on_agent_message) or \
             AgentLink(os.environ.get(Env.AGENT_SOCK), self._on_agent_message)
         if os.environ.get(Env.STANDBY) == "1":
             self._wait_for_activation()
@@ -157,12 +132,12 @@ class Context:
     # -- set-up ------------------------------------------------------------------------------
     def _wait_for_activation(self) -> None:
         """A warm standby: torch is imported; block until the agent hands us our ranks."""
-        _warm_up_torch()
+        warm_up_torch()
         self.link.send_now({"type": "standby_ready", "pid": os.getpid()})
         self._activation.wait()
         os.environ.update(self._activation_env)
         os.environ.pop(Env.STANDBY, None)
-        _untitle_warm()
+        untitle_warm()
 
     def _init_process_groups(self) -> None:
         backend = "nccl" if self.cuda else "gloo"

@@ -16,6 +16,7 @@ from typing import Callable
 
 from stalwart.protocol import Env
 from stalwart.worker.link import AgentLink
+from stalwart.worker.warmup import untitle_warm, warm_up_torch
 
 _link: AgentLink | None = None
 _handler: Callable[[dict], None] | None = None
@@ -34,7 +35,6 @@ def wait_if_standby() -> None:
     global _link, _handler
     if os.environ.get(Env.STANDBY) != "1" or _link is not None:
         return
-    from stalwart.worker.context import _untitle_warm, _warm_up_torch
     activated = threading.Event()
     env: dict[str, str] = {}
 
@@ -47,13 +47,13 @@ def wait_if_standby() -> None:
 
     _handler = on_message
     _link = AgentLink(os.environ.get(Env.AGENT_SOCK), _dispatch)
-    _warm_up_torch()
+    warm_up_torch()
     _link.send_now({"type": "standby_ready", "pid": os.getpid()})
     activated.wait()
     os.environ.update(env)
     os.environ.pop(Env.STANDBY, None)
     _handler = None
-    _untitle_warm()
+    untitle_warm()
 
 
 def take_link(on_message: Callable[[dict], None]) -> AgentLink | None:
