@@ -1,7 +1,7 @@
 """Overhead benchmark: the same job under bare torchrun, torchrun with the worker SDK, and
 `stalwart run`, in one invocation.
 
-    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE] [--ddp plain|dcp]
+    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE] [--ddp plain|dcp|dcp-overlap]
 
 For each layout (4 workers: tp 2, dp 2 on 2 machines x 2; 8 workers: tp 2, pp 2, dp 2 on 4 x 2;
 `--quick`: the 4-worker one alone) it runs the bundled GPT (rank 0 prints every step with its wall
@@ -25,11 +25,12 @@ processes' CPU over its workers' CPU (a spare's one-time warm-up left out,
 printed apart), the SDK's blocking time over the step time, and its
 command-to-first-step over bare torchrun's. Not a timed test; run it alone on the host.
 
-`--ddp plain|dcp` measures an ordinary DDP script instead (`bench/ddpjob.py`, 4 workers on 2
+`--ddp plain|dcp|dcp-overlap` measures an ordinary DDP script instead (`bench/ddpjob.py`, 4 workers on 2
 machines x 2, dp 4): bare torchrun against `stalwart run` of the same script unchanged (`plain`),
 or of the script with stalwart's DCP adapter taking an every-step in-memory checkpoint (`dcp`: its
 row `sdk_s_per_step` is the adapter's blocking time per step, and `sdk_blocking_share` in the JSON
-that time over the step time).
+that time over the step time). `dcp-overlap` is `dcp` with `STALWART_MEM_OVERLAP=1`: the copy runs
+beside the next step's forward and backward, and the optimizer step waits for it.
 """
 from __future__ import annotations
 
@@ -235,13 +236,14 @@ def torchrun_ddp(steps: int, work: str) -> dict:
     return measure(read_steps(log), launched, sampler)
 
 
-def stalwart_ddp(steps: int, dcp: bool, work: str) -> dict:
+def stalwart_ddp(steps: int, dcp: bool, work: str, overlap: bool = False) -> dict:
     """`stalwart run` of the same DDP script (2 machines x 2, one standby), with the DCP adapter's
-    every-step in-memory checkpoint when `dcp`."""
+    every-step in-memory checkpoint when `dcp` (its copy beside the next step when `overlap`)."""
     d = tempfile.mkdtemp(dir=work)
     argv = [sys.executable, "-m", "stalwart.cli", "run", "--state-dir", os.path.join(d, "sd"), "--fresh",
             "--machines", "2", "--gpus-per-machine", "2", "--dp", "4", "--steps", str(steps), "--standby", "1",
-            "--ckpt-every", "10", "--", sys.executable, DDP_JOB, "--steps", str(steps)] + (["--dcp"] if dcp else [])
+            "--ckpt-every", "10"] + (["--env", "STALWART_MEM_OVERLAP=1"] if overlap else []) + [
+            "--", sys.executable, DDP_JOB, "--steps", str(steps)] + (["--dcp"] if dcp else [])
     launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, os.path.join(d, "run.log"), 900)
     log = os.path.join(d, "sd", "machines", "m0", "logs", "run1_rank0.out")
     return measure(read_steps(log), launched, sampler)
@@ -258,12 +260,13 @@ def ddp_main(kind: str, steps: int, repeat: int) -> dict:
             for mode in modes[k % 2:] + modes[:k % 2]:
                 print(f"[DDP, 4 workers, {kind}] " + (f"round {k + 1}/{repeat}: " if repeat > 1 else "")
                       + f"{mode} ...", flush=True)
-                r[mode] = torchrun_ddp(steps, work) if mode == "bare" else stalwart_ddp(steps, kind == "dcp", work)
+                r[mode] = torchrun_ddp(steps, work) if mode == "bare" else \
+                    stalwart_ddp(steps, kind.startswith("dcp"), work, overlap=kind == "dcp-overlap")
             rounds.append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r = {m: median_of([x[m] for x in rounds]) for m in modes}
-    label = "stalwart + DCP" if kind == "dcp" else "stalwart run"
+    label = "stalwart + DCP" if kind.startswith("dcp") else "stalwart run"
     print(f"\nDDP script, 4 workers (dp 4 on 2 machines x 2), {steps} steps; window 30%..90%"
           + (f"; medians of {repeat} rounds" if repeat > 1 else ""))
     print(f"{'':34s}{'bare torchrun':>16s}{label:>16s}")
@@ -286,11 +289,11 @@ def ddp_main(kind: str, steps: int, repeat: int) -> dict:
             b, s = x["bare"], x["stalwart"]
             print(f"round {k + 1}: throughput {s['steps_per_s'] / b['steps_per_s']:.3f}x"
                   + (f", adapter blocking {100 * s.get('sdk_s_per_step', 0.0) / s['step_s']:.2f}%"
-                     if kind == "dcp" else ""))
+                     if kind.startswith("dcp") else ""))
     print(f"ratios vs bare torchrun: throughput {row['throughput_ratio']:.3f}x, stalwart's own CPU "
           f"{100 * row['own_cpu_share']:.1f}% of its workers'"
           + (f", DCP adapter blocking {100 * row['sdk_blocking_share']:.2f}% of a step "
-             f"({1e3 * st.get('sdk_s_per_step', 0.0):.2f} ms)" if kind == "dcp" else "")
+             f"({1e3 * st.get('sdk_s_per_step', 0.0):.2f} ms)" if kind.startswith("dcp") else "")
           + f", first step {row['first_step_ratio']:.2f}x\n", flush=True)
     return row
 
@@ -324,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="rounds of the three runs per layout, each in another order; medians are printed")
     ap.add_argument("--json", help="write the ratios per layout here")
-    ap.add_argument("--ddp", choices=("plain", "dcp"),
-                    help="an ordinary DDP script instead of the GPT: unchanged (plain) or with the DCP adapter")
+    ap.add_argument("--ddp", choices=("plain", "dcp", "dcp-overlap"),
+                    help="an ordinary DDP script instead of the GPT: unchanged (plain), with the DCP adapter "
+                         "(dcp), or with the adapter's copy beside the next step (dcp-overlap: "
+                         "STALWART_MEM_OVERLAP=1)")
     a = ap.parse_args(argv)
     steps = a.steps or (200 if a.quick else 300)
     if steps < 50:

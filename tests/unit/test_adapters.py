@@ -21,6 +21,17 @@ from stalwart.worker.adapters import require
 @pytest.fixture
 def ctx(tmp_path, monkeypatch):
     """A real worker context (attached, one rank, no agent) whose in-memory tier is tmp_path/shm."""
+    yield from _attached(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def overlap_ctx(tmp_path, monkeypatch):
+    """The same with STALWART_MEM_OVERLAP=1: snapshots are copied beside the next step."""
+    monkeypatch.setenv(Env.MEM_OVERLAP, "1")
+    yield from _attached(tmp_path, monkeypatch)
+
+
+def _attached(tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", Env.RESTORE_PATH, Env.RUN, Env.AGENT_SOCK, Env.STANDBY):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(Env.SHM_DIR, str(tmp_path / "shm"))
@@ -46,14 +57,25 @@ def _train_step(model, opt, step: int) -> None:
     opt.zero_grad()
 
 
-def test_dcp_plans_once_and_restores_exactly(ctx, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dcp_plans_once_and_restores_exactly(overlap, request, monkeypatch):
+    ctx = request.getfixturevalue("overlap_ctx" if overlap else "ctx")
+    assert ctx.mem.overlap is overlap
+    fences = []
+    fence = ctx.mem.fence
+    monkeypatch.setattr(ctx.mem, "fence", lambda: (fences.append(1), fence())[1])
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck = adcp.Checkpointer(ctx)
-    for step in range(5):
-        _train_step(model, opt, step)
-        ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+    try:
+        for step in range(5):
+            _train_step(model, opt, step)
+            ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+    finally:
+        ck.close()
     ctx.mem.wait()
+    # overlapped: every optimizer step waited for the copy before it, and none was torn
+    assert len(fences) == (5 if overlap else 0) and ctx.mem.overlap_off is None
     assert ck.replans == 1 and ck.saves == 5       # one DCP plan; four saves reused it
     assert ctx._last_reported == 4                  # each save reported its step
     # the newest slot, as the agent would materialize it for a restart of this rank

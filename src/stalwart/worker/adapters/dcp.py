@@ -305,6 +305,28 @@ class Checkpointer:
         self._lens: list[tuple[tuple, int]] = []
         self._durable_only = ctx.mem is None
         self._said_full = False
+        self._fence_hook = None
+        if ctx.mem is not None and ctx.mem.overlap:
+            # STALWART_MEM_OVERLAP=1: a save's copy runs beside the next step's forward and
+            # backward; every optimizer step first waits for it (the state changes only there)
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._fence_hook = register_optimizer_step_pre_hook(self._fence)
+            self._overlap_said = False
+
+    def close(self) -> None:
+        """Stop waiting for this checkpointer's copies at optimizer steps (the hook is
+        process-wide); the snapshots already taken stay."""
+        if self._fence_hook is not None:
+            self._fence_hook.remove()
+            self._fence_hook = None
+
+    def _fence(self, *_: Any) -> None:
+        t0 = time.perf_counter()
+        self.ctx.mem.fence()
+        self.blocking_s += time.perf_counter() - t0
+        if self.ctx.mem.overlap_off is not None and not self._overlap_said:
+            self._overlap_said = True
+            self.ctx.log(f"in-memory checkpoint: {self.ctx.mem.overlap_off}")
 
     # -- save --------------------------------------------------------------------------------
     def save(self, state_dict: dict, step: int) -> None:
