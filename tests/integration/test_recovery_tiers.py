@@ -88,7 +88,7 @@ def test_corrupt_shard_is_skipped_tier_by_tier(tmp_path):
             mem.snapshot(_model_state(step), step)
         mem.close()
         def have(tier):
-            return any(e["tier"] == tier and e["step"] == 2 for e in events)
+            return any(e.tier == tier and e.step == 2 for e in events)
         assert wait_for(lambda: have("backup") and have("durable")), events
         cands = [{"tier": "own", "step": 2}, {"tier": "backup", "step": 2, "holder": "mB",
                                                 "addr": list(b.peer_addr)}, {"tier": "durable", "step": 2}]

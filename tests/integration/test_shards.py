@@ -257,7 +257,7 @@ def test_a_durable_step_overwritten_before_its_copy_is_replaced_by_the_next_held
 def hand_scanned(tmp_shm, **kw):
     """A CkptManager whose background watcher is stopped (the test scans by hand), its events."""
     from stalwart.agent.ckpt import CkptManager
-    events: list[dict] = []
+    events: list = []
     mgr = CkptManager("m9", os.path.join(tmp_shm, "agent"), events.append, **kw)
     try:
         mgr._stop.set()
@@ -293,9 +293,9 @@ def test_a_durable_step_the_watcher_saw_late_is_still_persisted(tmp_shm):
         mgr._scan()
         mgr.store.close()                # waits for the background persists
         mgr._scan()                      # nothing new: nothing repeated
-        durable_steps = sorted(e["step"] for e in events if e["tier"] == "durable")
+        durable_steps = sorted(e.step for e in events if e.tier == "durable")
         assert durable_steps == [1, 3], events
-        assert [e["step"] for e in events if e["tier"] == "own"] == [3]
+        assert [e.step for e in events if e.tier == "own"] == [3]
         assert [s for _, s, _ in memckpt.list_shards(durable, 0)] == [1, 3]
 
 
@@ -323,8 +323,8 @@ def test_a_run_that_goes_back_announces_its_steps_again(tmp_shm):
                 ck.wait()
                 mgr._scan()
         mgr.store.close()
-        assert [(e["tier"], e["step"]) for e in events if e["tier"] == "own"] == [("own", 2), ("own", 3)]
-        assert [e["step"] for e in events if e["tier"] == "durable"] == [3]
+        assert [(e.tier, e.step) for e in events if e.tier == "own"] == [("own", 2), ("own", 3)]
+        assert [e.step for e in events if e.tier == "durable"] == [3]
         assert torch.equal(memckpt.load(durable, 0, 3)[1]["w"], torch.full((64,), 13.0))
 
 
@@ -412,16 +412,16 @@ def test_memory_copies_are_reported_at_most_once_a_period_and_a_new_run_at_once(
         with MemCheckpointer(mgr.shm_dir, rank=0, slots=2) as ck:
             snapshot_and_scan(ck, mgr, range(4))
             mgr.store.drain()
-            assert [e["step"] for e in events if e["tier"] == "own"] == [0]
-            assert sorted(e["step"] for e in events if e["tier"] == "durable") == [1, 3]
+            assert [e.step for e in events if e.tier == "own"] == [0]
+            assert sorted(e.step for e in events if e.tier == "durable") == [1, 3]
             assert mgr.inventory()["own"] == {0: [2, 3]}            # what a `stopped` report lists
             mgr.workers_stopped()                                  # the newest held back goes now
-            assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3]
+            assert [e.step for e in events if e.tier == "own"] == [0, 3]
             mgr.configure(durable, every=2, backup=None)           # the next run
             snapshot_and_scan(ck, mgr, (4, 5))
-        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4]
+        assert [e.step for e in events if e.tier == "own"] == [0, 3, 4]
         mgr.workers_stopped()
-        assert [e["step"] for e in events if e["tier"] == "own"] == [0, 3, 4, 5]
+        assert [e.step for e in events if e.tier == "own"] == [0, 3, 4, 5]
 
 
 @pytest.mark.timeout(60)

@@ -27,7 +27,7 @@ WRONG = bytes(range(1, 33))
 @pytest.fixture
 def pair(tmp_path):
     """Two agents' checkpoint managers of one job (a holds rank 0, b its backup)."""
-    events: list[dict] = []
+    events: list = []
     a = CkptManager("mA", str(tmp_path / "a"), events.append, peer_host="127.0.0.1")
     b = CkptManager("mB", str(tmp_path / "b"), events.append, peer_host="127.0.0.1")
     durable = str(tmp_path / "durable")

@@ -76,15 +76,15 @@ class ChaosCommands:
             self._now(chaos)
         except Exception as e:              # reported like a failed command
             log.exception("chaos %s failed", chaos.kind)
-            self.emit({"type": "command_failed", "command": "chaos", "kind": chaos.kind, "error": str(e)})
+            self.emit(p.CommandFailed(command="chaos", kind=chaos.kind, error=str(e)))
 
     def _now(self, chaos: p.Chaos) -> None:
         cmd = {"type": "chaos", "kind": chaos.kind, "rank": chaos.rank, "step": chaos.step,
                "from_step": chaos.step, **chaos.params}
         if cmd["kind"] == "machine-down":
-            self.emit({"type": "chaos_applied", "kind": "machine-down", "injected_at": time.time()})
+            self.emit(p.ChaosApplied(kind="machine-down", injected_at=time.time()))
             time.sleep(0.05)  # let the sender thread carry the injection time out
             kill_trees_now(list(self.machine_pids()))
             os._exit(137)
         t = self.apply(cmd)
-        self.emit({"type": "chaos_applied", "kind": cmd["kind"], "rank": cmd.get("rank"), "injected_at": t})
+        self.emit(p.ChaosApplied(kind=cmd["kind"], rank=cmd.get("rank"), injected_at=t))

@@ -162,7 +162,7 @@ class CkptManager:
             step, path = new[-1]
             self._seen[rank] = step
             run = self._run
-        ev = {"type": "ckpt", "run": run, "rank": rank, "step": step, "tier": "own", "holder": self.machine_id}
+        ev = p.Ckpt(run=run, rank=rank, step=step, tier="own", holder=self.machine_id)
         if self._due(ev):
             self.emit(ev)
         if backup is not None:       # only the newest step goes to the peer
@@ -179,20 +179,19 @@ class CkptManager:
 
     def _stored(self, hdr: dict, run: int | None) -> None:
         """A peer's shard is stored and verified here: this machine holds its backup."""
-        ev = {"type": "ckpt", "run": run, "rank": hdr["rank"], "step": hdr["step"], "tier": "backup",
-              "holder": self.machine_id}
+        ev = p.Ckpt(run=run, rank=hdr["rank"], step=hdr["step"], tier="backup", holder=self.machine_id)
         if self._due(ev):
             self.emit(ev)
 
-    def _due(self, ev: dict) -> bool:
+    def _due(self, ev: p.Ckpt) -> bool:
         """Whether to send the report `ev` of a new copy now (see ANNOUNCE_EVERY_S); one held back
         waits, the newest of its rank and tier, for `workers_stopped`."""
         if self.announce_every_s <= 0:
             return True
-        key, now = (int(ev["rank"]), str(ev["tier"])), time.monotonic()
+        key, now = (ev.rank, ev.tier), time.monotonic()
         with self._cfg_lock:
             if self._limiting and now - self._announced.get(key, -math.inf) < self.announce_every_s:
-                if ev["step"] >= self._held.get(key, ev)["step"]:
+                if ev.step >= self._held.get(key, ev).step:
                     self._held[key] = ev
                 return False
             self._announced[key] = now
@@ -231,8 +230,7 @@ class CkptManager:
             checksum = f"{memckpt.header_fields(raw)['checksum']:08x}" if raw else ""
         except memckpt.CorruptShard:
             checksum = ""
-        self.emit({"type": "ckpt", "rank": rank, "step": step, "tier": "durable", "location": url,
-                   "checksum": checksum})
+        self.emit(p.Ckpt(rank=rank, step=step, tier="durable", location=url, checksum=checksum))
 
     def inventory(self) -> dict[str, dict[int, list[int]]]:
         """The complete shards this machine holds in memory, by tier (checksums not re-read)."""
@@ -287,12 +285,11 @@ class CkptManager:
                 try:
                     tier, path, errors = self.materialize(w.rank, candidates)
                 except RestoreFailed as e:
-                    emit({"type": "restore_failed", "run": cmd.spec.run, "rank": w.rank,
-                          "step": w.restore[0].step, "error": str(e)})
+                    emit(p.RestoreFailed(run=cmd.spec.run, rank=w.rank, step=w.restore[0].step, error=str(e)))
                     return None
                 env.update({p.Env.RESTORE_PATH: path, p.Env.RESTORE_TIER: tier})
-                emit({"type": "restore_source", "run": cmd.spec.run, "rank": w.rank,
-                      "step": w.restore[0].step, "tier": tier, "skipped": errors})
+                emit(p.RestoreSourceUsed(run=cmd.spec.run, rank=w.rank, step=w.restore[0].step, tier=tier,
+                                         skipped=errors))
             extra.append(env)
         for w in cmd.workers:
             self.start_from(w.rank, w.restore[0].step if w.restore else -1, cmd.spec.run)

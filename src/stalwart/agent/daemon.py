@@ -324,8 +324,7 @@ class Agent:
                     self._execute(p.decode_command(raw))
                 except Exception as e:  # report, never die on one bad command
                     log.exception("command %s failed", raw.get("type"))
-                    self.emit({"type": "command_failed", "command": raw.get("type"),
-                               "kind": raw.get("kind"), "error": str(e)})
+                    self.emit(p.CommandFailed(command=str(raw.get("type")), kind=raw.get("kind"), error=str(e)))
             if self._refill_due():
                 _, run_cmd = self._refill_at
                 self._refill_at = None
@@ -362,8 +361,13 @@ class Agent:
                 else:
                     log.warning("controller refused %d event(s): %s", len(batch), e)
 
-    def emit(self, event: dict) -> None:
-        event.setdefault("t", time.time())
+    def emit(self, event: p.Event | dict) -> None:
+        """Queue an event for the controller: one of `protocol`'s events, or a worker's message
+        passed on as it came (the controller decodes both into the same types)."""
+        if isinstance(event, msgspec.Struct):
+            event = msgspec.to_builtins(event)
+        if not event.get("t"):
+            event["t"] = time.time()
         event["machine"] = self.machine_id
         self._events.put(event)
 
@@ -524,8 +528,8 @@ class Agent:
         else:
             self._hand_over(cmd, extra, ready[:n])
             warm = True
-        self.emit({"type": "started", "run": self._run, "pids": self.workers.pids(), "warm": warm,
-                   "preload_s": round(self.forks.preload_wait_s - preload_before, 3)})
+        self.emit(p.Started(run=self._run, pids=self.workers.pids(), warm=warm,
+                            preload_s=round(self.forks.preload_wait_s - preload_before, 3)))
         self._save_state()
         if self.keep_warm and cmd.spec.spares and not replay:
             # Spawned from the command thread: workers die with the thread that forked them
@@ -561,7 +565,7 @@ class Agent:
         self.workers.stop()
         self.warm.stop()
         self._spawn_warm(cmd.spec, cmd.count)
-        self.emit({"type": "prewarmed", "pids": self.warm.pids()})
+        self.emit(p.Prewarmed(pids=self.warm.pids()))
 
     def _spares(self, cmd: p.Spares) -> None:
         """Spares for another command (a new code version) while the run goes on: the current
@@ -583,7 +587,7 @@ class Agent:
             if not set(self.warm.pids()) <= set(self._standby_ready):
                 return
             key, self._spares_for = self._spares_for, None
-        self.emit({"type": "spares_ready", "key": key, "pids": self.warm.pids()})
+        self.emit(p.SparesReady(key=key, pids=self.warm.pids()))
 
     def _refill(self, cmd: p.Start) -> None:
         missing = len(cmd.workers) - len(self.warm.workers)
@@ -605,13 +609,13 @@ class Agent:
             self._warm_key = None
         self.ckpt.workers_stopped()
         self._save_state()
-        self.emit({"type": "stopped", "run": run, "inventory": self.ckpt.inventory()})
+        self.emit(p.Stopped(run=run, inventory=self.ckpt.inventory()))
 
     def _trace(self, cmd: p.Trace) -> None:
         """Stacks, process states and flight-recorder summaries of this machine's workers."""
         pids = {w.rank: w.proc.pid for w in self.workers.workers if w.proc.poll() is None and w.rank is not None}
         records = trace_workers(pids, cmd.timeout_s, self.machine_id, self.progress.summaries)
-        self.emit({"type": "stacks", "run": cmd.run, "records": records})
+        self.emit(p.Stacks(run=cmd.run, records=records))
 
     # -- worker exits ----------------------------------------------------------------------------
     def _on_worker_failing(self, pid: int, msg: dict) -> None:
@@ -621,7 +625,7 @@ class Agent:
         if w is None or w.expected_exit or w.failure_reported:
             return
         w.failure_reported = True
-        self._report_exit(w, None, False, "\n" + str(msg.get("traceback") or ""), early=True)
+        self._report_exit(w, None, False, "\n" + str(msg.get("traceback") or ""))
 
     def _on_worker_exit(self, w: Worker) -> None:
         try:        # a plain script's last steps (its step hook wrote them at exit) before its exit
@@ -634,8 +638,7 @@ class Agent:
         # `expected` as it was at the exit: a stop may come during the sweep
         self._report_exit(w, w.exit_code, w.expected_exit)
 
-    def _report_exit(self, w: Worker, code: int | None, expected: bool, more_log: str = "",
-                     **extra) -> None:
+    def _report_exit(self, w: Worker, code: int | None, expected: bool, more_log: str = "") -> None:
         """One `worker_exit` event (code None: failing, not gone yet); for a failure, after a
         sweep of the probes, so that a dead GPU is reported before the crash it caused."""
         if not expected and code != 0:
@@ -643,9 +646,9 @@ class Agent:
         sig = -code if code is not None and code < 0 else None
         log.info("rank %s (pid %d) %s with code %s%s", w.rank, w.proc.pid,
                  "is failing" if code is None else "exited", code, " (stopped)" if expected else "")
-        self.emit({"type": "worker_exit", "run": w.run, "rank": w.rank, "local_rank": w.local_rank,
-                   "code": code, "signal": sig, "expected": expected, "pid": w.proc.pid,
-                   "log_tail": "" if expected else w.log_tail() + more_log, **extra})
+        self.emit(p.WorkerExit(run=w.run, rank=w.rank, local_rank=w.local_rank, code=code, signal=sig,
+                               expected=expected, pid=w.proc.pid,
+                               log_tail="" if expected else w.log_tail() + more_log))
 
 
 def socket_peer_pid(conn: socket.socket) -> int:

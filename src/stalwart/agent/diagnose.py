@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from stalwart import protocol
 from stalwart.agent.forkclient import ForkedProcess, ForkServers
 from stalwart.agent.workers import die_with_parent, kill_tree, renice
 
@@ -135,9 +136,9 @@ class Diagnoser:
                         results.append(json.loads(line))
                     except ValueError:
                         pass    # the line a killed process was writing
-        self.emit({"type": "diag_result", "id": cmd["id"], "results": results, "killed": killed,
-                   "warm": warm is not None or any(isinstance(p, ForkedProcess) for p in procs),
-                   "seconds": round(time.time() - t0, 3)})
+        self.emit(protocol.DiagResult(id=cmd["id"], results=results, killed=killed,
+                                      warm=warm is not None or any(isinstance(p, ForkedProcess) for p in procs),
+                                      seconds=round(time.time() - t0, 3)))
 
     def _forked(self, plan_path: str, out: str, log_path: str, cmd: dict) -> ForkedProcess | None:
         if self.forks is None:

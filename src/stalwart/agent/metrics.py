@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import psutil
 
+from stalwart import protocol
+
 
 def nic_bytes(ifname: str | None) -> int | None:
     """rx + tx bytes of an interface, or None when there is none to read."""
@@ -61,7 +63,7 @@ class MetricsSampler:
             except Exception:     # a metric that cannot be read must not stop the others
                 continue
             if row is not None:
-                self.emit({"type": "metrics", "t": row.pop("t"), "values": row})
+                self.emit(protocol.Metrics(t=row.pop("t"), values=row))
 
     def sample(self, now: float) -> dict | None:
         """One row, or None before the first interval (rates need two readings)."""

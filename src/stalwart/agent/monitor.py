@@ -14,6 +14,7 @@ import time
 from typing import Callable
 
 from stalwart.agent.probes.base import HealthEvent, Probe
+from stalwart.protocol import Health, Severity
 
 log = logging.getLogger("stalwart.agent")
 
@@ -21,11 +22,10 @@ NETWORK_PROBES = {"nic"}
 MAX_WAIT_S = 5.0
 
 
-def to_event(h: HealthEvent, certain_kinds: frozenset = frozenset()) -> dict:
-    return {"type": "health", "probe": h.probe, "kind": h.kind, "severity": h.severity,
-            "machine_certain": h.machine_certain or h.kind in certain_kinds,
-            "network": h.probe in NETWORK_PROBES,
-            "detail": h.detail, "t": h.t}
+def to_event(h: HealthEvent, certain_kinds: frozenset = frozenset()) -> Health:
+    return Health(probe=h.probe, kind=h.kind, severity=h.severity,
+                  machine_certain=h.machine_certain or h.kind in certain_kinds,
+                  network=h.probe in NETWORK_PROBES, detail=h.detail, t=h.t)
 
 
 class Monitor:
@@ -74,9 +74,8 @@ class Monitor:
                     if p.name not in self._failed:
                         self._failed.add(p.name)
                         log.warning("probe %s failed: %s", p.name, e)
-                        self.emit({"type": "health", "probe": p.name, "kind": "probe_failed",
-                                   "severity": "warn", "machine_certain": False, "network": False,
-                                   "detail": {"error": str(e)}, "t": now})
+                        self.emit(Health(probe=p.name, kind="probe_failed", severity=Severity.WARN,
+                                         detail={"error": str(e)}, t=now))
                     continue
                 self._failed.discard(p.name)
                 for h in events:

@@ -122,7 +122,7 @@ class Succession:
                     code = int(f.read().strip())
             except (OSError, ValueError):
                 code = adopt.UNKNOWN_EXIT
-            self.emit({"type": "worker_exit", "run": state.run, "rank": w.rank, "local_rank": w.local_rank,
-                       "code": code, "signal": -code if code < 0 else None, "expected": False, "pid": w.pid,
-                       "log_tail": "" if code == 0 else
-                       f"{tail(w.err_path, 4096)}\n[the agent restarted and adopted no workers: {reason}]"})
+            self.emit(p.WorkerExit(run=state.run, rank=w.rank, local_rank=w.local_rank, code=code,
+                                   signal=-code if code < 0 else None, expected=False, pid=w.pid,
+                                   log_tail="" if code == 0 else
+                                   f"{tail(w.err_path, 4096)}\n[the agent restarted and adopted no workers: {reason}]"))
