@@ -42,12 +42,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {
     ("stalwart.controller.job.executor", "stalwart.controller.job.runner", "stalwart.controller.service"):
         "the executor and the runner take the whole Controller, which imports them back",
-    ("stalwart.controller.job.core", "stalwart.controller.job.flows.diagnosis",
-     "stalwart.controller.job.flows.failure", "stalwart.controller.job.flows.hotupdate",
-     "stalwart.controller.job.flows.implicit", "stalwart.controller.job.flows.pool",
-     "stalwart.controller.job.flows.reconcile", "stalwart.controller.job.flows.replay",
-     "stalwart.controller.job.flows.run"):
-        "the flows reach each other through the core (self.core.<flow>)",
 }
 
 # (importer, imported) pairs that point to a higher layer, with the reason.

@@ -31,15 +31,24 @@ REPLAY_EVENTS = (p.Step, p.Done, p.WorkerExit)
 
 class JobCore:
     def __init__(self, spec: JobSpec, cluster: ClusterView):
-        self.ctx = Ctx.of(spec, cluster)
-        self.run = RunFlow(self.ctx, self)
-        self.failure = FailureFlow(self.ctx, self)
-        self.implicit = ImplicitFlow(self.ctx, self)
-        self.diagnosis = DiagnosisFlow(self.ctx, self)
-        self.replay = ReplayFlow(self.ctx, self)
-        self.hotupdate = HotUpdateFlow(self.ctx, self)
-        self.pool = PoolFlow(self.ctx, self)
-        self.reconcile = ReconcileFlow(self.ctx, self)
+        ctx = self.ctx = Ctx.of(spec, cluster)
+        # Each flow is given the flows it calls (typed by the protocols of `flows/base.py`), at
+        # construction where they are built already; the failure flow, which calls the flows that
+        # call it, and the hot update (it restarts the run, whose steps promote it) get the rest
+        # once those are built.
+        self.pool = PoolFlow(ctx)
+        self.failure = FailureFlow(ctx)
+        self.implicit = ImplicitFlow(ctx, incidents=self.failure)
+        self.replay = ReplayFlow(ctx, failure=self.failure)
+        self.diagnosis = DiagnosisFlow(ctx, failure=self.failure, replay=self.replay)
+        self.hotupdate = HotUpdateFlow(ctx, pool=self.pool, failure=self.failure)
+        self.run = RunFlow(ctx, failure=self.failure, implicit=self.implicit, pool=self.pool,
+                           hotupdate=self.hotupdate)
+        self.reconcile = ReconcileFlow(ctx, pool=self.pool, failure=self.failure, diagnosis=self.diagnosis,
+                                       replay=self.replay)
+        self.hotupdate.connect(run=self.run)
+        self.failure.connect(run=self.run, implicit=self.implicit, diagnosis=self.diagnosis, replay=self.replay,
+                             hotupdate=self.hotupdate)
 
     # -- events ---------------------------------------------------------------------------------
     def handle(self, st: JobState, ev: JobEvent, now: float) -> Actions:
@@ -127,7 +136,7 @@ class JobCore:
     def tick(self, st: JobState, now: float) -> Actions:
         if st.terminal:
             return []
-        if self.reconcile.pending(st):
+        if st.reconciling:
             return self.reconcile.tick(st, now)
         phase = st.phase
         acts: Actions = []

@@ -369,6 +369,12 @@ class JobState:
     def terminal(self) -> bool:
         return self.phase in _ENDED
 
+    @property
+    def reconciling(self) -> bool:
+        """After a controller restart, until every machine reported back (or the grace passed): the
+        flows leave decisions to the reconciliation meanwhile."""
+        return bool(self.gaps) and self.gaps[-1].reconciled_at is None
+
     # -- small derived views ----------------------------------------------------------------
     def version(self) -> dict[str, Any] | None:
         """The row of the version the workers run."""

@@ -2,8 +2,8 @@
 
 A detector is pure: it reads the job's state and `now`, keeps what it learns in that state (so a
 restarted controller carries on), and returns actions. It never opens an incident itself: it asks
-the `Incidents` it was given (the failure flow), which opens one, stops the run, or first captures
-every machine's stacks.
+the `Incidents` it was given (the failure flow, typed in `flows/base.py`), which opens one, stops
+the run, or first captures every machine's stacks.
 """
 from __future__ import annotations
 
@@ -11,22 +11,10 @@ from typing import Protocol
 
 from stalwart import protocol
 from stalwart.controller.job.actions import Action
-from stalwart.controller.job.flows.base import Ctx
+from stalwart.controller.job.flows.base import Ctx, Incidents
 from stalwart.controller.job.state import JobState, PendingStep
 
 Actions = list[Action]
-
-
-class Incidents(Protocol):
-    """What a detector may ask of the failure flow."""
-
-    def open(self, st: JobState, symptom: str, now: float, trace: bool = False) -> Actions:
-        """Open an incident and stop the run (with `trace`, capture every machine's stacks first)."""
-        ...
-
-    def stop_run(self, st: JobState, now: float) -> Actions:
-        """Stop the run of the open incident."""
-        ...
 
 
 class Detector(Protocol):

@@ -5,27 +5,25 @@ checks, what the results mean, which rung) and `stalwart.diag.pairs`; the agents
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.controller import ladder, policy, versions
 from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, InterPair, RunChecks
-from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
+from stalwart.controller.job.flows.base import Actions, Ctx, Failures, Replays, record, save_data
 from stalwart.controller.job.state import (Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PairKey,
                                            PastIncident)
 from stalwart.diag.pairs import pair_rounds
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 DIAG_GRACE_S = 15.0      # start-up of the check processes (torch import) on top of their bounds
 # (the agent kills its check processes at START_GRACE_S + bound x (2 + rounds); we wait 5 s more)
 
 
 class DiagnosisFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: Ctx, *, failure: Failures, replay: Replays):
+        self.ctx = ctx
+        self.failure = failure
+        self.replay = replay
 
     def maybe_diagnose(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions | None:
         """Start stop-time checks when `res` found no machine to blame, or when its evictions are
@@ -41,7 +39,7 @@ class DiagnosisFlow:
                                    p.alignment_test)
         if inc.confirm and not checks:
             return None
-        if not checks and not self.core.replay.possible(st)[0]:
+        if not checks and not self.replay.possible(st)[0]:
             return None
         return self.start(st, inc, checks, now)
 
@@ -88,7 +86,7 @@ class DiagnosisFlow:
 
     def on_result(self, st: JobState, machine: str, ev: protocol.DiagResult, now: float) -> Actions:
         d = st.diag
-        if d is None or ev.id != d.name or machine not in d.wait or self.core.reconcile.pending(st):
+        if d is None or ev.id != d.name or machine not in d.wait or st.reconciling:
             return []       # (while a restart is reconciled: the checks are run again after it)
         keys = d.pair_keys
         for raw in ev.results:
@@ -107,7 +105,7 @@ class DiagnosisFlow:
         partners would only wait out their bound for it) and the incident is localized again with
         the machine lost: it is evicted, nobody else is blamed for its silence."""
         d, inc = st.diag, st.incident
-        if d is None or inc is None or self.core.reconcile.pending(st):
+        if d is None or inc is None or st.reconciling:
             return []
         st.diag = None
         took = round(now - d.started, 3)
@@ -117,8 +115,8 @@ class DiagnosisFlow:
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=[],
                                 aborted=f"{machine} lost")]
         # a guess being confirmed (`_confirm`) stays unconfirmed: the lost machine alone is evicted
-        res = self.core.failure.resolution(st, inc, now, guesses=not inc.confirm)
-        return acts + self.core.failure.recover(st, inc, res, now)
+        res = self.failure.resolution(st, inc, now, guesses=not inc.confirm)
+        return acts + self.failure.recover(st, inc, res, now)
 
     def tick(self, st: JobState, now: float) -> Actions:
         d = st.diag
@@ -148,7 +146,7 @@ class DiagnosisFlow:
             short = policy.standby_shortfall(evict, ready)
             if short is not None:
                 res = dataclasses.replace(res, mechanism=Mechanism.FAIL, fail_reason=f"stop-time checks: {short}")
-            return acts + self.core.failure.recover(st, inc, res, now)
+            return acts + self.failure.recover(st, inc, res, now)
         if v.get("inconclusive"):
             res = dataclasses.replace(res, cause=f"{res.cause}; stop-time checks inconclusive: {v['inconclusive']}")
         elif d.checks:
@@ -159,7 +157,7 @@ class DiagnosisFlow:
                                       cause=f"{res.cause}; no machine confirmed: evicting none")
         previous = ladder.streak([dataclasses.asdict(h) for h in st.history], self.ctx.policy.ladder_window_s,
                                  inc.detected_at)
-        possible, why_not = self.core.replay.possible(st)
+        possible, why_not = self.replay.possible(st)
         rung = ladder.next_rung(previous, possible)
         rollback = None
         if st.version_id is not None:
@@ -167,10 +165,10 @@ class DiagnosisFlow:
             rollback = versions.rollback_reason(st.version(), [dataclasses.asdict(h) for h in st.history]
                                                 + [current], now + 1e-6)
         if rung == "replay" and rollback is None:
-            return acts + self.core.replay.start(st, inc, res, now)
+            return acts + self.replay.start(st, inc, res, now)
         if previous and not possible:
             res = dataclasses.replace(res, cause=f"{res.cause}; no dual-phase replay: {why_not}")
-        return acts + self.core.failure.recover(st, inc, res, now)
+        return acts + self.failure.recover(st, inc, res, now)
 
 
 def inc_summary(inc: Incident, res: policy.Resolution) -> PastIncident:

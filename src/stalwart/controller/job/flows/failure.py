@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer.classify import classify
@@ -17,11 +16,8 @@ from stalwart.controller import placement, policy, versions
 from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
-from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Diagnoses, HotUpdates, Replays, Restarts, record
 from stalwart.controller.job.state import (Incident, IncidentPhase, JobPhase, JobState, PastIncident)
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
 IMPLICIT = ("hang", "nan", "loss_spike", "fail_slow", "peer_outlier", "trace_outlier")
@@ -61,8 +57,23 @@ def detail_text(detail) -> str:
 
 
 class FailureFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    run: Restarts
+    implicit: Detection
+    diagnosis: Diagnoses
+    replay: Replays
+    hotupdate: HotUpdates
+
+    def __init__(self, ctx: Ctx):
+        self.ctx = ctx
+
+    def connect(self, *, run: Restarts, implicit: Detection, diagnosis: Diagnoses, replay: Replays,
+                hotupdate: HotUpdates) -> None:
+        """The flows that also call this one, once they are built."""
+        self.run = run
+        self.implicit = implicit
+        self.diagnosis = diagnosis
+        self.replay = replay
+        self.hotupdate = hotupdate
 
     # -- opening and stopping -------------------------------------------------------------------
     def open(self, st: JobState, symptom: str, now: float, trace: bool = False) -> Actions:
@@ -103,7 +114,7 @@ class FailureFlow:
         localize."""
         inc = st.incident
         assert inc is not None and inc.stop_sent is not None
-        if self.core.reconcile.pending(st):
+        if st.reconciling:
             # a restarted controller decides nothing until its machines are back (a standby not yet
             # re-registered is not a missing standby); stops delivered late are kept meanwhile
             return []
@@ -153,13 +164,13 @@ class FailureFlow:
         else:
             st.restarts_without_progress = 0
         if inc.planned:
-            return self.core.hotupdate.apply_planned(st, inc, now)
+            return self.hotupdate.apply_planned(st, inc, now)
         if inc.symptom == CONTROL_PLANE and not (inc.exits or inc.lost or inc.alerts):
             res = policy.Resolution(symptom=CONTROL_PLANE, category=CONTROL_PLANE, suspects=[],
                                     cause=inc.reason or "the controller restarted", mechanism=Mechanism.REATTEMPT)
             return self.recover(st, inc, res, now)
         res = self.resolution(st, inc, now)
-        started = self.core.diagnosis.maybe_diagnose(st, inc, res, now)
+        started = self.diagnosis.maybe_diagnose(st, inc, res, now)
         if started is not None:
             return started
         return self.recover(st, inc, res, now)
@@ -205,7 +216,7 @@ class FailureFlow:
             why = versions.rollback_reason(st.version(), [dataclasses.asdict(h) for h in st.history],
                                            now + 1e-6)
             if why is not None:       # the new code is to blame: back to the last stable version
-                acts += self.core.hotupdate.rollback(st, why, now)
+                acts += self.hotupdate.rollback(st, why, now)
                 res = dataclasses.replace(res, mechanism=Mechanism.ROLLBACK, cause=f"{res.cause}; {why}")
                 past.mechanism, past.cause = res.mechanism, res.cause
                 acts += [UpdateIncident(seq=inc.seq, fields={"mechanism": Mechanism.ROLLBACK, "cause": res.cause}),
@@ -216,8 +227,8 @@ class FailureFlow:
         inc.move(IncidentPhase.RESTARTING)
         acts += self.replace_machines(st, inc, res, now)
         if st.version_id is not None and res.mechanism != Mechanism.ROLLBACK:
-            acts += self.core.hotupdate.apply_due_at_failure(st, inc, now)   # lazy updates ride along
-        return acts + self.core.run.restart(st, now)
+            acts += self.hotupdate.apply_due_at_failure(st, inc, now)   # lazy updates ride along
+        return acts + self.run.restart(st, now)
 
     def replace_machines(self, st: JobState, inc: Incident, res: policy.Resolution, now: float) -> Actions:
         """Evicted machines leave; standbys take their slots (their memory is gone, too)."""
@@ -347,13 +358,13 @@ class FailureFlow:
             inc.awaiting.discard(machine)
             inc.trace_wait.discard(machine)
             if st.phase == JobPhase.TRACING and not inc.trace_wait:
-                acts += self.core.implicit.finish_trace(st, now)
+                acts += self.implicit.finish_trace(st, now)
         elif machine in st.slots and st.incident is not None and st.phase in (JobPhase.DIAGNOSING,
                                                                               JobPhase.REPLAYING):
             st.incident.lost.add(machine)      # evicted with the verdict: never restarted on
             acts.append(record("machine_lost", now, machine=machine, incident=st.incident.seq))
-            acts += (self.core.diagnosis.on_lost(st, machine, now) if st.phase == JobPhase.DIAGNOSING
-                     else self.core.replay.on_lost(st, machine, now))
+            acts += (self.diagnosis.on_lost(st, machine, now) if st.phase == JobPhase.DIAGNOSING
+                     else self.replay.on_lost(st, machine, now))
         if machine in st.pool.standby:
             st.pool.standby.remove(machine)
             st.pool.warm.discard(machine)

@@ -6,23 +6,28 @@ The decisions over version rows are the pure functions of `controller.versions`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from stalwart.controller import versions
 from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import PrepareSpares, SaveVersion, UpdateIncident
-from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.flows.base import Actions, Ctx, Incidents, Restarts, Standbys, record
 from stalwart.controller.job.state import HotUpdatePrep, Incident, IncidentPhase, JobState
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
 
 
 class HotUpdateFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    run: Restarts
+
+    def __init__(self, ctx: Ctx, *, pool: Standbys, failure: Incidents):
+        self.ctx = ctx
+        self.pool = pool
+        self.failure = failure
+
+    def connect(self, *, run: Restarts) -> None:
+        """The flows that also call this one, once they are built."""
+        self.run = run
 
     # -- the rows in the state -------------------------------------------------------------------
     def _store(self, st: JobState, rows: list[dict[str, Any]]) -> Actions:
@@ -37,7 +42,7 @@ class HotUpdateFlow:
         acts: Actions = []
         if moved:      # the standbys' warm workers hold the old code: warm them up on this one
             for m in st.pool.standby:
-                acts += self.core.pool.prewarm(st, m)
+                acts += self.pool.prewarm(st, m)
         return acts
 
     def on_registered(self, st: JobState, row: dict[str, Any], now: float) -> Actions:
@@ -109,7 +114,7 @@ class HotUpdateFlow:
             return []
         acts = self.prepare_spares(st, now)
         if self.update_ready(st, now):
-            acts += self.core.failure.open(st, "hot_update", now)
+            acts += self.failure.open(st, "hot_update", now)
         return acts
 
     # -- applying ---------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ class HotUpdateFlow:
                      cause=f"hot update to version {cur['id']} ({cur['hash'][:12]}, {cur['mode']})")),
                  record("incident_localized", now, incident=inc.seq, mechanism=Mechanism.HOT_UPDATE),
                  record("version_applied", now, version=cur["id"], incident=inc.seq)]
-        return acts + self.core.run.restart(st, now)
+        return acts + self.run.restart(st, now)
 
     def apply_due_at_failure(self, st: JobState, inc: Incident, now: float) -> Actions:
         """Lazy updates ride on the restart after a failure."""

@@ -4,8 +4,6 @@ learned distribution), held here behind one interface. This flow hands each of t
 event, committed step and tick, in a fixed order, and asks nothing else of them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from stalwart import protocol
 from stalwart.controller.job.detectors.base import Detector
 from stalwart.controller.job.detectors.failslow import FailSlowDetector
@@ -13,19 +11,15 @@ from stalwart.controller.job.detectors.hang import ABNORMAL_STATES, TRACE_TIMEOU
 from stalwart.controller.job.detectors.peers import PeerDetector, peer_check_period
 from stalwart.controller.job.detectors.trace import TraceDetector
 from stalwart.controller.job.detectors.training import TrainingAnomalyDetector
-from stalwart.controller.job.flows.base import Actions, Ctx
+from stalwart.controller.job.flows.base import Actions, Ctx, Incidents
 from stalwart.controller.job.state import JobPhase, JobState, PendingStep, Signals
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 __all__ = ["ABNORMAL_STATES", "TRACE_TIMEOUT_S", "ImplicitFlow", "peer_check_period"]
 
 
 class ImplicitFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
+    def __init__(self, ctx: Ctx, *, incidents: Incidents):
         self.ctx = ctx
-        incidents = core.failure
         self.hang = HangDetector(ctx, incidents)
         self.training = TrainingAnomalyDetector(ctx, incidents)
         self.failslow = FailSlowDetector(ctx, incidents)

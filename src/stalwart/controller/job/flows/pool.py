@@ -4,22 +4,17 @@ agent that registers later), warming their workers so the next failover does not
 `import torch` (from the job's first step on: until then they would slow the first start)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from stalwart.controller.job.actions import AssignMachine, Prewarm, RequestMachines
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import JobState
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 REFILL_EVERY_S = 1.0
 REQUEST_EVERY_S = 5.0     # asks the cluster again at most this often (the controller counts those coming)
 
 
 class PoolFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: Ctx):
+        self.ctx = ctx
 
     def prewarm(self, st: JobState, machine: str) -> Actions:
         st.pool.warm.add(machine)

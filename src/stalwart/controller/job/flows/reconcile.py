@@ -20,22 +20,22 @@ The controller's absence is booked by the ledger as `control_plane` time (events
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.controller.job.actions import StopWorkers, TraceStacks
-from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.flows.base import Actions, Ctx, Diagnoses, Failures, Replays, Standbys, record
 from stalwart.controller.job.state import ControlPlaneGap, JobPhase, JobState
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
 
 
 class ReconcileFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: Ctx, *, pool: Standbys, failure: Failures, diagnosis: Diagnoses, replay: Replays):
+        self.ctx = ctx
+        self.pool = pool
+        self.failure = failure
+        self.diagnosis = diagnosis
+        self.replay = replay
 
     def grace_s(self) -> float:
         """How long a machine may take to come back: its agent knocks again within one capped
@@ -50,11 +50,8 @@ class ReconcileFlow:
                  st.job_id, up_at - down_at)
         return [record("control_plane_down", up_at, down_at=down_at, up_at=up_at)]
 
-    def pending(self, st: JobState) -> bool:
-        return bool(st.gaps) and st.gaps[-1].reconciled_at is None
-
     def on_agent_back(self, st: JobState, machine: str, reg: protocol.Registration, now: float) -> Actions:
-        if not self.pending(st):
+        if not st.reconciling:
             return []
         gap = st.gaps[-1]
         gap.reports[machine] = reg
@@ -78,7 +75,7 @@ class ReconcileFlow:
         if st.run is not None and st.run.hang is not None:
             st.run.hang.resume(now)         # nobody watched the steps meanwhile: no hang verdict on that
         for m in [m for m in st.pool.standby if m in reports and not reports[m].warm]:
-            acts += self.core.pool.prewarm(st, m)     # its spares died with an agent restart
+            acts += self.pool.prewarm(st, m)     # its spares died with an agent restart
         if st.phase == JobPhase.WAITING or st.terminal:
             return acts
         for m in missing:
@@ -90,7 +87,7 @@ class ReconcileFlow:
             log.warning("job %s: %s did not come back within %.0fs of the controller restart: lost",
                         st.job_id, m, now - gap.up_at)
             acts.append(record("machine_not_back", now, machine=m, after_s=now - gap.up_at))
-            acts += self.core.failure.on_machine_lost(st, m, now)   # as without a restart
+            acts += self.failure.on_machine_lost(st, m, now)   # as without a restart
         if st.phase == JobPhase.RUNNING:
             acts += self._running(st, reports, now)
         elif st.phase == JobPhase.TRACING and st.incident is not None:
@@ -103,13 +100,13 @@ class ReconcileFlow:
                 acts.append(StopWorkers(machines=sorted(st.incident.awaiting), run=st.run_seq,
                                         grace_s=self.ctx.policy.stop_grace_s))
             else:       # every stop arrived while reconciling: decide now
-                acts += self.core.failure.check_stopped(st, now)
+                acts += self.failure.check_stopped(st, now)
         elif st.phase == JobPhase.DIAGNOSING and st.diag is not None and st.incident is not None:
             d = st.diag
             st.diag = None
-            acts += self.core.diagnosis.start(st, st.incident, d.checks, now)
+            acts += self.diagnosis.start(st, st.incident, d.checks, now)
         elif st.phase == JobPhase.REPLAYING and st.replay is not None:
-            acts += self.core.replay.restart_phase(st, now)
+            acts += self.replay.restart_phase(st, now)
         return acts
 
     def _running(self, st: JobState, reports: dict[str, protocol.Registration], now: float) -> Actions:
@@ -135,7 +132,7 @@ class ReconcileFlow:
         else:
             log.info("job %s: run %s kept training through the restart; adopted", st.job_id, run.seq)
             return [record("run_adopted", now, run=run.seq, step=st.steps_done)]
-        acts = self.core.failure.open(st, "control_plane", now)
+        acts = self.failure.open(st, "control_plane", now)
         if st.incident is not None:
             st.incident.reason = why
             st.incident.data["analysis"] = why

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.analyzer import replay
 from stalwart.controller import policy
 from stalwart.controller.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, StartReplayGroup, StopWorkers
-from stalwart.controller.job.flows.base import Actions, Ctx, record, save_data
+from stalwart.controller.job.flows.base import Actions, Ctx, Failures, record, save_data
 from stalwart.controller.job.state import Incident, IncidentPhase, JobPhase, JobState, Replay, ReplayGroup
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 
 class ReplayFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: Ctx, *, failure: Failures):
+        self.ctx = ctx
+        self.failure = failure
 
     def possible(self, st: JobState) -> tuple[bool, str]:
         """Whether this job's layout admits a dual-phase replay, and why not."""
@@ -107,7 +104,7 @@ class ReplayFlow:
         """A machine fell silent during the replay: that is certain evidence, no need to finish the
         replay. Its groups are stopped and the lost machines are evicted."""
         rp, inc = st.replay, st.incident
-        if rp is None or inc is None or inc.resolution is None or self.core.reconcile.pending(st):
+        if rp is None or inc is None or inc.resolution is None or st.reconciling:
             return []
         st.replay = None
         lost = sorted(m for m in inc.lost if m in st.slots)
@@ -119,7 +116,7 @@ class ReplayFlow:
         short = policy.standby_shortfall(lost, len(self.ctx.ready_standbys(st)))
         if short is not None:
             res = dataclasses.replace(res, mechanism=Mechanism.FAIL, fail_reason=short)
-        return acts + self.core.failure.recover(st, inc, res, now)
+        return acts + self.failure.recover(st, inc, res, now)
 
     def check(self, st: JobState, now: float) -> Actions:
         rp = st.replay
@@ -177,4 +174,4 @@ class ReplayFlow:
             what = "failed in every group: no machine to blame" if everywhere else "reproduced nothing"
             res = dataclasses.replace(res, mechanism=Mechanism.REPLAY,
                                       cause=f"{res.cause}; dual-phase replay {what} in {took:.1f}s")
-        return acts + self.core.failure.recover(st, inc, res, now)
+        return acts + self.failure.recover(st, inc, res, now)

@@ -4,18 +4,14 @@ and the checkpoint copies the agents announce."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from stalwart import protocol
 from stalwart.controller import restore, scriptsteps
 from stalwart.controller.hangwatch import HangWatch
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
-from stalwart.controller.job.flows.base import Actions, Ctx, record
+from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Failures, HotUpdates, Standbys, record
 from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
-
-if TYPE_CHECKING:
-    from stalwart.controller.job.core import JobCore
 
 log = logging.getLogger("stalwart.controller")
 STEP_TIMES_KEPT = 50
@@ -25,8 +21,12 @@ RANK_TIMES_EVERY = 20
 
 
 class RunFlow:
-    def __init__(self, ctx: Ctx, core: "JobCore"):
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: Ctx, *, failure: Failures, implicit: Detection, pool: Standbys, hotupdate: HotUpdates):
+        self.ctx = ctx
+        self.failure = failure
+        self.implicit = implicit
+        self.pool = pool
+        self.hotupdate = hotupdate
 
     # -- the first start ----------------------------------------------------------------------
     def try_start(self, st: JobState, now: float) -> Actions:
@@ -74,7 +74,7 @@ class RunFlow:
         st.run = RunState(seq=st.run_seq, started_at=now, start_step=start_step, restore_step=restore_step,
                           machines=list(st.slots),
                           hang=HangWatch(self.ctx.policy, ranks=range(self.ctx.world), started_at=now))
-        self.core.implicit.new_run(st, now)
+        self.implicit.new_run(st, now)
         lost = max(0, st.steps_done - start_step)
         if lost:            # the rolling signals forget the steps this run trains again
             sig = st.signals
@@ -165,7 +165,7 @@ class RunFlow:
         st.steps_done = max(st.steps_done, s + 1)
         st.best_steps = max(st.best_steps, st.steps_done)
         if first:                   # the job trains: the standbys may warm up now
-            acts += self.core.pool.warm_standbys(st)
+            acts += self.pool.warm_standbys(st)
         if st.bad_steps:
             self._lapse_bad_steps(st)
         st.run.committed += 1
@@ -176,11 +176,11 @@ class RunFlow:
                                compute_s=[x[1] for x in times]))
         if acc.loss is not None:
             st.last_loss = acc.loss
-        anomaly = self.core.implicit.training_anomaly(st, s, acc, now)
+        anomaly = self.implicit.training_anomaly(st, s, acc, now)
         if anomaly is not None:
             return acts + anomaly
-        acts += self.core.implicit.on_committed(st, acc, now)
-        acts += self.core.hotupdate.promote_if_healthy(st, now)
+        acts += self.implicit.on_committed(st, acc, now)
+        acts += self.hotupdate.promote_if_healthy(st, now)
         sig = st.signals
         sig.step_times = (sig.step_times + [(acc.t, s)])[-STEP_TIMES_KEPT:]
         for seq in st.awaiting_resume:
@@ -221,7 +221,7 @@ class RunFlow:
             return []
         run.done_ranks.add(ev.rank)
         if len(run.done_ranks) == self.ctx.world and st.steps_done >= self.ctx.spec.steps:
-            return self.core.failure.finish(st, "succeeded", None, now)
+            return self.failure.finish(st, "succeeded", None, now)
         return []
 
     def on_activity(self, st: JobState, ev: protocol.Activity, now: float) -> Actions:
@@ -317,7 +317,7 @@ class RunFlow:
         st.bad_steps.append(BadSteps(lo=ev.step, hi=ev.step + 1))
         acts: Actions = [record("restore_failed", ev.t or now, run=st.run_seq, rank=ev.rank, error=ev.error)]
         if st.phase == JobPhase.RUNNING:
-            acts += self.core.failure.open(st, "restore_failed", now)
+            acts += self.failure.open(st, "restore_failed", now)
         return acts
 
     # -- live status ----------------------------------------------------------------------------
