@@ -432,6 +432,22 @@ class StandbyReady(_Msg, tag="standby_ready", kw_only=True):
     t: float = 0.0
 
 
+# -- worker -> agent only: the agent acts on these; they go no further ----------------------------
+
+
+class Shard(_Msg, tag="shard", kw_only=True):
+    """A rank's in-memory snapshot of `step` is committed at `path` (the agent backs it up)."""
+    rank: int
+    step: int
+    path: str
+
+
+class Failing(_Msg, tag="failing", kw_only=True):
+    """A rank's training raised: its traceback, before the slow teardown of its interpreter."""
+    rank: int
+    traceback: str = ""
+
+
 class TraceOp(msgspec.Struct, array_like=True, frozen=True):
     """A collective a rank entered (worker/frhook.py `Tracer`): kind, group name and description,
     ms taken and bytes where recorded, ms since its previous one, the recorder's id."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import stalwart.worker.durable as durable
 import stalwart.worker.memckpt as memckpt
 from stalwart.devices.simgpu import fatal_line, slowdown_factor
+from stalwart import protocol
 from stalwart.protocol import Env
 from stalwart.topology import Topology
 from stalwart.worker.link import AgentLink
@@ -121,19 +122,19 @@ class Context:
         self._last_reported: int | None = None    # the step of the last report
         self._ckpt_since_report = False     # an in-memory snapshot came after the last report
         self._begin_t = time.time()
-        self.link.send({"type": "hello", "rank": self.rank, "pid": os.getpid(), "run": self.run,
-                        "imported": self._imported_at, "ready": time.time()})
+        self.link.send(protocol.Hello(rank=self.rank, pid=os.getpid(), run=self.run, imported=self._imported_at,
+                               ready=time.time()))
 
     def _shard_committed(self, step: int, path: str) -> None:
         """A snapshot is complete (the background commit thread): tell the agent at once, so it
         streams the backup and makes durable copies without polling the shared memory."""
-        self.link.send({"type": "shard", "rank": self.rank, "step": step, "path": path})
+        self.link.send(protocol.Shard(rank=self.rank, step=step, path=path))
 
     # -- set-up ------------------------------------------------------------------------------
     def _wait_for_activation(self) -> None:
         """A warm standby: torch is imported; block until the agent hands us our ranks."""
         warm_up_torch()
-        self.link.send_now({"type": "standby_ready", "pid": os.getpid()})
+        self.link.send_now(protocol.StandbyReady(pid=os.getpid()))
         self._activation.wait()
         os.environ.update(self._activation_env)
         os.environ.pop(Env.STANDBY, None)
@@ -186,8 +187,7 @@ class Context:
         path = os.environ.get(Env.RESTORE_PATH)
         if path:   # the agent materialized this rank's shard (own memory, a peer's, or durable)
             step, state = memckpt.load(path, self.rank)
-            self.link.send({"type": "restored", "rank": self.rank, "step": step,
-                            "tier": os.environ.get(Env.RESTORE_TIER, "?")})
+            self.link.send(protocol.Restored(rank=self.rank, step=step, tier=os.environ.get(Env.RESTORE_TIER, "?")))
             return step + 1, state
         step = _env_int(Env.RESTORE_STEP, None)
         if step is None and self.run is None:
@@ -196,7 +196,7 @@ class Context:
         if step is None or step < 0:
             return 0, None
         state = durable.load(self.ckpt_dir, step, self.rank)
-        self.link.send({"type": "restored", "rank": self.rank, "step": step, "tier": "durable"})
+        self.link.send(protocol.Restored(rank=self.rank, step=step, tier="durable"))
         return step + 1, state
 
     def _blocked(self, part: str, t0: float) -> None:
@@ -325,9 +325,9 @@ class Context:
         last = self.steps is not None and step + 1 >= self.steps
         if (step + 1) % self.ckpt_every == 0 or last:
             meta = durable.save(self.ckpt_dir, step, self.rank, state, layout=self.topology_dict())
-            self.link.send({"type": "ckpt", "rank": self.rank, "step": step, "tier": "durable",
-                            "location": durable.shard_paths(self.ckpt_dir, step, self.rank)[0],
-                            "checksum": meta["crc32"]})
+            self.link.send(protocol.Ckpt(rank=self.rank, step=step, tier="durable",
+                                  location=durable.shard_paths(self.ckpt_dir, step, self.rank)[0],
+                                  checksum=meta["crc32"]))
 
     def topology_dict(self) -> dict:
         t = self.topology
@@ -351,12 +351,12 @@ class Context:
             self.mem.close()       # the last step's shard is committed before we say done
         exc = sys.exc_info()[1]
         if exc is None:
-            self.link.send_now({"type": "done", "rank": self.rank})
+            self.link.send_now(protocol.Done(rank=self.rank))
         elif not isinstance(exc, KeyboardInterrupt):
             # Tell the agent now: tearing down an interpreter that imported torch takes about half
             # a second after the traceback, and the agent would only see the exit after it.
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            self.link.send_now({"type": "failing", "rank": self.rank, "traceback": tb[-8192:]})
+            self.link.send_now(protocol.Failing(rank=self.rank, traceback=tb[-8192:]))
         self.link.close()
         if not self.attached:      # an attached script's groups are its own to destroy
             release_process_groups(self.groups)

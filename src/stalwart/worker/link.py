@@ -29,6 +29,8 @@ import time
 from typing import Callable, Deque
 
 from stalwart.jsonlines import JsonLineSocket
+import msgspec
+
 from stalwart.protocol import Env
 
 LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...
@@ -89,10 +91,11 @@ class AgentLink:
     def connected(self) -> bool:
         return self._conn is not None
 
-    def send(self, msg: dict, wake: bool = True) -> None:
-        """Queue `msg` for the writer; with `wake=False` it waits for the next message (LAZY_S at most)."""
+    def send(self, msg: dict | msgspec.Struct, wake: bool = True) -> None:
+        """Queue `msg` (one of `protocol`'s messages, or the wire form of a step report) for the
+        writer; with `wake=False` it waits for the next message (LAZY_S at most)."""
         if self._conn is not None:
-            self._put(msg, wake)
+            self._put(msgspec.to_builtins(msg) if isinstance(msg, msgspec.Struct) else msg, wake)
 
     def _put(self, item, wake: bool) -> None:
         with self._cv:
@@ -111,8 +114,10 @@ class AgentLink:
                 if self._untimed:               # (a writer idle for long: it must look again)
                     self._cv.notify()
 
-    def send_now(self, msg: dict) -> None:
+    def send_now(self, msg: dict | msgspec.Struct) -> None:
         """Send synchronously (used before blocking on the agent, and before exit)."""
+        if isinstance(msg, msgspec.Struct):
+            msg = msgspec.to_builtins(msg)
         if self._conn is not None:
             self.flush()
             conn = self._conn

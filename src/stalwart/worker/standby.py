@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Callable
 
-from stalwart.protocol import Env
+from stalwart.protocol import Env, StandbyReady
 from stalwart.worker.link import AgentLink
 from stalwart.worker.warmup import untitle_warm, warm_up_torch
 
@@ -48,7 +48,7 @@ def wait_if_standby() -> None:
     _handler = on_message
     _link = AgentLink(os.environ.get(Env.AGENT_SOCK), _dispatch)
     warm_up_torch()
-    _link.send_now({"type": "standby_ready", "pid": os.getpid()})
+    _link.send_now(StandbyReady(pid=os.getpid()))
     activated.wait()
     os.environ.update(env)
     os.environ.pop(Env.STANDBY, None)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stalwart.protocol import Restored
 from stalwart.worker.adapters import require, restored_state, rng_state
 from stalwart.worker.standby import wait_if_standby
 
@@ -71,7 +72,7 @@ class StalwartCallback(_tf.TrainerCallback):  # type: ignore[misc,name-defined]
             self.ctx = worker.attach()
             if self._restored is not None:
                 step, tier = self._restored
-                self.ctx.link.send({"type": "restored", "rank": self.ctx.rank, "step": step, "tier": tier})
+                self.ctx.link.send(Restored(rank=self.ctx.rank, step=step, tier=tier))
         wrapped = getattr(self.trainer, "model_wrapped", None)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and self.watch is None:
             from stalwart.worker.adapters import ddp

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from stalwart.protocol import Restored
 from stalwart.worker.adapters import require, restored_state, rng_state, set_rng_state
 from stalwart.worker.standby import wait_if_standby
 
@@ -64,7 +65,7 @@ class StalwartCallback(_pl.Callback):  # type: ignore[misc,name-defined]
             self.ctx = worker.attach()
             if self._restored is not None:
                 step, tier = self._restored
-                self.ctx.link.send({"type": "restored", "rank": self.ctx.rank, "step": step, "tier": tier})
+                self.ctx.link.send(Restored(rank=self.ctx.rank, step=step, tier=tier))
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         model = getattr(trainer.strategy, "model", None)
