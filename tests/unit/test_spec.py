@@ -184,6 +184,19 @@ def test_job_spec_rejects(d, msg):
         JobSpec.from_dict(d)
 
 
+@pytest.mark.parametrize("d, msg", [
+    ({**spec(), 1: 2}, r"^unknown field 1 in job spec \(known: name, "),
+    (spec(policy={2: 1}), r"^unknown field 2 in policy \(known: heartbeat_s, "),
+    (spec(env={1: "x"}), r"^env name must be a valid variable name \(got 1\)$"),
+    (spec(steps=10**100), r"^steps must be <= 9007199254740991 \(got 1000000000"),
+    (spec(policy={"heartbeat_s": 10**400}), r"^policy.heartbeat_s must be a finite number"),
+    (spec(policy={"hang_safety_factor": float("inf")}), r"^policy.hang_safety_factor must be <= 1e\+12 \(got inf\)$"),
+])
+def test_odd_values_are_named(d, msg):
+    with pytest.raises(ValueError, match=msg):
+        JobSpec.from_dict(d)
+
+
 def test_constructor_validates_and_validate_rechecks():
     with pytest.raises(ValueError, match=r"^steps must be >= 1 \(got -3\)$"):
         JobSpec(machines=1, command=["x"], steps=-3)

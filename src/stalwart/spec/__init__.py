@@ -378,7 +378,7 @@ def _decode(cls: Any, data: dict[str, Any], what: str) -> Any:
 def _one_line(cls: Any, data: dict[str, Any], error: str, what: str) -> str:
     """msgspec's `error` (with its `$.a.b` path) as the house's message: the field by its
     name, its allowed values and the value given."""
-    problem, path = what_failed(error)
+    problem, path, of_key = what_failed(error)
     struct, prefix, obj = cls, "policy." if cls is Policy else "", data
     if cls is JobSpec and path and path[0] == "policy" and isinstance(data.get("policy"), dict):
         struct, prefix, obj, path = Policy, "policy.", data["policy"], path[1:]
@@ -386,6 +386,9 @@ def _one_line(cls: Any, data: dict[str, Any], error: str, what: str) -> str:
     names = [f.name for f in msgspec.structs.fields(struct)]
     if m := re.fullmatch(r"Object contains unknown field `(.*)`", problem):
         return str(unknown_key_error(m.group(1), names, what))
+    key = next((k for k in obj if not isinstance(k, str)), None) if of_key and not path else None
+    if key is not None:                  # a key that is no string (YAML's `1: 2`)
+        return str(unknown_key_error(key, names, what))
     if m := re.fullmatch(r"Object missing required field `(.*)`", problem):
         return f"{what} is missing required field {m.group(1)!r}"
     if path and path[0] in names:

@@ -18,13 +18,14 @@ from msgspec import inspect as mi
 _AT = re.compile(r" - at (?:`key` in )?`\$([^`]*)`$")
 
 
-def what_failed(error: str) -> tuple[str, list[str]]:
-    """msgspec's ValidationError text split into the problem and the path's names
-    (``"Expected `int` - at `$.policy.x`"`` -> ``("Expected `int`", ["policy", "x"])``)."""
+def what_failed(error: str) -> tuple[str, list[str], bool]:
+    """msgspec's ValidationError text split into the problem, the path's names and whether a
+    key (not a value) at that path failed
+    (``"Expected `int` - at `$.policy.x`"`` -> ``("Expected `int`", ["policy", "x"], False)``)."""
     m = _AT.search(error)
     if m is None:
-        return error, []
-    return error[:m.start()], re.findall(r"\.(\w+)", m.group(1))
+        return error, [], False
+    return error[:m.start()], re.findall(r"\.(\w+)", m.group(1)), "`key` in" in m.group(0)
 
 
 def unknown_key_error(key: Any, known: list[str], where: str) -> ValueError:
