@@ -52,7 +52,7 @@ PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_FLOAT, extra_json_schema=_D
 Factor = Annotated[float, Meta(ge=1, le=MAX_FLOAT)]
 Fraction = Annotated[float, Meta(gt=0, lt=1)]
 Probability = Annotated[float, Meta(ge=0, lt=1)]
-Path = Annotated[str, Meta(min_length=1, extra={"must": "be a path string"})]
+PathText = Annotated[str, Meta(min_length=1, extra={"must": "be a path string"})]
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -266,10 +266,10 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "must": "be a list of non-empty strings"}), _doc(
         "fault injections, e.g. \"crash@step=60,machine=1\" (`stalwart inject -h` lists the "
         "kinds).")] = []
-    code_dir: Annotated[Path | None, _doc(
+    code_dir: Annotated[PathText | None, _doc(
         "directory of the job's code; null means the current working directory (a relative path "
         "in a YAML file: relative to the file). Stored as an absolute path.")] = None
-    workdir: Annotated[Path | None, _doc(
+    workdir: Annotated[PathText | None, _doc(
         "the workers' working directory, where the script's relative paths land (its snapshots, "
         "its logs); null means code_dir. `stalwart run` sets the directory it was started in. "
         "The code itself comes from the code version's snapshot (docs/integration.md).")] = None
