@@ -345,7 +345,7 @@ def run_one(case: Case, state_dir: str) -> dict:
     spec = gpt_spec(machines=lay["machines"], gpus=lay["gpus"], steps=steps, tp=lay["tp"], pp=lay["pp"],
                     dp=lay["dp"], standby=lay["standby"])
     # (the peer's policy may predate a key: it runs with the keys it knows)
-    known = {f.name for f in dataclasses.fields(Policy)}
+    known = set(Policy().to_dict())
     spec["policy"].update({k: v for k, v in {**POLICY, **DETECTOR_POLICY[case.detector]}.items() if k in known})
     spec["command"] += ["--min-compute-s", str(MIN_COMPUTE_S), "--batch", str(lay["batch"])]
     text = chaos_text(case)

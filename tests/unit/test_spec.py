@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
+import msgspec
 import pytest
 
 from stalwart.spec import JobSpec, Policy, parse_duration
@@ -44,9 +44,10 @@ def test_policy_defaults():
     assert (p.loss_jump_factor, p.failslow_rounds, p.failslow_period_s, p.failslow_drop) == \
         (5.0, 5, 10.0, 0.3)
     assert (p.hot_update_window_s, p.stop_grace_s, p.max_standby_wait_s) == (86400.0, 2.0, 60.0)
-    # every field is documented in the class docstring
-    for f in dataclasses.fields(Policy):
-        assert f"{f.name}:" in Policy.__doc__ or f"{f.name} " in Policy.__doc__, f.name
+    # every field is documented in its type (where the JSON Schema and docs/jobspec.md read it)
+    for struct in (Policy, JobSpec):
+        for f in msgspec.structs.fields(struct):
+            assert "description=" in repr(f.type), f"{struct.__name__}.{f.name}"
 
 
 @pytest.mark.parametrize("field, bad, msg", [
@@ -179,6 +180,19 @@ def test_normalisation():
     ([1, 2], r"^job spec must be a mapping \(got list\)$"),
 ])
 def test_job_spec_rejects(d, msg):
+    with pytest.raises(ValueError, match=msg):
+        JobSpec.from_dict(d)
+
+
+@pytest.mark.parametrize("d, msg", [
+    ({**spec(), 1: 2}, r"^unknown field 1 in job spec \(known: name, "),
+    (spec(policy={2: 1}), r"^unknown field 2 in policy \(known: heartbeat_s, "),
+    (spec(env={1: "x"}), r"^env name must be a valid variable name \(got 1\)$"),
+    (spec(steps=10**100), r"^steps must be <= 9007199254740991 \(got 1000000000"),
+    (spec(policy={"heartbeat_s": 10**400}), r"^policy.heartbeat_s must be a finite number"),
+    (spec(policy={"hang_safety_factor": float("inf")}), r"^policy.hang_safety_factor must be <= 1e\+12 \(got inf\)$"),
+])
+def test_odd_values_are_named(d, msg):
     with pytest.raises(ValueError, match=msg):
         JobSpec.from_dict(d)
 

@@ -1,4 +1,4 @@
-"""The `stalwart` command, one module per group of subcommands (`services`, `jobs`, `views`, `logs`, and
+"""The `stalwart` command, one module per group of subcommands (`services`, `jobs`, `views`, `logs`, `spec`, and
 the backends' and simulator's own). User mistakes end in a one-line `error: …`; the exit code says
 what kind of failure it was (`common.EXIT`, documented in docs/cli.md)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import sys
 
 from stalwart import __version__
-from stalwart.cli import jobs, logs, services, views
+from stalwart.cli import jobs, logs, services, spec, views
 from stalwart.cli.common import EXIT, UserError, log_level, missing_extra_line, resolve_slurm_job, setup_logging
 from stalwart.client import ApiError, ControllerUnreachable
 from stalwart.errors import StalwartError
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parsers(sub)
     views.add_parsers(sub)
     logs.add_parsers(sub)
+    spec.add_parsers(sub)
     from stalwart.cli import k8s, slurm
     slurm.add_parsers(sub)   # stalwart slurm …
     k8s.add_parsers(sub)     # stalwart k8s …

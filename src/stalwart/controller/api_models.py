@@ -21,7 +21,10 @@ import msgspec
 from msgspec import Meta
 
 from stalwart import auth, protocol
+from stalwart.spec import schema as spec_schema
 
+REF_TEMPLATE = "#/components/schemas/{name}"
+JOB_SPEC_REF = REF_TEMPLATE.format(name="JobSpec")
 MAX_BODY = protocol.MAX_MESSAGE      # a request's body, and one message of an agent's channel
 MAX_EVENTS = protocol.MAX_EVENTS
 Text = Annotated[str, Meta(max_length=1000)]
@@ -34,9 +37,12 @@ class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class SubmitJob(Body):
     """A job to run; `spec` is checked field by field by `stalwart.spec.JobSpec` (unknown fields of
-    the spec and of its policy are refused with their names, too). `idempotency_key`: a submit
-    sent again with the same key (a retry after a lost answer) returns the job the first made."""
-    spec: dict[str, Any]
+    the spec and of its policy are refused with their names, too), and documented by its JSON
+    Schema (docs/jobspec.md). It is decoded here as a mapping: `JobSpec.from_dict` also reads what
+    JSON Schema gives no single type (a duration's text) and words its refusals for the user.
+    `idempotency_key`: a submit sent again with the same key (a retry after a lost answer) returns
+    the job the first made."""
+    spec: Annotated[dict[str, Any], Meta(extra_json_schema={"$ref": JOB_SPEC_REF})]
     idempotency_key: Annotated[str, Meta(min_length=8, max_length=128, pattern="^[A-Za-z0-9._:-]+$")] | None = None
 
 
@@ -133,7 +139,8 @@ def decode(route: Route, raw: bytes) -> Any:
 def openapi(routes: list[Route], version: str) -> dict:
     """An OpenAPI 3.1 document of `routes` (JSON Schema from the models)."""
     models = sorted({r.body for r in routes if r.body is not None}, key=lambda t: t.__name__)
-    (schemas_of, components) = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+    (schemas_of, components) = msgspec.json.schema_components(models, ref_template=REF_TEMPLATE)
+    components.update(spec_schema.components(REF_TEMPLATE)[1])       # JobSpec, Policy: SubmitJob.spec
     refs = dict(zip(models, schemas_of))
     paths: dict[str, dict] = {}
     for r in routes:
