@@ -40,8 +40,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Strongly connected components that remain, as sorted module lists, with the reason.
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    ("stalwart.controller.job.executor", "stalwart.controller.job.runner", "stalwart.controller.service"):
-        "the executor and the runner take the whole Controller, which imports them back",
     ("stalwart.controller.job.core", "stalwart.controller.job.flows.diagnosis",
      "stalwart.controller.job.flows.failure", "stalwart.controller.job.flows.hotupdate",
      "stalwart.controller.job.flows.implicit", "stalwart.controller.job.flows.pool",
