@@ -3,7 +3,7 @@ the answers to beats and event batches, a job's end, the heartbeat monitor's sca
 `/api/machines` shows."""
 from stalwart import protocol
 from stalwart.controller.beats import BeatLateness
-from stalwart.controller.machines import Ack, Registry, Role
+from stalwart.controller.machines import AgentReply, Registry, Role
 
 ROW_KEYS = ["id", "state", "address", "registered_at", "last_beat", "alive", "isolated", "job_id", "reason"]
 
@@ -22,11 +22,10 @@ def test_a_machine_from_the_store_is_known_but_not_alive_until_it_registers():
     m = r.get("m1")
     assert m is not None and m.role is Role.ACTIVE and m.job_id == 4 and not m.alive and m.last_beat is None
     assert r.peer_addr("m1") == ("10.0.0.2", 9100)
-    assert r.beat("m1", 3.0) is Ack.REREGISTER            # known, not alive here: register again
-    assert r.events("m1", 3.0) == (Ack.REREGISTER, 4)
-    assert r.events("m9", 3.0) == (Ack.UNKNOWN, None)     # unknown: the batch is not taken
-    assert (Ack.OK.reregister, Ack.REREGISTER.reregister, Ack.UNKNOWN.reregister) == (False, True, True)
-    assert (Ack.OK.taken, Ack.REREGISTER.taken, Ack.UNKNOWN.taken) == (True, True, False)
+    assert r.beat("m1", 3.0) is AgentReply.REREGISTER            # known, not alive here: register again
+    assert r.events("m1", 3.0) == (AgentReply.REREGISTER, 4)
+    assert r.events("m9", 3.0) == (AgentReply.UNKNOWN, None)     # unknown: the batch is not taken
+    assert [(a.reregister, a.taken) for a in AgentReply] == [(False, True), (True, True), (True, False)]
 
 
 def test_registration_keeps_a_jobs_role_and_resets_any_other():
@@ -37,8 +36,8 @@ def test_registration_keeps_a_jobs_role_and_resets_any_other():
     assert (m1.role, m1.job_id, m1.reason, m1.alive, m1.isolated) == (Role.EVICTED, 4, "xid 79", True, True)
     assert (m2.role, m2.job_id) == (Role.IDLE, None)
     assert r.labels("m1") == {"switch": "s1"} and r.free() == ["m2"]
-    assert r.beat("m2", 6.0) is Ack.OK and r.last_heard("m2") == 6.0
-    assert r.events("m1", 6.5) == (Ack.OK, 4)
+    assert r.beat("m2", 6.0) is AgentReply.OK and r.last_heard("m2") == 6.0
+    assert r.events("m1", 6.5) == (AgentReply.OK, 4)
 
 
 def test_roles_a_job_gives_and_takes_back():
@@ -68,7 +67,7 @@ def test_the_monitor_loses_the_silent_and_a_stall_moves_every_deadline():
     lost = r.lose_overdue(18.5, 3.0)
     assert [m.id for m in lost] == ["m1"] and not r.alive("m1") and r.alive("m2")
     assert r.earliest_beat == 17.0
-    assert r.beat("m1", 19.0) is Ack.REREGISTER
+    assert r.beat("m1", 19.0) is AgentReply.REREGISTER
 
 
 def test_rows_are_what_the_api_shows_with_plain_string_states():

@@ -26,7 +26,7 @@ from stalwart.controller import api_models as models
 from stalwart.controller.channel import Channels, FrontDoor
 from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.enroll import Enrollment
-from stalwart.controller.machines import Ack
+from stalwart.controller.machines import AgentReply
 from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
@@ -36,9 +36,10 @@ from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
 # an agent's beat and batch of events answered over HTTP (the channel answers with protocol.Ack)
-BEAT_REPLY = {Ack.OK: {"ok": True}, Ack.REREGISTER: {"reregister": True}, Ack.UNKNOWN: {"reregister": True}}
-EVENTS_REPLY = {Ack.OK: {"ok": True}, Ack.REREGISTER: {"ok": True, "reregister": True},
-                Ack.UNKNOWN: {"ok": False, "reregister": True, "taken": False}}
+BEAT_REPLY = {AgentReply.OK: {"ok": True}, AgentReply.REREGISTER: {"reregister": True},
+              AgentReply.UNKNOWN: {"reregister": True}}
+EVENTS_REPLY = {AgentReply.OK: {"ok": True}, AgentReply.REREGISTER: {"ok": True, "reregister": True},
+                AgentReply.UNKNOWN: {"ok": False, "reregister": True, "taken": False}}
 
 def _int_query(q: dict, name: str) -> int:
     """A query parameter's integer, within its bounds (`api_models.QUERY`)."""

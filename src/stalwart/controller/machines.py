@@ -40,7 +40,7 @@ KEPT_ON_REGISTER = frozenset((Role.ACTIVE, Role.STANDBY, Role.EVICTED))
 HELD = frozenset((Role.ACTIVE, Role.STANDBY))       # roles a job's end gives back
 
 
-class Ack(Enum):
+class AgentReply(Enum):
     """The registry's answer to an agent's beat or batch of events."""
     OK = "ok"
     REREGISTER = "reregister"      # the machine is known but not alive here: register again
@@ -49,11 +49,11 @@ class Ack(Enum):
 
     @property
     def reregister(self) -> bool:
-        return self is not Ack.OK
+        return self is not AgentReply.OK
 
     @property
     def taken(self) -> bool:
-        return self is not Ack.UNKNOWN
+        return self is not AgentReply.UNKNOWN
 
 
 @dataclass(slots=True)
@@ -133,25 +133,25 @@ class Registry:
             self._earliest_beat = min(self._earliest_beat, now)
             return dataclasses.replace(m)
 
-    def beat(self, machine: str, now: float) -> Ack:
+    def beat(self, machine: str, now: float) -> AgentReply:
         """A heartbeat: a machine not alive here is told to register again."""
         with self._lock:
             m = self._by_id.get(machine)
             if m is None or not m.alive:
-                return Ack.REREGISTER
+                return AgentReply.REREGISTER
             self._heard(m, now)
-            return Ack.OK
+            return AgentReply.OK
 
-    def events(self, machine: str, now: float) -> tuple[Ack, int | None]:
+    def events(self, machine: str, now: float) -> tuple[AgentReply, int | None]:
         """A batch of events counts as a heartbeat; the answer and the job they are for."""
         with self._lock:
             m = self._by_id.get(machine)
             if m is None:
-                return Ack.UNKNOWN, None
+                return AgentReply.UNKNOWN, None
             if not m.alive:
-                return Ack.REREGISTER, m.job_id
+                return AgentReply.REREGISTER, m.job_id
             self._heard(m, now)
-            return Ack.OK, m.job_id
+            return AgentReply.OK, m.job_id
 
     def _heard(self, m: Machine, now: float) -> None:
         self._lateness.heard(m.last_beat, now)

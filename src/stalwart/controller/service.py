@@ -34,7 +34,8 @@ from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Injec
                                             VersionRegistered)
 from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.runner import JobRunner
-from stalwart.controller.machines import Ack, Registry, Role
+from stalwart.controller.lease import Lease
+from stalwart.controller.machines import AgentReply, Registry, Role
 from stalwart.controller.pool import standby_count
 from stalwart.controller.rendezvous import Rendezvous
 from stalwart.controller.reportcache import ReportCache
@@ -110,7 +111,6 @@ class Controller:
         self.store.patient()            # (the constructor's thread: a start waits an outage out)
         self.lease = None
         if lease is not None:
-            from stalwart.controller.lease import Lease
             self.lease = Lease(self.store, lease or None, url, on_lost=on_lease_lost)
             self.lease.acquire()
             self.lease.keep()
@@ -223,7 +223,7 @@ class Controller:
                 "role": rec.role.value,
                 "steps_batch": True}     # this controller takes merged step reports (protocol.Steps)
 
-    def heartbeat(self, machine: str) -> Ack:
+    def heartbeat(self, machine: str) -> AgentReply:
         """A machine's heartbeat: OK, or REREGISTER (a machine not alive here)."""
         return self.registry.beat(machine, clock.now())
 
@@ -334,7 +334,7 @@ class Controller:
         """The machine's commands, waiting up to `wait` s for one (on the API's event loop)."""
         return await self.command_queues.take(machine, wait)
 
-    def agent_events(self, machine: str, events: list[dict]) -> Ack:
+    def agent_events(self, machine: str, events: list[dict]) -> AgentReply:
         """A batch of the machine's events as JSON objects (HTTP), typed one by one: one that
         does not fit its kind is left out (logged), one of a kind this controller does not know
         too (a newer agent). See `agent_events_typed`."""
@@ -349,7 +349,7 @@ class Controller:
                 typed.append(ev)
         return self.agent_events_typed(machine, typed)
 
-    def agent_events_typed(self, machine: str, events: list[protocol.Event]) -> Ack:
+    def agent_events_typed(self, machine: str, events: list[protocol.Event]) -> AgentReply:
         """A batch of the machine's events; it counts as a heartbeat (an agent whose events flow
         skips its heartbeats). The reply says when the agent must register again, and when the
         batch was not taken (a machine this controller does not know: it restarted; the agent
