@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+
 from stalwart.controller.job import actions as A
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
