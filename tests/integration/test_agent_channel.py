@@ -179,7 +179,7 @@ def test_commands_are_pushed_only_to_their_agent(api):
         for link in links.values():
             assert link.register(REG)["type"] == "registered" and link.over_channel
         t0 = time.monotonic()
-        ctl.send("m0", protocol.Stop(run=7, grace_s=1.0))
+        ctl.command_queues.send("m0", protocol.Stop(run=7, grace_s=1.0))
         got = links["m0"].commands(10.0)
         assert [c["type"] for c in got] == ["stop"] and got[0]["run"] == 7 and time.monotonic() - t0 < 5
         assert links["m1"].commands(1.0) == []
@@ -190,7 +190,7 @@ def test_commands_are_pushed_only_to_their_agent(api):
         links["m1"].close()
         assert wait_for(lambda: "m1" not in srv.channels.open, timeout=10)
         assert "m1" not in ctl.command_queues._pushers
-        ctl.send("m1", protocol.Trace(run=7, timeout_s=1.0))
+        ctl.command_queues.send("m1", protocol.Trace(run=7, timeout_s=1.0))
         assert ctl.command_queues.pending("m1") == 1
         again = Link(Client(url, token=TOKEN), "m1")
         links["m1"] = again
@@ -212,7 +212,7 @@ def test_tls_end_to_end_over_the_channel(tmp_path):
         assert link.register(REG)["type"] == "registered" and link.over_channel
         assert link.beat({"t": time.time()}, timeout=5) == {"type": "ack", "seq": 2}
         assert link.events([{"type": "metrics", "values": {"cpu": 0.5}, "t": time.time()}])["type"] == "ack"
-        ctl.send("m0", protocol.Stop(run=None, grace_s=0.5))
+        ctl.command_queues.send("m0", protocol.Stop(run=None, grace_s=0.5))
         assert [c["type"] for c in link.commands(10.0)] == ["stop"]
         # without the CA the controller's certificate is not trusted: no channel, no HTTP either
         stranger = Link(Client(url, token=TOKEN), "m1")
@@ -296,7 +296,7 @@ def test_a_real_agent_loses_no_event_across_a_controller_restart_on_another_port
 
         def recording(machine, events):
             out = taken(machine, events)
-            if machine == "m0" and out["ok"]:
+            if machine == "m0" and out.taken:
                 with lock:
                     for e in events:
                         if isinstance(e, protocol.Step):
@@ -317,7 +317,7 @@ def test_a_real_agent_loses_no_event_across_a_controller_restart_on_another_port
                              stderr=subprocess.STDOUT, start_new_session=True)
     worker = None
     try:
-        assert wait_for(lambda: ctl.machine_alive("m0"), timeout=60), (tmp_path / "agent.log").read_text()
+        assert wait_for(lambda: ctl.registry.alive("m0"), timeout=60), (tmp_path / "agent.log").read_text()
         assert wait_for(lambda: (workdir / "agent.sock").exists(), timeout=30)
         worker = socket.socket(socket.AF_UNIX)
         worker.connect(str(workdir / "agent.sock"))

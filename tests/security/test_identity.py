@@ -126,13 +126,13 @@ def test_only_a_verified_machine_is_drained(api):
     class Backend:
         def evict(self, machine, reason, labels):
             asked.append(machine)
-    ctl.backend = Backend()
+    ctl.supply.backend = Backend()
     op = Client(url, token=TOKEN)
     op.post("/api/agents/fake/register", dict(REG, labels={"kubernetes.node": "node-a"}))   # operator's token
     cred = _enroll(url, "real", op.post("/api/join-tokens", {"machine": "real"})["token"])
     Client(url, token=cred).post("/api/agents/real/register", REG)
-    ctl.assign_machine("fake", "evicted", 1, reason="test")
-    ctl.assign_machine("real", "evicted", 1, reason="test")
+    ctl.supply.evict("fake", "test", None)
+    ctl.supply.evict("real", "test", None)
     assert asked == ["real"]
 
 

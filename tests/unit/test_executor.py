@@ -16,7 +16,8 @@ class _Store:
 
 def _executor():
     store = _Store()
-    ex = Executor(SimpleNamespace(store=store), 1, JobSpec(machines=2, gpus_per_machine=1, command=["x"]))
+    ports = SimpleNamespace(store=store)            # (the only port these actions use)
+    ex = Executor(ports, 1, JobSpec(machines=2, gpus_per_machine=1, command=["x"]))
     return ex, store
 
 

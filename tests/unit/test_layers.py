@@ -40,8 +40,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Strongly connected components that remain, as sorted module lists, with the reason.
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {
-    ("stalwart.controller.job.executor", "stalwart.controller.job.runner", "stalwart.controller.service"):
-        "the executor and the runner take the whole Controller, which imports them back",
 }
 
 # (importer, imported) pairs that point to a higher layer, with the reason.

@@ -1,19 +1,19 @@
-"""The heartbeat monitor's scan (service.overdue): which machines are overdue, and the earliest
+"""The heartbeat monitor's scan (machines.overdue): which machines are overdue, and the earliest
 beat among the others, below which no scan is needed."""
 import math
 import random
 
-from stalwart.controller.service import overdue
+from stalwart.controller.machines import Machine, overdue
 
 
 def machines(beats):
-    return [{"id": f"m{i}", "alive": alive, "last_beat": t} for i, (alive, t) in enumerate(beats)]
+    return [Machine(id=f"m{i}", alive=alive, last_beat=t) for i, (alive, t) in enumerate(beats)]
 
 
 def test_overdue_names_the_silent_alive_machines_and_the_earliest_other_beat():
     ms = machines([(True, 10.0), (True, 6.9), (False, 1.0), (True, 8.5), (True, 7.0)])
     lost, earliest = overdue(ms, now=10.0, limit_s=3.0)
-    assert [m["id"] for m in lost] == ["m1"]          # 3.1 s silent; m4 (exactly 3.0 s) is not
+    assert [m.id for m in lost] == ["m1"]          # 3.1 s silent; m4 (exactly 3.0 s) is not
     assert earliest == 7.0                            # the dead m2 and the lost m1 do not count
 
 
@@ -30,12 +30,12 @@ def test_no_machine_is_overdue_until_the_earliest_beat_plus_the_limit():
         ms = machines([(rng.random() < 0.9, rng.uniform(0.0, 10.0)) for _ in range(50)])
         lost, earliest = overdue(ms, now=10.0, limit_s=3.0)
         for m in lost:                      # as the monitor does
-            m["alive"] = False
-        assert all(m["last_beat"] >= earliest for m in ms if m["alive"])
+            m.alive = False
+        assert all(m.last_beat >= earliest for m in ms if m.alive)
         for later in (10.0, 11.0, earliest + 3.0):
             if later - 3.0 <= earliest:
                 assert overdue(ms, now=later, limit_s=3.0)[0] == []
-        assert earliest in [m["last_beat"] for m in overdue(ms, now=earliest + 3.01, limit_s=3.0)[0]]
+        assert earliest in [m.last_beat for m in overdue(ms, now=earliest + 3.01, limit_s=3.0)[0]]
 
 
 def test_the_monitor_sleeps_until_a_machine_could_be_overdue_within_its_bounds():

@@ -5,6 +5,7 @@ import json
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 
@@ -98,7 +99,7 @@ def test_a_runner_writes_a_small_state_in_one_call_and_a_large_one_in_pieces(mon
         r = JobRunner.__new__(JobRunner)      # (its dispatch alone: no controller, no thread)
         r.state, r.job_id, r.core, r.executor = st, st.job_id, Core(), Executor()
         r._saved_key, r._saved_at, r._save_cost, r._save_bytes, r._dirty = None, 0.0, 0.0, 1 << 62, True
-        r.ctl = None
+        r.ports = SimpleNamespace(now=lambda: 1.0, on_phase=None)
         for _ in range(3):
             r.dispatch(Tick())
         assert r.executor.saved[-1] == whole(st)

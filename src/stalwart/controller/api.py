@@ -26,6 +26,7 @@ from stalwart.controller import api_models as models
 from stalwart.controller.channel import Channels, FrontDoor
 from stalwart.controller.dashboard import DashboardViews, static_file
 from stalwart.controller.enroll import Enrollment
+from stalwart.controller.machines import AgentReply
 from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
@@ -34,6 +35,11 @@ from stalwart.errors import Conflict, InvalidRequest, StalwartError
 from stalwart.report_html import render as render_html
 
 log = logging.getLogger("stalwart.api")
+# an agent's beat and batch of events answered over HTTP (the channel answers with protocol.Ack)
+BEAT_REPLY = {AgentReply.OK: {"ok": True}, AgentReply.REREGISTER: {"reregister": True},
+              AgentReply.UNKNOWN: {"reregister": True}}
+EVENTS_REPLY = {AgentReply.OK: {"ok": True}, AgentReply.REREGISTER: {"ok": True, "reregister": True},
+                AgentReply.UNKNOWN: {"ok": False, "reregister": True, "taken": False}}
 
 def _int_query(q: dict, name: str) -> int:
     """A query parameter's integer, within its bounds (`api_models.QUERY`)."""
@@ -76,10 +82,10 @@ class Api:
         return self.ctl.register(m, body)
 
     def agent_heartbeat(self, m, q, body: models.Heartbeat):
-        return self.ctl.heartbeat(m)
+        return dict(BEAT_REPLY[self.ctl.heartbeat(m)])
 
     def agent_events(self, m, q, body: models.AgentEvents):
-        return self.ctl.agent_events(m, body.events)
+        return dict(EVENTS_REPLY[self.ctl.agent_events(m, body.events)])
 
     async def agent_commands(self, m, q, body):
         try:

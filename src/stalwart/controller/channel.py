@@ -157,10 +157,10 @@ class Channels:
             try:
                 if kind is protocol.Beat:
                     route = "agent_channel_beat"
-                    reply = protocol.Ack(seq=seq, reregister="reregister" in self.ctl.heartbeat(conn.machine))
+                    reply = protocol.Ack(seq=seq, reregister=self.ctl.heartbeat(conn.machine).reregister)
                 elif kind is protocol.EventBatch:
-                    out = self.ctl.agent_events_typed(conn.machine, msg.events)
-                    reply = protocol.Ack(seq=seq, reregister="reregister" in out, taken=out["ok"])
+                    ack = self.ctl.agent_events_typed(conn.machine, msg.events)
+                    reply = protocol.Ack(seq=seq, reregister=ack.reregister, taken=ack.taken)
                 else:
                     return self._register(conn.machine, msg, t0)
             except StalwartError as e:
@@ -217,9 +217,9 @@ class Channels:
                 typed.append(ev)
         if ignored:
             log.warning("events from %s ignored: %s", machine, "; ".join(ignored[:5]))
-        out = self.ctl.agent_events_typed(machine, typed)
+        ack = self.ctl.agent_events_typed(machine, typed)
         more = f" (and {len(ignored) - 5} more)" if len(ignored) > 5 else ""
-        return protocol.Ack(seq=batch.seq, reregister="reregister" in out, taken=out["ok"],
+        return protocol.Ack(seq=batch.seq, reregister=ack.reregister, taken=ack.taken,
                             ignored="; ".join(ignored[:5]) + more if ignored else None)
 
 

@@ -13,6 +13,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+from stalwart import protocol
+
 MAX_WAIT_S = 30.0
 
 
@@ -29,6 +31,10 @@ class CommandQueues:
         with self._lock:
             self._queues.setdefault(machine, []).append(cmd)
             self._wake(machine)
+
+    def send(self, machine: str, cmd: protocol.Command) -> None:
+        """A typed command for the machine's agent (the job executors' `AgentGateway`)."""
+        self.put(machine, protocol.encode(cmd))     # wakes only that machine's pusher or poll
 
     # -- channels: commands pushed -------------------------------------------------------------------
     def attach(self, machine: str, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:

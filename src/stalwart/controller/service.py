@@ -1,5 +1,7 @@
 """The controller: machines, command queues, jobs, the heartbeat monitor. The HTTP API is in api.py;
-each job's logic is its runner (`controller/job/`).
+each job's logic is its runner (`controller/job/`), which sees the controller's parts through the
+interfaces of `job/ports.py` (built here, one `JobPorts` per job); the machine registry is
+`machines.py`, what jobs ask of the cluster's backend `supply.py`.
 
 Restart-safe: jobs a previous controller left running are taken over (their saved state loaded,
 their agents heard again, see `job/flows/reconcile.py`), unless it is started with
@@ -15,13 +17,10 @@ Times are the steady clock of `stalwart.clock`: a step of the host's clock moves
 from __future__ import annotations
 
 import logging
-import math
 import os
-import re
 import threading
 import time
 from typing import Callable
-from collections.abc import Iterable
 
 import msgspec
 
@@ -33,13 +32,17 @@ from stalwart.controller.job import state as S
 from stalwart.controller.commands import CommandQueues
 from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
                                             VersionRegistered)
+from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.runner import JobRunner
+from stalwart.controller.lease import Lease
+from stalwart.controller.machines import AgentReply, Registry, Role
 from stalwart.controller.pool import standby_count
 from stalwart.controller.rendezvous import Rendezvous
 from stalwart.controller.reportcache import ReportCache
 from stalwart.controller.restore import Availability
 from stalwart.controller.store import Store
 from stalwart.controller.supervise import supervised
+from stalwart.controller.supply import Supply
 from stalwart.errors import Conflict, InvalidRequest, NotFound
 from stalwart.spec import JobSpec
 
@@ -47,29 +50,9 @@ log = logging.getLogger("stalwart.controller")
 RUNNING_STATES = ("pending", "waiting", "running", "recovering", "tracing", "diagnosing", "replaying")
 ALIVE_EVERY_S = 1.0
 BACKEND_WATCH_S = 1.0     # how often the backend is asked whether the cluster took the machines away
-REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for this long
 MONITOR_EVERY_S = 0.1
 STALL_S = 0.5             # the monitor woke this much later than asked: the controller stalled
 CLOSE_WAIT_S = 10.0        # how long close waits for the job threads to finish the event in hand
-
-
-def natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
-def overdue(machines: Iterable[dict], now: float, limit_s: float) -> tuple[list[dict], float]:
-    """The alive machines whose agents have been silent for more than `limit_s` at `now`, and
-    the earliest last beat among the alive others (inf: none): until `now - limit_s` passes it,
-    no machine can be overdue, and the heartbeat monitor need not look at thousands of them ten
-    times a second."""
-    lost, earliest = [], math.inf
-    for m in machines:
-        if m["alive"]:
-            if now - m["last_beat"] > limit_s:
-                lost.append(m)
-            elif m["last_beat"] < earliest:
-                earliest = m["last_beat"]
-    return lost, earliest
 
 
 def monitor_wait(now: float, earliest_beat: float, limit_s: float, next_alive: float) -> float:
@@ -88,19 +71,19 @@ class MachineView:
         self.ctl, self.job_id = ctl, job_id
 
     def alive(self, machine: str) -> bool:
-        return self.ctl.machine_alive(machine)
+        return self.ctl.registry.alive(machine)
 
     def last_heard(self, machine: str) -> float | None:
-        return self.ctl.last_heard(machine)
+        return self.ctl.registry.last_heard(machine)
 
     def beat_late_s(self) -> float:
-        return self.ctl.beat_late_s()
+        return self.ctl.registry.late_s(clock.now())
 
     def free(self) -> list[str]:
         return self.ctl.free_for(self.job_id)
 
     def labels(self, machine: str) -> dict[str, str]:
-        return self.ctl.machine_labels(machine)
+        return self.ctl.registry.labels(machine)
 
 
 class Controller:
@@ -128,7 +111,6 @@ class Controller:
         self.store.patient()            # (the constructor's thread: a start waits an outage out)
         self.lease = None
         if lease is not None:
-            from stalwart.controller.lease import Lease
             self.lease = Lease(self.store, lease or None, url, on_lost=on_lease_lost)
             self.lease.acquire()
             self.lease.keep()
@@ -137,19 +119,18 @@ class Controller:
         self.store_host = store_host
         self.heartbeat_s = heartbeat_s
         self.missed_beats = missed_beats
-        self.lateness = BeatLateness(heartbeat_s)   # how late beats come on this host (silence rules)
         self.backend = backend      # backends.base.Backend: evicts, refills, says when the cluster ended
-        self._requested: dict[str, float] = {}     # machines asked of the backend -> when
         self._ended: str | None = None             # why the cluster took the machines away
         self.rendezvous = Rendezvous()
-        self._lock = threading.RLock()
-        self._machines: dict[str, dict] = {m["id"]: dict(m, alive=False, last_beat=None)
-                                           for m in self.store.machines()}
+        self._lock = threading.Lock()        # (guards _beats_to_write)
+        # the machines, with how late beats come on this host (silence rules)
+        self.registry = Registry(self.store.machines(), BeatLateness(heartbeat_s))
+        self.supply = Supply(backend, self.registry, self.store,
+                             trusted=lambda m: not self.verify_identities or m in self.verified)
         self.command_queues = CommandQueues()
         self.jobs: dict[int, JobRunner] = {}
         self._taken_over: list[JobRunner] = []     # started once the API serves (see serving)
         self._down_at: float | None = None
-        self._earliest_beat = -math.inf      # no alive machine beat before this (see overdue)
         self._stop = threading.Event()
         self._beats_to_write: dict[str, float] = {}      # lost machines' last beats (store-probe writes)
         down_at = float(self.store.get_meta("alive_at") or clock.now())
@@ -170,10 +151,8 @@ class Controller:
         for j in self.store.jobs_in_state(RUNNING_STATES):
             self.store.update_job(j["id"], state="failed", finished_at=now,
                                   reason="the cluster that ran it stopped (a new local cluster started)")
-        for m in self._machines.values():
-            if m["state"] != "idle" or m.get("job_id") is not None:
-                m.update(state="idle", job_id=None, reason=None)
-                self.store.upsert_machine(m["id"], state="idle", job_id=None, reason=None)
+        for m in self.registry.clear_roles():
+            self.store.upsert_machine(m, state=Role.IDLE.value, job_id=None, reason=None)
 
     def _take_over(self, down_at: float) -> None:
         """Load every job a previous controller left running and reconcile it with its agents."""
@@ -191,7 +170,7 @@ class Controller:
                 self.store.update_job(j["id"], state="failed", finished_at=up_at,
                                       reason=f"the controller restarted and could not resume the job: {why}")
                 continue
-            runner = JobRunner(self, spec, st)
+            runner = JobRunner(self.job_ports(st.job_id), spec, st)
             self.jobs[st.job_id] = runner
             self._taken_over.append(runner)
             self._down_at = down_at
@@ -233,40 +212,20 @@ class Controller:
         except msgspec.ValidationError as e:
             raise InvalidRequest(f"registration of {machine}: {e}") from None
         now = clock.now()
-        with self._lock:
-            m = self._machines.get(machine)
-            state = m["state"] if m and m["state"] in ("active", "standby", "evicted") else "idle"
-            rec = {"id": machine, "state": state, "address": reg.address, "info": protocol.encode(reg),
-                   "registered_at": now, "last_beat": now, "alive": True, "isolated": reg.isolated,
-                   "job_id": m.get("job_id") if m else None, "reason": m.get("reason") if m else None}
-            self._machines[machine] = rec
-            self._earliest_beat = min(self._earliest_beat, now)
-        self.store.upsert_machine(machine, state=state, address=reg.address, info=rec["info"],
-                                  registered_at=now, last_beat=now, job_id=rec["job_id"])
-        log.info("machine %s registered (%s, %s)", machine, reg.address, state)
-        runner = self._runner_of(rec["job_id"]) or self._runner_holding(machine)
+        rec = self.registry.register(machine, reg, now)
+        self.store.upsert_machine(machine, state=rec.role.value, address=reg.address, info=rec.info,
+                                  registered_at=now, last_beat=now, job_id=rec.job_id)
+        log.info("machine %s registered (%s, %s)", machine, reg.address, rec.role.value)
+        runner = self._runner_of(rec.job_id) or self._runner_holding(machine)
         if runner is not None:
             runner.post(AgentBack(machine=machine, reg=reg))
-        return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats, "role": state,
+        return {"ok": True, "heartbeat_s": self.heartbeat_s, "missed_beats": self.missed_beats,
+                "role": rec.role.value,
                 "steps_batch": True}     # this controller takes merged step reports (protocol.Steps)
 
-    _OK = {"ok": True}                      # (constant answers: never changed by a caller)
-    _REREGISTER = {"ok": True, "reregister": True}
-    _NOT_TAKEN = {"ok": False, "reregister": True, "taken": False}
-
-    def heartbeat(self, machine: str) -> dict:
-        with self._lock:
-            m = self._machines.get(machine)
-            if m is None or not m["alive"]:
-                return {"reregister": True}
-            self._heard(m)
-        return self._OK
-
-    def _heard(self, m: dict) -> None:
-        """A live machine sent something (a beat or events): note when, and how late (under the lock)."""
-        now = clock.now()
-        self.lateness.heard(m["last_beat"], now)
-        m["last_beat"] = now
+    def heartbeat(self, machine: str) -> AgentReply:
+        """A machine's heartbeat: OK, or REREGISTER (a machine not alive here)."""
+        return self.registry.beat(machine, clock.now())
 
     def _probe_store(self) -> None:
         """Every ALIVE_EVERY_S: when this controller was last alive (the next one books the gap
@@ -289,31 +248,24 @@ class Controller:
             last = time.monotonic()
             if now >= next_alive:
                 next_alive = now + ALIVE_EVERY_S
-            lost: list[dict] = []
             limit = self.heartbeat_s * self.missed_beats
-            with self._lock:
-                if lag > STALL_S:
-                    # this controller did not run for `lag` seconds (a loaded host, a long pause):
-                    # heartbeats it could not read are not the machines' silence
-                    log.warning("controller stalled for %.1fs; heartbeat deadlines extended", lag)
-                    for m in self._machines.values():
-                        if m["alive"]:
-                            m["last_beat"] += lag
-                    self._earliest_beat = -math.inf
-                if now - limit > self._earliest_beat:       # someone may be overdue: look
-                    lost, self._earliest_beat = overdue(self._machines.values(), now, limit)
-                    for m in lost:
-                        m["alive"] = False
-                wait = monitor_wait(now, self._earliest_beat, limit, next_alive)
+            if lag > STALL_S:
+                # this controller did not run for `lag` seconds (a loaded host, a long pause):
+                # heartbeats it could not read are not the machines' silence
+                log.warning("controller stalled for %.1fs; heartbeat deadlines extended", lag)
+                self.registry.stalled(lag)
+            lost = self.registry.lose_overdue(now, limit)
+            wait = monitor_wait(now, self.registry.earliest_beat, limit, next_alive)
             if lost and self._cluster_ended():
                 lost = []           # the jobs are cancelled with the cluster's reason
             for m in lost:
-                log.warning("machine %s lost: no heartbeat for %.1fs", m["id"], now - m["last_beat"])
+                last = m.last_beat if m.last_beat is not None else now
+                log.warning("machine %s lost: no heartbeat for %.1fs", m.id, now - last)
                 with self._lock:
-                    self._beats_to_write[m["id"]] = m["last_beat"]
-                runner = self._runner_of(m.get("job_id"))
+                    self._beats_to_write[m.id] = last
+                runner = self._runner_of(m.job_id)
                 if runner is not None:
-                    runner.post(MachineLost(machine=m["id"]))
+                    runner.post(MachineLost(machine=m.id))
 
     def _runner_of(self, job_id) -> JobRunner | None:
         return self.jobs.get(job_id) if isinstance(job_id, int) else None
@@ -325,79 +277,6 @@ class Controller:
             if not runner.terminal and machine in runner.held():
                 return runner
         return None
-
-    def last_heard(self, machine: str) -> float | None:
-        """When the machine's agent last sent anything (a heartbeat or events)."""
-        with self._lock:
-            m = self._machines.get(machine)
-            return m["last_beat"] if m else None
-
-    def beat_late_s(self) -> float:
-        """The largest heartbeat lateness seen recently on this host (`beats.BeatLateness`)."""
-        with self._lock:
-            return self.lateness.late_s(clock.now())
-
-    def machine_labels(self, machine: str) -> dict[str, str]:
-        """The topology labels its agent registered with (`stalwart agent --label`)."""
-        with self._lock:
-            m = self._machines.get(machine)
-            return dict((m.get("info") or {}).get("labels") or {}) if m else {}
-
-    def machine_alive(self, machine: str) -> bool:
-        with self._lock:
-            m = self._machines.get(machine)
-            return bool(m and m["alive"])
-
-    def machine_state(self, machine: str) -> str | None:
-        with self._lock:
-            m = self._machines.get(machine)
-            return m["state"] if m else None
-
-    def assign_machine(self, machine: str, state: str, job_id: int, reason: str | None = None,
-                       incident: int | None = None) -> None:
-        """A job core gave a machine a role (its store row was written with the decision)."""
-        with self._lock:
-            rec = self._machines.setdefault(machine, {"id": machine, "alive": False, "last_beat": None})
-            rec.update(state=state, reason=reason, job_id=None if state == "idle" else job_id)
-        if state == "evicted" and self.backend is not None and self.verify_identities \
-                and machine not in self.verified:
-            # (draining a Slurm node or cordoning a Kubernetes node named by an agent's labels is
-            # for machines that proved who they are, not for any caller of a machine id)
-            log.warning("not asking the backend to evict %s: its identity was not verified", machine)
-        elif state == "evicted" and self.backend is not None:
-            from stalwart.backends.base import drain_reason
-            labels = dict((rec.get("info") or {}).get("labels") or {})
-            try:
-                self.backend.evict(machine, drain_reason(incident, reason), labels)
-            except Exception:       # the cluster keeps its own view; the job goes on
-                log.exception("the backend could not evict %s", machine)
-
-    def request_machines(self, job_id: int, count: int) -> list[str]:
-        """A job's standby pool is short and no machine is free: ask the backend for `count`
-        machines, less those asked before that have not registered yet."""
-        if self.backend is None or count <= 0:
-            return []
-        now = clock.now()
-        with self._lock:
-            for m, t in list(self._requested.items()):
-                if m in self._machines or now - t > REQUEST_TTL_S:
-                    del self._requested[m]
-            count -= len(self._requested)
-        if count <= 0:
-            return []
-        try:
-            names = self.backend.request(count)
-        except Exception:
-            log.exception("the backend could not provide %d machine(s)", count)
-            return []
-        with self._lock:
-            self._requested.update({m: now for m in names})
-        if names:
-            log.info("job %s: asked the cluster for %s", job_id, ", ".join(names))
-            self.store.commit(job_id, [("event", {"kind": "machines_requested", "t": now,
-                                                  "data": {"machines": names, "backend": self.backend.kind}})],
-                              None)
-        return names
 
     def _watch_backend(self) -> None:
         """When the cluster takes the machines away (a time limit, a preemption, a cancel of the
@@ -425,25 +304,12 @@ class Controller:
                 runner.post(Cancel(reason=why))
         return True
 
-    def job_finished(self, job_id: int, machines: list[str]) -> None:
-        """A job ended: its machines go back to the free pool, its stores close."""
-        with self._lock:
-            mine = [m for m in machines if self._machines.get(m, {}).get("state") in ("active", "standby")
-                    and self._machines[m].get("job_id") == job_id]
-            for m in mine:
-                self._machines[m].update(state="idle", job_id=None)
-        for m in mine:
-            self.store.upsert_machine(m, state="idle", job_id=None)
-        self.rendezvous.close_job(job_id)
-
-    def peer_addr(self, machine: str | None) -> list | None:
-        """Where a machine's agent serves checkpoint shards to its peers."""
-        with self._lock:
-            m = self._machines.get(machine) if machine else None
-            return (m.get("info") or {}).get("peer") if m else None
-
-    def view(self, job_id: int) -> MachineView:
-        return MachineView(self, job_id)
+    def job_ports(self, job_id: int) -> JobPorts:
+        """The parts of this controller one job's runner and executor use (`job/ports.py`)."""
+        return JobPorts(store=self.store, agents=self.command_queues, machines=self.registry,
+                        rendezvous=self.rendezvous, backend=self.supply, cluster=MachineView(self, job_id),
+                        store_host=self.store_host, ckpt_dir=self.ckpt_dir(job_id), ckpt_key=self.ckpt_key(job_id),
+                        on_phase=self.on_phase)
 
     def free_for(self, job_id: int) -> list[str]:
         """Idle machines this job may take: jobs wait in submission order (FIFO), so only the
@@ -457,28 +323,18 @@ class Controller:
         held: set[str] = set()
         for r in runners:
             held |= r.held()
-        return [m for m in self.free_machines() if m not in held]
-
-    def free_machines(self) -> list[str]:
-        with self._lock:
-            return sorted((m["id"] for m in self._machines.values()
-                           if m["alive"] and m["state"] == "idle"), key=natural_key)
+        return [m for m in self.registry.free() if m not in held]
 
     def machines(self) -> list[dict]:
-        with self._lock:        # (copied under the lock, sorted outside: the API's loop beats take it)
-            rows = [{k: v for k, v in m.items() if k != "info"} | {"address": m.get("address")}
-                    for m in self._machines.values()]
-        return sorted(rows, key=lambda m: natural_key(m["id"]))
+        """Every machine as `/api/machines` shows it (`machines.Machine.row`)."""
+        return self.registry.rows()
 
-    # -- commands to agents -------------------------------------------------------------------------
-    def send(self, machine: str, cmd: protocol.Command) -> None:
-        self.command_queues.put(machine, protocol.encode(cmd))   # wakes only that machine's poll
-
+    # -- agents -------------------------------------------------------------------------------------
     async def commands(self, machine: str, wait: float) -> list[dict]:
         """The machine's commands, waiting up to `wait` s for one (on the API's event loop)."""
         return await self.command_queues.take(machine, wait)
 
-    def agent_events(self, machine: str, events: list[dict]) -> dict:
+    def agent_events(self, machine: str, events: list[dict]) -> AgentReply:
         """A batch of the machine's events as JSON objects (HTTP), typed one by one: one that
         does not fit its kind is left out (logged), one of a kind this controller does not know
         too (a newer agent). See `agent_events_typed`."""
@@ -493,23 +349,18 @@ class Controller:
                 typed.append(ev)
         return self.agent_events_typed(machine, typed)
 
-    def agent_events_typed(self, machine: str, events: list[protocol.Event]) -> dict:
+    def agent_events_typed(self, machine: str, events: list[protocol.Event]) -> AgentReply:
         """A batch of the machine's events; it counts as a heartbeat (an agent whose events flow
         skips its heartbeats). The reply says when the agent must register again, and when the
         batch was not taken (a machine this controller does not know: it restarted; the agent
         keeps the batch and sends it after its registration, so no event is lost)."""
-        with self._lock:
-            m = self._machines.get(machine)
-            job_id = m.get("job_id") if m else None
-            if m is not None and m["alive"]:
-                self._heard(m)
-            if m is None:       # (a restarted controller): not taken, the agent sends it again
-                return self._NOT_TAKEN
-            reply = self._OK if m["alive"] else self._REREGISTER
+        ack, job_id = self.registry.events(machine, clock.now())
+        if not ack.taken:       # (a restarted controller): not taken, the agent sends it again
+            return ack
         runner = self._runner_of(job_id)
         if runner is not None and events:
             runner.post_many([AgentEvent(machine=machine, event=ev) for ev in events])
-        return reply
+        return ack
 
     # -- jobs ---------------------------------------------------------------------------------------
     def ckpt_key(self, job_id: int) -> str:
@@ -547,7 +398,7 @@ class Controller:
         else:
             log.info("job %s: hot update off: %s", job_id, off)
         self.store.commit(job_id, [("job", {"state": "running"})], S.dumps(st))
-        runner = JobRunner(self, spec, st)
+        runner = JobRunner(self.job_ports(job_id), spec, st)
         self.jobs[job_id] = runner
         runner.start()
         return job_id
@@ -600,10 +451,11 @@ class Controller:
         runner = self._running(job_id)
         try:
             c = catalogue.parse(text)
-            catalogue.validate_against(c, len(self._machines), runner.spec.gpus_per_machine,
+            catalogue.validate_against(c, len(self.registry), runner.spec.gpus_per_machine,
                                        runner.spec.machines, slots=list(runner.state.slots),
-                                       known=set(self._machines))
-            if self._machines[c.machine_id()].get("isolated") is False:    # (not known yet: the agent says)
+                                       known=self.registry.ids())
+            target = self.registry.get(c.machine_id())
+            if target is not None and target.isolated is False:    # (None: not known yet, the agent says)
                 catalogue.check_isolated(c.kind, False)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None

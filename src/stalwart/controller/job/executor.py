@@ -3,7 +3,9 @@
 It writes every store action of one decision, the machines' new roles and the job's state in one
 transaction (write-ahead: a controller killed after it finds the state that goes with what was
 sent), and only then sends the agents their commands, built here from the actions with the
-rendezvous ports and peer addresses the flows never see.
+rendezvous ports and peer addresses the flows never see. It reaches the rest of the controller
+through the interfaces of `job/ports.py` alone (store, agents, machine registry, rendezvous,
+backend).
 
 The records of routine progress (a committed step, a step's per-rank times) wait for the next
 transaction (at the latest the state's save, within about a second: `runner.SAVE_EVERY_S`)
@@ -15,16 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.commandline import python_target
+from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.state import JobState
+from stalwart.controller.machines import Role
 from stalwart.spec import JobSpec
-
-if TYPE_CHECKING:
-    from stalwart.controller.service import Controller
 
 log = logging.getLogger("stalwart.controller")
 ROUTINE_RECORDS = frozenset(("step", "rank_times"))    # event kinds that wait for the next transaction
@@ -69,8 +70,8 @@ def safe_path_env(command: list[str], cwd: str | None, code_path: str | None) ->
 
 
 class Executor:
-    def __init__(self, ctl: "Controller", job_id: int, spec: JobSpec):
-        self.ctl, self.job_id, self.spec = ctl, job_id, spec
+    def __init__(self, ports: JobPorts, job_id: int, spec: JobSpec):
+        self.ports, self.job_id, self.spec = ports, job_id, spec
         self.topo = spec.topology()
         self.G = spec.gpus_per_machine
         self._deferred: list[tuple[str, dict[str, Any]]] = []     # routine records not written yet
@@ -98,7 +99,7 @@ class Executor:
             if not isinstance(act, a.STORE_ACTIONS):
                 sends.append(act)
         if ops or state_json is not None or len(deferred) >= MAX_DEFERRED:
-            self.ctl.store.commit(self.job_id, deferred + ops, state_json)
+            self.ports.store.commit(self.job_id, deferred + ops, state_json)
             deferred.clear()
         if on_committed is not None:
             on_committed()
@@ -129,35 +130,41 @@ class Executor:
 
     # -- everything else ---------------------------------------------------------------------------
     def _act(self, st: JobState, act: a.Action) -> None:
-        ctl = self.ctl
+        ports, agents = self.ports, self.ports.agents
         if isinstance(act, a.AssignMachine):
-            ctl.assign_machine(act.machine, act.state, self.job_id, act.reason, act.incident)
+            role = Role(act.state)
+            ports.machines.assign(act.machine, role, self.job_id, act.reason)
+            if role is Role.EVICTED:
+                ports.backend.evict(act.machine, act.reason, act.incident)
         elif isinstance(act, a.FinishJob):
-            ctl.job_finished(self.job_id, act.machines)
+            # its machines go back to the free pool, its rendezvous stores close
+            for m in ports.machines.release(self.job_id, act.machines):
+                ports.store.upsert_machine(m, state=Role.IDLE.value, job_id=None)
+            ports.rendezvous.close_job(self.job_id)
         elif isinstance(act, a.StartRun):
             self._start_run(act)
         elif isinstance(act, a.StopWorkers):
             for m in act.machines:
-                ctl.send(m, p.Stop(run=act.run, grace_s=act.grace_s))
+                agents.send(m, p.Stop(run=act.run, grace_s=act.grace_s))
         elif isinstance(act, a.Prewarm):
-            ctl.send(act.machine, p.Prewarm(spec=self.run_spec(None, act.code_path, act.version), count=self.G))
+            agents.send(act.machine, p.Prewarm(spec=self.run_spec(None, act.code_path, act.version), count=self.G))
         elif isinstance(act, a.PrepareSpares):
             spec = self.run_spec(None, act.code_path, act.version)
             for m in act.machines:
-                ctl.send(m, p.Spares(spec=spec, count=self.G))
+                agents.send(m, p.Spares(spec=spec, count=self.G))
         elif isinstance(act, a.TraceStacks):
             for m in act.machines:
-                ctl.send(m, p.Trace(run=act.run))
+                agents.send(m, p.Trace(run=act.run))
         elif isinstance(act, a.RunChecks):
             self._run_checks(act)
         elif isinstance(act, a.StartReplayGroup):
             self._start_replay_group(act)
         elif isinstance(act, a.CloseScratch):
-            ctl.rendezvous.close_scratch(self.job_id, act.name)
+            ports.rendezvous.close_scratch(self.job_id, act.name)
         elif isinstance(act, a.RequestMachines):
-            ctl.request_machines(self.job_id, act.count)
+            ports.backend.request(self.job_id, act.count)
         elif isinstance(act, a.SendChaos):
-            ctl.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params,
+            agents.send(act.machine, p.Chaos(kind=act.kind, rank=act.rank, step=act.step, params=act.params,
                                              at_step=act.at_step))
         else:
             raise TypeError(f"the executor cannot perform {act!r}")
@@ -170,7 +177,7 @@ class Executor:
             job=self.job_id, run=run, command=command_in(s.command, code_path, s.code_dir), cwd=cwd,
             user_env={**safe_path_env(s.command, cwd, code_path), **s.env}, layout=layout, steps=s.steps,
             ckpt_every=s.ckpt_every,
-            ckpt_dir=self.ctl.ckpt_dir(self.job_id), mem_slots=s.policy.mem_slots, version=version,
+            ckpt_dir=self.ports.ckpt_dir, mem_slots=s.policy.mem_slots, version=version,
             code_path=code_path, spares=s.policy.warm_spares)
         values.update(over)
         return p.RunSpec(**values)
@@ -180,10 +187,10 @@ class Executor:
                             restore=restore or [])
 
     def _start_run(self, act: a.StartRun) -> None:
-        ctl = self.ctl
-        port = ctl.rendezvous.open(self.job_id, act.run)
+        ports = self.ports
+        port = ports.rendezvous.open(self.job_id, act.run)
         spec = self.run_spec(act.run, act.code_path, act.version, restore_step=act.restore_step,
-                             master=(ctl.store_host, port), spares=act.spares and self.spec.policy.warm_spares)
+                             master=(ports.store_host, port), spares=act.spares and self.spec.policy.warm_spares)
         for i, m in enumerate(act.slots):
             workers = []
             for r in range(i * self.G, (i + 1) * self.G):
@@ -196,33 +203,32 @@ class Executor:
                 peer = act.slots[self.topo.backup_machine(i)]
                 addr = self._addr(peer)
                 backup = p.Backup(machine=peer, addr=addr) if addr else None
-            ckpt = p.CkptPlan(durable_dir=ctl.ckpt_dir(self.job_id), every=self.spec.ckpt_every, backup=backup,
-                              key=ctl.ckpt_key(self.job_id))
-            ctl.send(m, p.Start(spec=spec, workers=workers, ckpt=ckpt,
+            ckpt = p.CkptPlan(durable_dir=ports.ckpt_dir, every=self.spec.ckpt_every, backup=backup,
+                              key=ports.ckpt_key)
+            ports.agents.send(m, p.Start(spec=spec, workers=workers, ckpt=ckpt,
                                 wait_warm_s=WARM_WAIT_S if m in act.warm else COLD_WAIT_S))
 
     def _addr(self, machine: str | None) -> tuple[str, int] | None:
-        addr = self.ctl.peer_addr(machine) if machine else None
-        return (str(addr[0]), int(addr[1])) if addr else None
+        return self.ports.machines.peer_addr(machine) if machine else None
 
     def _run_checks(self, act: a.RunChecks) -> None:
-        ctl = self.ctl
-        port = ctl.rendezvous.open_scratch(self.job_id, act.name)
+        ports = self.ports
+        port = ports.rendezvous.open_scratch(self.job_id, act.name)
         for m in act.machines:
             inter = [{"round": x.round, "peer": x.peer, "rank": x.rank, "port": port, "prefix": x.prefix}
                      for x in act.inter.get(m, [])]
-            ctl.send(m, p.Diagnose(id=act.name, checks=list(act.checks), store_host=ctl.store_host,
+            ports.agents.send(m, p.Diagnose(id=act.name, checks=list(act.checks), store_host=ports.store_host,
                                    local_world=self.G, intra={"port": port, "prefix": f"{act.name}/{m}/"},
                                    inter=inter, timeout_s=act.timeout_s, env=dict(self.spec.env)))
 
     def _start_replay_group(self, act: a.StartReplayGroup) -> None:
-        ctl = self.ctl
-        port = ctl.rendezvous.open_scratch(self.job_id, act.name)
+        ports = self.ports
+        port = ports.rendezvous.open_scratch(self.job_id, act.name)
         t = self.topo
         layout = p.Layout(machines=len(act.machines), gpus_per_machine=self.G, tp=t.tp, pp=t.pp, dp=act.dp,
                           cp=t.cp, ep=t.ep)
         spec = self.run_spec(act.run, act.code_path, act.version, layout=layout, steps=act.steps,
-                             replay=True, replay_layers=t.pp, restore_step=-1, master=(ctl.store_host, port))
+                             replay=True, replay_layers=t.pp, restore_step=-1, master=(ports.store_host, port))
         for i, m in enumerate(act.machines):
             workers = [self._slot(i, r) for r in range(i * self.G, (i + 1) * self.G)]
-            ctl.send(m, p.Start(spec=spec, workers=workers, ckpt=None, wait_warm_s=COLD_WAIT_S))
+            ports.agents.send(m, p.Start(spec=spec, workers=workers, ckpt=None, wait_warm_s=COLD_WAIT_S))

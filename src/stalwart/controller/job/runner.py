@@ -7,26 +7,25 @@ A decision is committed before any of its commands leave (a decision that sends 
 saves the state with it). While the store is away the thread waits in the commit (events queue in
 the inbox and are handled in order when it returns); the timers that decision set count from when
 its commands left (`state.shift_timers`). The thread is supervised: an error in the loop itself is
-logged and the loop goes on with the same state."""
+logged and the loop goes on with the same state.
+
+The runner sees the controller through `job/ports.py` alone (the store to wait on, the clock, the
+machines' view its core reads, the parts its executor acts on), never the controller itself."""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 
-from stalwart import clock
 from stalwart.controller.job import actions as A
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import JobEvent, Tick
 from stalwart.controller.job.executor import Executor
+from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.supervise import supervised
 from stalwart.spec import JobSpec
-
-if TYPE_CHECKING:
-    from stalwart.controller.service import Controller
 
 log = logging.getLogger("stalwart.controller")
 TICK_S = 0.2
@@ -40,11 +39,11 @@ WAITED_S = 2.0      # a commit that took longer waited for the store: the decisi
 
 
 class JobRunner:
-    def __init__(self, ctl: "Controller", spec: JobSpec, state: S.JobState):
-        self.ctl = ctl
+    def __init__(self, ports: JobPorts, spec: JobSpec, state: S.JobState):
+        self.ports = ports
         self.job_id, self.spec, self.state = state.job_id, spec, state
-        self.core = JobCore(spec, ctl.view(state.job_id))
-        self.executor = Executor(ctl, state.job_id, spec)
+        self.core = JobCore(spec, ports.cluster)
+        self.executor = Executor(ports, state.job_id, spec)
         self.inbox: queue.Queue[JobEvent | list[JobEvent]] = queue.Queue()
         self._saved_key: tuple | None = None
         self._saved_at = 0.0
@@ -89,7 +88,7 @@ class JobRunner:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self.ctl.store.patient()
+        self.ports.store.patient()
         next_tick = time.monotonic()
         while not self.state.terminal and not self._halt.is_set():
             try:
@@ -119,7 +118,7 @@ class JobRunner:
                 next_tick = time.monotonic() + TICK_S
 
     def dispatch(self, ev: JobEvent) -> None:
-        now = clock.now()
+        now = self.ports.now()
         before = self.state.phase
         try:
             acts = self.core.handle(self.state, ev, now)
@@ -152,8 +151,8 @@ class JobRunner:
             return
         if save:
             self._saved_key, self._saved_at, self._dirty = key, time.monotonic(), False
-        if self.state.phase != before and self.ctl.on_phase is not None:
-            self.ctl.on_phase(self.job_id, self.state.phase.value)
+        if self.state.phase != before and self.ports.on_phase is not None:
+            self.ports.on_phase(self.job_id, self.state.phase.value)
 
     def _waited(self, now: float, t0: float) -> None:
         """The decision made at `now` is committed: if its commit waited for the store, its
