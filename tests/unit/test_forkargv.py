@@ -18,7 +18,8 @@ def test_command_lines_the_server_can_become():
 def test_only_import_time_variables_must_match():
     a = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "RANK": "0", "STALWART_RUN": "3", "PYTHONPATH": "/a",
          "MASTER_PORT": "1", "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0"}
-    b = dict(a, RANK="5", STALWART_RUN="4", PYTHONPATH="/b", MASTER_PORT="2", CUDA_VISIBLE_DEVICES="1")
+    b = dict(a, RANK="5", STALWART_RUN="4", PYTHONPATH="/b", MASTER_PORT="2", CUDA_VISIBLE_DEVICES="1",
+             PYTHONSAFEPATH="1")      # (a worker's: the stop-time checks run without it, on the same server)
     assert forkclient.import_env(a) == forkclient.import_env(b)
     assert forkclient.import_env(a) != forkclient.import_env(dict(a, OMP_NUM_THREADS="2"))
     assert forkclient.import_env(a) != forkclient.import_env(dict(a, LD_PRELOAD="x.so"))
