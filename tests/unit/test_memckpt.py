@@ -443,7 +443,8 @@ def test_a_state_whose_shapes_change_every_step_is_copied_right_every_step(shm_d
 def test_a_slots_commit_the_commit_thread_has_not_started_is_done_by_the_snapshot_that_needs_it(shm_dir):
     """A busy host can keep the nice-19 commit thread from running for many steps; the snapshot
     that reuses a slot then commits the slot's earlier step itself instead of waiting behind it,
-    and every commit is still announced once, in step order."""
+    and the other slots' too, so that memory always keeps a complete step; every commit is still
+    announced once, in step order."""
     committed: list[int] = []
     m = MemCheckpointer(shm_dir, 0, slots=2, on_commit=lambda step, path: committed.append(step))
     release, expired = threading.Event(), threading.Event()
@@ -459,7 +460,10 @@ def test_a_slots_commit_the_commit_thread_has_not_started_is_done_by_the_snapsho
             state["w"].add_(1)
             m.snapshot(state, step)
         assert not expired.is_set()           # the snapshot did not wait for the held thread
-        assert committed == [0], committed    # step 0's commit ran here, not on the held thread
+        # steps 0 and 1 were committed here, not on the held thread; step 2 is being written over
+        # step 0, and step 1 stays in memory, complete, for a rank killed now to restore
+        assert committed == [0, 1], committed
+        assert latest(shm_dir, 0)[0] == 1
     finally:
         release.set()
         m.wait()

@@ -309,6 +309,15 @@ class MemCheckpointer:
                 # many steps, and the training thread would wait with it (priority inversion);
                 # here it costs the commit's own work (the checksum, the MAC, the header).
                 self._commit(*args)
+                # ...and the newer slots' commits it has not started either, in step order: this
+                # slot is overwritten next, and memory must keep a committed step while it is (a
+                # rank killed now restores from the newest one)
+                newer = sorted((s for s in self._slots if s is not slot and s.commit_args is not None),
+                               key=lambda s: s.commit_args[1])
+                for other in newer:
+                    if other.pending is not None and other.pending.cancel():
+                        todo, other.pending, other.commit_args = other.commit_args, None, None
+                        self._commit(*todo)
             else:
                 _finished(fut)    # previous write of this slot must be finished (re-raises its error)
         p, meta = _pickle_state(state, strict=False)
