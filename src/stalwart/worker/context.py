@@ -251,6 +251,15 @@ class Context:
             self._throttled_s = (slow - 1.0) * self._base_compute_s
             time.sleep(self._throttled_s)
 
+    def fence_snapshot(self) -> None:
+        """Wait until the newest overlapped snapshot's copy is done (STALWART_MEM_OVERLAP=1; call
+        before the state's tensors change), and say once in the rank's log why snapshots stopped
+        overlapping, if they did."""
+        self.mem.fence()
+        if self.mem.overlap_off is not None and not self._overlap_said:
+            self._overlap_said = True
+            self.log(f"in-memory checkpoint: {self.mem.overlap_off}")
+
     def on_gradients(self, step: int, params: Iterable[torch.Tensor], comm_s: float = 0.0) -> None:
         """Call after backward and before the data-parallel reduction of the gradients (and so
         before the optimizer step: with STALWART_MEM_OVERLAP=1 the previous step's in-memory
@@ -261,12 +270,9 @@ class Context:
         does not compute slowly, and the fail-slow rounds compare compute times."""
         t0 = time.perf_counter()
         if self.mem is not None and self.mem.overlap:   # the previous copy is done before the state changes
-            self.mem.fence()
+            self.fence_snapshot()
             self._blocked("snapshot", t0)
             t0 = time.perf_counter()
-            if self.mem.overlap_off is not None and not self._overlap_said:
-                self._overlap_said = True
-                self.log(f"in-memory checkpoint: {self.mem.overlap_off}")
         grads = [p.grad for p in params if p.grad is not None]
         self._compute_s = max(0.0, time.time() - self._begin_t - max(0.0, comm_s))
         self._base_compute_s = max(0.0, self._compute_s - self._throttled_s)   # what a cool GPU takes

@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Callable, Deque
 
-from stalwart.jsonlines import JsonLineSocket
 import msgspec
 
+from stalwart.jsonlines import JsonLineSocket
 from stalwart.protocol import Env
 
 LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...

@@ -311,7 +311,6 @@ class Checkpointer:
             # backward; every optimizer step first waits for it (the state changes only there)
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             self._fence_hook = register_optimizer_step_pre_hook(self._fence)
-            self._overlap_said = False
 
     def close(self) -> None:
         """Stop waiting for this checkpointer's copies at optimizer steps (the hook is
@@ -322,11 +321,8 @@ class Checkpointer:
 
     def _fence(self, *_: Any) -> None:
         t0 = time.perf_counter()
-        self.ctx.mem.fence()
+        self.ctx.fence_snapshot()
         self.blocking_s += time.perf_counter() - t0
-        if self.ctx.mem.overlap_off is not None and not self._overlap_said:
-            self._overlap_said = True
-            self.ctx.log(f"in-memory checkpoint: {self.ctx.mem.overlap_off}")
 
     # -- save --------------------------------------------------------------------------------
     def save(self, state_dict: dict, step: int) -> None:
