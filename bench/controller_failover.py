@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
 
 from stalwart.backends.local import LocalCluster, _python  # noqa: E402
-from stalwart.client import Client, ControllerUnreachable  # noqa: E402
+from stalwart.transport.client import Client, ControllerUnreachable  # noqa: E402
 from stalwart.spec import JobSpec  # noqa: E402
 
 

@@ -43,7 +43,7 @@ import time
 import psutil
 
 from scale_agents import load_process
-from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the thread-per-request controller: the last commit before the auth, typed API, several jobs and agents' backoff

@@ -334,7 +334,7 @@ def run_one(case: Case, state_dir: str) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
     from jobrun import gpt_spec, run_job
 
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     from stalwart.spec import Policy
 
     lay = LAYOUTS[case.layout]

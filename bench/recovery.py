@@ -145,7 +145,7 @@ def torchrun_requeue(steps: int, at_step: int, ckpt_every: int, workdir: str) ->
 
 def _events(state_dir: str) -> dict[str, list[dict]]:
     """The job's events by kind, from the store."""
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         out: dict[str, list[dict]] = {}

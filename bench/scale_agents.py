@@ -3,7 +3,7 @@ processes, speaking to a real controller what the real agent (`stalwart.agent`) 
 sockets.
 
 With a controller that serves agents' channels: each agent opens its WebSocket with
-the same client code as the real agent (`stalwart.websocket`), registers with a full
+the same client code as the real agent (`stalwart.transport.websocket`), registers with a full
 `Registration` over it, sends its beats and batches of events as MessagePack messages (each
 answered by an ack, whose round trip is the figure measured) and gets its commands pushed. As
 the real agent, a machine whose batch of events went through within the last half interval
@@ -29,7 +29,9 @@ import urllib.parse
 
 import msgspec
 
-from stalwart import protocol, websocket
+from stalwart import protocol
+
+from stalwart.transport import websocket
 from stalwart.protocol import merge_steps
 
 

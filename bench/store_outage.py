@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
 
 from stalwart.backends.local import LocalCluster  # noqa: E402
-from stalwart.client import ApiError, ControllerUnreachable  # noqa: E402
+from stalwart.transport.client import ApiError, ControllerUnreachable  # noqa: E402
 from stalwart.spec import JobSpec  # noqa: E402
 
 
@@ -114,7 +114,7 @@ def commit_cost(n: int = 400) -> dict:
     """Mean seconds of one job decision's commit (events, a run update, the state) by sync mode."""
     import sqlalchemy as sa
 
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     out = {}
     for mode in ("NORMAL", "FULL"):
         d = tempfile.mkdtemp(prefix="stalwart-commit-")

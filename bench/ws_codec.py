@@ -1,5 +1,5 @@
 """The controller's side of an agent's channel, per message: read a masked client frame, answer
-with an unmasked one. stalwart's hand-written codec (`stalwart/websocket.py`) against the sans-I/O
+with an unmasked one. stalwart's hand-written codec (`stalwart/transport/websocket.py`) against the sans-I/O
 library wsproto (`wsproto.Connection`, server side) on the same frames, in one run.
 
     python bench/ws_codec.py [--messages 200000] [--rounds 3]
@@ -15,8 +15,7 @@ import os
 import sys
 import time
 
-from stalwart import websocket as ws
-
+from stalwart.transport import websocket as ws
 SIZES = (180, 260, 900, 4000)
 
 

@@ -530,7 +530,7 @@ class Registration(msgspec.Struct, kw_only=True):
     isolated: bool = False                 # its workers have a network namespace of their own
 
 
-# -- the agent's channel: one WebSocket per agent (controller/channel.py, agent/link.py) ---------
+# -- the agent's channel: one WebSocket per agent (controller/api/channel.py, agent/link.py) ---------
 # Binary frames, one MessagePack message each (a NaN loss stays a NaN, rank maps keep int keys).
 # Every message an agent sends carries a `seq` its answer names: a beat and a batch get an `Ack`
 # (a batch is taken only once acked: the agent keeps it until then), a registration gets

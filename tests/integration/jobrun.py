@@ -5,8 +5,8 @@ import sys
 import time
 
 from stalwart.backends.local import LocalCluster
-from stalwart.client import ControllerUnreachable
-from stalwart.controller.pool import standby_count
+from stalwart.transport.client import ControllerUnreachable
+from stalwart.controller.cluster.standby import standby_count
 from stalwart.spec import JobSpec
 
 GPT = [sys.executable, "-m", "stalwart.examples.gpt"]
@@ -61,7 +61,7 @@ def run_job(state_dir, spec: dict, timeout: float = 240.0, during=None, db_url: 
 
 def events(state_dir, kind: str) -> list[dict]:
     """The data of job 1's events of `kind`, from the state dir's store."""
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         return [e["data"] for e in store.events(1) if e["kind"] == kind]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from stalwart.controller.api import ApiServer
+from stalwart.controller.api.server import ApiServer
 from stalwart.controller.service import Controller
 
 

@@ -7,9 +7,7 @@ import json
 import random
 import time
 
-from stalwart.controller import store as st
-
-
+from stalwart.controller.store import db as st
 def write_synthetic_job(store: st.Store, machines: int = 1024, standby: int = 16, incidents: int = 8,
                         steps: int = 3000, step_s: float = 0.5, gpus: int = 8, seed: int = 7) -> int:
     """Insert one running job and return its id. The active machines are ``machines - standby -

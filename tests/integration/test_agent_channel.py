@@ -1,4 +1,4 @@
-"""The agents' channel (controller/channel.py, agent/link.py): one WebSocket per agent.
+"""The agents' channel (controller/api/channel.py, agent/link.py): one WebSocket per agent.
 
 The token is checked at the upgrade (401, no socket, nothing done); TLS works end to end; a message
 that is invalid is answered with an error naming the field and the channel goes on, an oversized
@@ -25,11 +25,12 @@ import msgspec
 import pytest
 
 from jobrun import wait_for
-from stalwart import auth, protocol
+from stalwart import protocol
+from stalwart.security import auth
 from stalwart.agent.link import Link
 from stalwart.agent.workers import kill_tree
-from stalwart.client import ApiError, Client, ControllerUnreachable
-from stalwart.controller.api import ApiServer
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
+from stalwart.controller.api.server import ApiServer
 from stalwart.controller.service import Controller
 
 TOKEN = "channel-test-token"

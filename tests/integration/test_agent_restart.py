@@ -85,7 +85,7 @@ def test_a_recycled_pid_is_neither_adopted_nor_stopped_and_the_agent_says_why(tm
     import subprocess
     import sys
 
-    from stalwart.auth import create_token_file
+    from stalwart.security.auth import create_token_file
     workdir = tmp_path / "w"
     workdir.mkdir()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)

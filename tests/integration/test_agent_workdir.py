@@ -7,7 +7,7 @@ import pytest
 
 from jobrun import wait_for
 from stalwart.agent.workers import kill_tree
-from stalwart.auth import create_token_file
+from stalwart.security.auth import create_token_file
 
 
 def agent(tmp_path, machine: str) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from jobrun import wait_for
 from stalwart.agent.workers import kill_tree
-from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 CLI = [sys.executable, "-m", "stalwart.cli"]
 

@@ -60,7 +60,7 @@ def test_no_generated_request_is_a_server_error(live):
 
 @pytest.mark.timeout(60)
 def test_the_controller_still_answers_after_the_fuzzing(live):
-    from stalwart.client import Client
+    from stalwart.transport.client import Client
     _, url = live
     client = Client(url, token=TOKEN)
     assert client.get("/api/health") == {"ok": True}

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from liveapi import live_api
 
-from stalwart.controller.api_models import MAX_EVENTS, ROUTES
+from stalwart.controller.api.models import MAX_EVENTS, ROUTES
 
 TOKEN = "validation-test-token"
 

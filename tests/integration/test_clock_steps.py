@@ -2,7 +2,7 @@
 
 The controller of a real local job runs with `time.time` moved by an offset the test sets (what
 an NTP step or `date -s` does to it, without touching the host's clock): one hour ahead, then two
-hours back. Heartbeat and hang deadlines run on the steady clock (`stalwart.clock`) and agents'
+hours back. Heartbeat and hang deadlines run on the steady clock (`stalwart.controller.clock`) and agents'
 reports are judged by when they arrive, so no machine is called lost and no hang is declared."""
 import sys
 import time

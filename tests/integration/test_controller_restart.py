@@ -15,10 +15,10 @@ import time
 import pytest
 
 from jobrun import gpt_spec, wait_for
-from stalwart.auth import create_token_file
+from stalwart.security.auth import create_token_file
 from stalwart.agent.workers import kill_tree
 from stalwart.backends.local import LocalCluster
-from stalwart.client import Client, ControllerUnreachable
+from stalwart.transport.client import Client, ControllerUnreachable
 from stalwart.chaos.controller import SELF_KILL_FILE
 from stalwart.spec import JobSpec
 
@@ -93,7 +93,7 @@ def finish(cluster, job, timeout=300):
 
 def story(db_url: str, job: int = 1) -> list:
     """The job's events but steps and metrics: what to read when a restart test fails."""
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     store = Store(db_url)
     try:
         return [(round(e["t"] % 1000, 2), e["kind"], e["data"]) for e in store.events(job)

@@ -20,7 +20,7 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.support.ui import WebDriverWait
 
 from stalwart.backends.local import LocalCluster
-from stalwart.controller.pool import standby_count
+from stalwart.controller.cluster.standby import standby_count
 from stalwart.spec import JobSpec
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]

@@ -8,7 +8,7 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.support.ui import WebDriverWait
 from synthjob import write_synthetic_job
 
-from stalwart.controller.api import ApiServer
+from stalwart.controller.api.server import ApiServer
 from stalwart.controller.service import Controller
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]

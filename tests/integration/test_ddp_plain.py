@@ -29,8 +29,8 @@ import pytest
 
 from jobrun import wait_for
 from stalwart.backends import statedir
-from stalwart.controller import ledger
-from stalwart.controller.store import Store
+from stalwart.controller.report import ledger
+from stalwart.controller.store.db import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_plain.py")

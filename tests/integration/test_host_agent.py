@@ -18,7 +18,7 @@ import pytest
 from jobrun import gpt_spec, wait_for
 from stalwart.agent.workers import die_with_parent
 from stalwart.backends.local import LocalCluster
-from stalwart.controller.store import Store
+from stalwart.controller.store.db import Store
 
 SLEEPER = [sys.executable, "-c", "import time\nwhile True:\n    time.sleep(0.2)"]
 

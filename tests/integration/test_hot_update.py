@@ -59,8 +59,8 @@ class Script:
 
 
 def statuses(state_dir):
-    from stalwart.controller.store import Store
-    from stalwart.controller.versions import Versions
+    from stalwart.controller.store.db import Store
+    from stalwart.controller.code.versions import Versions
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         return [(v["id"], v["status"]) for v in Versions(store).list(1)]

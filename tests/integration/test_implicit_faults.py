@@ -34,7 +34,7 @@ def test_sigstop_hang_is_found_by_stacks_and_process_state(tmp_path):
     inc = check(rep, "hang", "m2")
     assert inc["detection_s"] < 20.0       # the calibrated timeout (4 s floor), not gloo's 60 s
     assert "stopped or frozen" in inc["cause"]
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{tmp_path}/stalwart.db")
     try:
         stacks = store.incidents(1)[0]["data"]["stacks"]

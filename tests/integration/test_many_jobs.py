@@ -6,8 +6,8 @@ import pytest
 
 from jobrun import gpt_spec, wait_for
 from stalwart.backends.local import LocalCluster
-from stalwart.client import ApiError
-from stalwart.controller.store import Store
+from stalwart.transport.client import ApiError
+from stalwart.controller.store.db import Store
 from stalwart.spec import JobSpec
 
 

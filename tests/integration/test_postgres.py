@@ -7,7 +7,7 @@ from jobrun import gpt_spec, run_job
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_job_runs_on_postgresql(tmp_path, pg_url):
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     rep = run_job(tmp_path, gpt_spec(tp=2, dp=1, machines=1, steps=15,
                                      chaos=["crash@step=8,machine=0"]), db_url=pg_url)
     assert rep["state"] == "succeeded", rep.get("reason")

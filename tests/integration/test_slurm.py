@@ -26,9 +26,9 @@ import yaml
 from jobrun import events, gpt_spec, wait_for
 from slurmkit import SlurmTestCluster, skip_reason
 
-from stalwart import auth
+from stalwart.security import auth
 from stalwart.backends import slurm_cli
-from stalwart.client import Client
+from stalwart.transport.client import Client
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -79,8 +79,8 @@ def stalwart_processes(slurm: SlurmTestCluster) -> list[str]:
 
 
 def report(state_dir) -> dict:
-    from stalwart.controller.report import build_report
-    from stalwart.controller.store import Store
+    from stalwart.controller.report.build import build_report
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         return build_report(store, 1)

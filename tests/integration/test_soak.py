@@ -25,7 +25,7 @@ import pytest
 
 from jobrun import GPT, wait_for
 from stalwart.backends.local import LocalCluster
-from stalwart.client import ControllerUnreachable
+from stalwart.transport.client import ControllerUnreachable
 from stalwart.spec import JobSpec
 
 FAULTS = int(os.environ.get("STALWART_SOAK_FAULTS", "100"))

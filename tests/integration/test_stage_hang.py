@@ -7,9 +7,9 @@ import pytest
 
 from jobrun import gpt_spec, run_job
 from stalwart.analyzer.stacks import aggregate
-from stalwart.controller.implicit import to_process_stacks
+from stalwart.controller.rules.hangstacks import to_process_stacks
 from stalwart.controller.job.flows.implicit import ABNORMAL_STATES
-from stalwart.controller.store import Store
+from stalwart.controller.store.db import Store
 from stalwart.topology import Topology
 
 # 4 machines x 1 worker, tp=1, pp=2, dp=2: rank = dp + 2*pp, machine mN holds rank N.

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from jobrun import wait_for
-from stalwart.controller.lease import EXIT_LEASE_LOST
-from stalwart.controller.store import Store
+from stalwart.controller.store.lease import EXIT_LEASE_LOST
+from stalwart.controller.store.db import Store
 from stalwart.spec import JobSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))

@@ -16,7 +16,7 @@ ROOT = os.geteuid() == 0
 
 
 def incident_data(state_dir, inc_id):
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{state_dir}/stalwart.db")
     try:
         return next(i for i in store.incidents(1) if i["id"] == inc_id)["data"]

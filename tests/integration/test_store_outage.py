@@ -11,7 +11,7 @@ import pytest
 from jobrun import gpt_spec, wait_for
 from pgserver import PgServer, unavailable_reason
 from stalwart.agent.workers import kill_tree
-from stalwart.client import ApiError, ControllerUnreachable
+from stalwart.transport.client import ApiError, ControllerUnreachable
 from test_controller_restart import finish, start, status, why
 
 
@@ -80,7 +80,7 @@ def test_a_crash_and_a_cancel_posted_during_a_lock_are_applied_after_it(tmp_path
         lock = None
         rep = finish(cluster, job, timeout=60)
         assert rep["state"] == "cancelled" and rep["reason"] == "stopped during the outage", rep.get("reason")
-        from stalwart.controller.store import Store
+        from stalwart.controller.store.db import Store
         store = Store(f"sqlite:///{tmp_path}/stalwart.db")
         try:
             # (committed and visible to other processes: `stalwart report` reads the file)

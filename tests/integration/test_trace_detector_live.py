@@ -5,7 +5,7 @@ trace_evict is off, and fail-slow and peer similarity are held back so nothing e
 import pytest
 
 from jobrun import gpt_spec, run_job
-from stalwart.controller.store import Store
+from stalwart.controller.store.db import Store
 
 FAULT_AT = 110
 

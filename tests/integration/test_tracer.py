@@ -114,7 +114,7 @@ def test_capture_four_workers_with_children_in_parallel(workers):
     assert sum("ckpt_persist_loop" in normalize(s) for s in stacks if s.role != "worker") == 4
     assert aggregate(stacks).outliers == [2]
     # the same records through the controller's glue, as if each rank were its own machine
-    from stalwart.controller.implicit import decide_hang
+    from stalwart.controller.rules.hangstacks import decide_hang
     from stalwart.topology import Topology
     by_machine = {}
     for r in recs:

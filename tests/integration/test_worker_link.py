@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from stalwart.jsonlines import JsonLineSocket
+from stalwart.transport.jsonlines import JsonLineSocket
 
 SCRIPT = textwrap.dedent('''
     import sys

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from liveapi import live_api
 
-from stalwart.client import ApiError, Client
+from stalwart.transport.client import ApiError, Client
 
 TOKEN = "bounds-test-token"
 REG = {"address": "127.0.0.1", "gpus": 1}
@@ -134,7 +134,7 @@ def test_a_code_version_keeps_permissions_and_refuses_links_out_of_its_tree(tmp_
     import os
     import stat
 
-    from stalwart.controller import snapshot
+    from stalwart.controller.code import tree as snapshot
     code = _code(tmp_path)
     (code / "secret.cfg").write_text("k=v\n")
     os.chmod(code / "secret.cfg", 0o600)
@@ -153,7 +153,7 @@ def test_a_code_version_keeps_permissions_and_refuses_links_out_of_its_tree(tmp_
 
 @pytest.mark.timeout(30)
 def test_a_code_version_is_bounded_in_files_and_bytes(tmp_path, monkeypatch):
-    from stalwart.controller import snapshot
+    from stalwart.controller.code import tree as snapshot
     code = _code(tmp_path)
     (code / "data.bin").write_bytes(b"x" * 4096)
     monkeypatch.setattr(snapshot, "MAX_BYTES", 1024)
@@ -170,8 +170,8 @@ def test_a_code_version_is_bounded_in_files_and_bytes(tmp_path, monkeypatch):
 def test_old_code_versions_are_collected(tmp_path):
     import time
 
-    from stalwart.controller.store import Store
-    from stalwart.controller.versions import Versions
+    from stalwart.controller.store.db import Store
+    from stalwart.controller.code.versions import Versions
     store = Store(f"sqlite:///{tmp_path}/v.db")
     versions = Versions(store)
     job = store.create_job("j", {}, time.time(), submitted=True)
@@ -195,7 +195,7 @@ def test_a_connection_without_a_complete_request_head_is_closed(api, monkeypatch
     import socket
     import time
 
-    from stalwart.controller import channel
+    from stalwart.controller.api import channel
     _, url = api
     monkeypatch.setattr(channel, "HEAD_TIMEOUT_S", 0.5)
     port = int(url.rsplit(":", 1)[1])
@@ -209,7 +209,7 @@ def test_a_connection_without_a_complete_request_head_is_closed(api, monkeypatch
 
 @pytest.mark.timeout(30)
 def test_a_silent_channel_is_closed(api, monkeypatch):
-    from stalwart.controller import channel
+    from stalwart.controller.api import channel
     _, url = api
     monkeypatch.setattr(channel, "CHANNEL_IDLE_S", 0.5)
 

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from liveapi import live_api
 
-from stalwart import identity
-from stalwart.client import ApiError, Client
+from stalwart.security import identity
+from stalwart.transport.client import ApiError, Client
 
 TOKEN = "operator-test-token"
 REG = {"address": "127.0.0.1", "gpus": 1}
@@ -177,7 +177,7 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
 
 @pytest.mark.timeout(30)
 def test_a_slurm_agent_enrolls_with_a_token_for_its_machine(tmp_path):
-    from stalwart import auth
+    from stalwart.security import auth
     from stalwart.backends.slurm import SlurmConfig
     from stalwart.backends.slurm_agent import agent_argv, join_token_file
     secret = auth.controller_secret(str(tmp_path))

@@ -12,7 +12,7 @@ from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import AgentEvent, JobEvent, Tick
-from stalwart.controller.restore import Availability
+from stalwart.controller.rules.restore import Availability
 from stalwart.spec import JobSpec
 
 T0 = 1_000_000.0

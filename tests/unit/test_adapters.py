@@ -211,7 +211,7 @@ def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
     import socket
     import threading
 
-    from stalwart.jsonlines import JsonLineSocket
+    from stalwart.transport.jsonlines import JsonLineSocket
     from stalwart.worker import standby
     path = str(tmp_path / "agent.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

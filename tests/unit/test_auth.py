@@ -1,12 +1,10 @@
-"""The API token and TLS helpers (stalwart/auth.py)."""
+"""The API token and TLS helpers (stalwart/security/auth.py)."""
 import os
 import stat
 
 import pytest
 
-from stalwart import auth
-
-
+from stalwart.security import auth
 def test_token_file_is_made_once_private_and_random(tmp_path):
     path = str(tmp_path / "state" / "token")
     first = auth.create_token_file(path)

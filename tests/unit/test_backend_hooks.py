@@ -8,7 +8,7 @@ from stalwart import protocol
 from stalwart.backends.base import Backend
 from stalwart.controller.job import actions as a
 from stalwart.controller.job.executor import Executor
-from stalwart.controller.machines import Role
+from stalwart.controller.cluster.machines import Role
 from stalwart.controller.service import Controller
 from stalwart.spec import JobSpec
 

@@ -1,4 +1,4 @@
-from stalwart.controller.beats import BeatLateness
+from stalwart.controller.cluster.beats import BeatLateness
 
 
 def test_lateness_is_the_largest_gap_beyond_the_interval_and_is_forgotten_after_two_windows():

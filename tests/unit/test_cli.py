@@ -16,10 +16,10 @@ from synthjob import write_synthetic_job
 from stalwart import __version__
 from stalwart.cli import build_parser, main, views
 from stalwart.cli.common import EXIT, log_handler
-from stalwart.client import Client
-from stalwart.controller.api import ApiServer
+from stalwart.transport.client import Client
+from stalwart.controller.api.server import ApiServer
 from stalwart.controller.service import Controller
-from stalwart.controller.store import Store
+from stalwart.controller.store.db import Store
 
 TOKEN = "cli-test-token"
 

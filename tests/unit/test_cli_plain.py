@@ -9,7 +9,7 @@ import pytest
 from stalwart.cli import build_parser
 from stalwart.cli.common import UserError, spec_from_args
 from stalwart.cli.logs import LogTail, parse_ranks
-from stalwart.progress import Progress, summary
+from stalwart.console.progress import Progress, summary
 
 
 def spec(argv):

@@ -1,10 +1,10 @@
-"""Agents' long polls (controller/commands.py): a command wakes only its machine's poll, from any
+"""Agents' long polls (controller/api/commands.py): a command wakes only its machine's poll, from any
 thread; a poll with nothing for it ends at its wait; close answers every poll at once."""
 import asyncio
 import threading
 import time
 
-from stalwart.controller.commands import CommandQueues
+from stalwart.controller.api.commands import CommandQueues
 
 
 def test_a_command_wakes_only_its_machines_poll_and_others_time_out():
@@ -66,7 +66,7 @@ def test_a_cancelled_poll_leaves_nothing_behind():
 
 
 def test_a_channels_pusher_is_woken_for_its_machine_only_and_commands_can_come_back():
-    """An agent with a channel (controller/channel.py) has a pusher attached: a command for its
+    """An agent with a channel (controller/api/channel.py) has a pusher attached: a command for its
     machine wakes it on the loop (from a job's thread); a write that failed gives the commands
     back, first in line, for the machine's next channel or poll."""
     q = CommandQueues()

@@ -62,7 +62,7 @@ def test_the_hang_watch_s_shortcut_gives_the_verdicts_of_a_full_look():
     activity and resume sequences get the same verdicts with and without the shortcuts."""
     import random
 
-    from stalwart.controller.hangwatch import HangWatch
+    from stalwart.controller.rules.hangwatch import HangWatch
     from stalwart.spec import Policy
     for seed in range(30):
         rng = random.Random(seed)

@@ -1,14 +1,15 @@
-"""controller/dashboard.py and controller/series.py: the JSON the live page polls, from a job's
+"""controller/api/dashboard.py and controller/report/series.py: the JSON the live page polls, from a job's
 report, events and machines."""
 import time
 
 import pytest
 from synthjob import write_synthetic_job
 
-from stalwart.controller import dashboard as dash
-from stalwart.controller import ledger, series
-from stalwart.controller.report import build_report
-from stalwart.controller.store import Store
+from stalwart.controller.api import dashboard as dash
+from stalwart.controller.report import ledger
+from stalwart.controller.report import series
+from stalwart.controller.report.build import build_report
+from stalwart.controller.store.db import Store
 
 T = 1_700_000_000.0
 

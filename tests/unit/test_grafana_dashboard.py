@@ -8,9 +8,9 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 from synthjob import write_synthetic_job
 
-from stalwart.controller.metrics import ControllerMetrics
-from stalwart.controller.report import build_report
-from stalwart.controller.store import Store
+from stalwart.controller.api.metrics import ControllerMetrics
+from stalwart.controller.report.build import build_report
+from stalwart.controller.store.db import Store
 
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "grafana-dashboard.json")
 PROMISED = {"stalwart_job_state", "stalwart_steps_completed", "stalwart_ettr_ratio", "stalwart_ettr_window_ratio",

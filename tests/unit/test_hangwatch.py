@@ -5,7 +5,7 @@ import math
 import pytest
 
 from stalwart.analyzer.activity import ActivitySample, progressed
-from stalwart.controller.hangwatch import HangWatch, anomaly, culprit_machines, nan_culprits
+from stalwart.controller.rules.hangwatch import HangWatch, anomaly, culprit_machines, nan_culprits
 from stalwart.spec import Policy
 from stalwart.topology import Topology
 

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from stalwart.controller.implicit import Decision, decide_hang, to_process_stacks
+from stalwart.controller.rules.hangstacks import Decision, decide_hang, to_process_stacks
 from stalwart.topology import KINDS, Topology
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "stacks"

@@ -1,6 +1,5 @@
 """The stop-time ladder (pure): which checks, what their results mean, which rung comes next."""
-from stalwart.controller import ladder
-
+from stalwart.controller.rules import ladder
 SLOTS = ["m0", "m1", "m2", "m3"]
 # ring pairs of 4 machines: round 0 (0,1),(2,3); round 1 (1,2),(3,0)
 PAIRS = {(0, "m0", "m1"): (0, 1), (0, "m2", "m3"): (2, 3), (1, "m1", "m2"): (1, 2), (1, "m3", "m0"): (3, 0)}

@@ -22,16 +22,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Bottom first. A module's layer is the entry naming the longest prefix of its dotted
 # name ("stalwart" itself names only the package's `__init__`).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("stalwart", "stalwart.errors", "stalwart.clock", "stalwart.identity",
-                    "stalwart.jsonlines", "stalwart.logtext", "stalwart.threadprio",
-                    "stalwart.websocket", "stalwart.commandline", "stalwart.topology",
-                    "stalwart.protocol", "stalwart.spec", "stalwart.auth", "stalwart.client",
-                    "stalwart.progress", "stalwart.plots", "stalwart.watch")),
+    ("foundation", ("stalwart", "stalwart.errors", "stalwart.topology", "stalwart.protocol", "stalwart.spec",
+                    "stalwart.security", "stalwart.transport", "stalwart.console")),
     ("devices", ("stalwart.devices",)),
     ("analysis", ("stalwart.analyzer", "stalwart.chaos")),
     ("worker", ("stalwart.worker", "stalwart.examples", "stalwart.diag")),
     ("agent", ("stalwart.agent",)),
-    ("controller", ("stalwart.controller", "stalwart.dashboard", "stalwart.report_html",
+    ("controller", ("stalwart.controller", "stalwart.dashboard",
                     "stalwart.backends.base", "stalwart.backends.statedir")),
     ("backends", ("stalwart.backends",)),
     ("sim", ("stalwart.sim",)),

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from stalwart.controller.ledger import BUCKETS, PHASES, Ledger, compute, series
+from stalwart.controller.report.ledger import BUCKETS, PHASES, Ledger, compute, series
 
 T = 1_700_000_000.0  # a realistic unix start: exercises float precision
 APPROX = dict(abs=1e-6)
@@ -391,7 +391,7 @@ def test_injection_time_learned_at_localization_counts_for_detection():
           {"t": 6.0, "kind": "run_started", "data": {"run": 2, "start_step": 1}},
           {"t": 8.0, "kind": "step", "data": {"run": 2, "step": 1, "dur": 1.0}},
           {"t": 8.0, "kind": "job_finished", "data": {"state": "succeeded"}}]
-    from stalwart.controller.ledger import compute
+    from stalwart.controller.report.ledger import compute
     led = compute(ev, 8.0)
     assert led.incidents[1]["injected_at"] == 4.0
     assert led.incidents[1]["detection"] == 1.0      # from the injection, not from the last step

@@ -1,9 +1,9 @@
-"""The controller's machine registry (controller/machines.py): roles kept or reset on registration,
+"""The controller's machine registry (controller/cluster/machines.py): roles kept or reset on registration,
 the answers to beats and event batches, a job's end, the heartbeat monitor's scan, and the rows
 `/api/machines` shows."""
 from stalwart import protocol
-from stalwart.controller.beats import BeatLateness
-from stalwart.controller.machines import AgentReply, Registry, Role
+from stalwart.controller.cluster.beats import BeatLateness
+from stalwart.controller.cluster.machines import AgentReply, Registry, Role
 
 ROW_KEYS = ["id", "state", "address", "registered_at", "last_beat", "alive", "isolated", "job_id", "reason"]
 

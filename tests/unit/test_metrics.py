@@ -1,4 +1,4 @@
-"""controller/metrics.py: the exposition, parsed back with prometheus_client's parser, says what
+"""controller/api/metrics.py: the exposition, parsed back with prometheus_client's parser, says what
 the jobs' reports say, each job under its own job_id/job_name labels; counters never go down across
 a job's life; labels stay bounded; each controller has its own registry."""
 import time
@@ -8,10 +8,10 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from synthjob import write_synthetic_job
 
-from stalwart.controller.ledger import BUCKETS
-from stalwart.controller.metrics import ControllerMetrics, incident_latencies
-from stalwart.controller.report import build_report
-from stalwart.controller.store import Store
+from stalwart.controller.report.ledger import BUCKETS
+from stalwart.controller.api.metrics import ControllerMetrics, incident_latencies
+from stalwart.controller.report.build import build_report
+from stalwart.controller.store.db import Store
 
 ALLOWED_LABELS = {"state", "bucket", "symptom", "category", "mechanism", "tier", "le", "route", "method",
                   "code", "job_id", "job_name"}
@@ -145,7 +145,7 @@ def test_request_latency_matches_prometheus_clients_histogram():
 
     from prometheus_client import CollectorRegistry, Histogram
 
-    from stalwart.controller.metrics import REQUEST_BUCKETS
+    from stalwart.controller.api.metrics import REQUEST_BUCKETS
 
     ours = ControllerMetrics(list, list)
     reg = CollectorRegistry()

@@ -3,7 +3,7 @@ beat among the others, below which no scan is needed."""
 import math
 import random
 
-from stalwart.controller.machines import Machine, overdue
+from stalwart.controller.cluster.machines import Machine, overdue
 
 
 def machines(beats):

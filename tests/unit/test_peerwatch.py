@@ -3,7 +3,7 @@ import math
 import random
 
 from stalwart.agent.metrics import MetricsSampler, gpu_means
-from stalwart.controller.peerwatch import PeerWatch
+from stalwart.controller.rules.peerwatch import PeerWatch
 
 
 def feed(w, t, odd=None, n=4, temp_odd=95.0):

@@ -1,7 +1,7 @@
 """Topology-aware standby choice: the pure rule, and the job core using it through the cluster's
 labels (the controller's registry, or the simulator's machines)."""
 from corekit import Harness, of, records
-from stalwart.controller import placement
+from stalwart.controller.cluster import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job.events import MachineLost
 

@@ -10,9 +10,9 @@ import pytest
 from corekit import Harness, of, records
 from stalwart import protocol as p
 from stalwart.agent.progress import FR_BUFFER, hook_dir, hook_env
-from stalwart.controller import implicit
+from stalwart.controller.rules import hangstacks as implicit
 from stalwart.analyzer.activity import ActivitySample, progressed
-from stalwart.controller.hangwatch import HangWatch
+from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.job import actions as a
 from stalwart.controller.job.state import JobPhase
 from stalwart.spec import Policy

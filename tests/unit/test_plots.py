@@ -1,10 +1,10 @@
-"""plots.py: SVG line charts and stacked bars are well-formed, self-contained and place what they show."""
+"""SVG line charts and stacked bars (controller/report/plots.py): well-formed, self-contained, placed right."""
 import math
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from stalwart.plots import Mark, Series, line_chart, nice_ticks, stacked_bars
+from stalwart.controller.report.plots import Mark, Series, line_chart, nice_ticks, stacked_bars
 
 NS = "{http://www.w3.org/2000/svg}"
 

@@ -1,6 +1,7 @@
 """The pure decision rules of the controller (policy.py), with an explicit clock."""
-from stalwart.controller import placement, policy
-from stalwart.controller.policy import Alert, Evidence, Exit, Snapshot
+from stalwart.controller.cluster import placement
+from stalwart.controller.rules import policy
+from stalwart.controller.rules.policy import Alert, Evidence, Exit, Snapshot
 
 
 def snap(**kw):

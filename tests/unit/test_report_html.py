@@ -1,13 +1,13 @@
-"""report_html.py (`stalwart report --html`): one self-contained page with the four plots."""
+"""controller/report/html.py (`stalwart report --html`): one self-contained page with the four plots."""
 import time
 import xml.etree.ElementTree as ET
 
 from synthjob import write_synthetic_job
 
-from stalwart.controller.series import series_payload
-from stalwart.controller.report import build_report
-from stalwart.controller.store import Store
-from stalwart.report_html import incident_marks, plots, render
+from stalwart.controller.report.series import series_payload
+from stalwart.controller.report.build import build_report
+from stalwart.controller.store.db import Store
+from stalwart.controller.report.html import incident_marks, plots, render
 
 
 def job(tmp_path):

@@ -1,9 +1,9 @@
-"""Reports for the API from an incrementally read event log (controller/reportcache.py)."""
+"""Reports for the API from an incrementally read event log (controller/report/cache.py)."""
 import pytest
 
-from stalwart.controller.report import build_report
-from stalwart.controller.reportcache import EventLog, ReportCache
-from stalwart.controller.store import Store
+from stalwart.controller.report.build import build_report
+from stalwart.controller.report.cache import EventLog, ReportCache
+from stalwart.controller.store.db import Store
 
 
 def test_the_log_is_read_once_then_only_new_rows_in_time_order(tmp_path):
@@ -69,7 +69,7 @@ def test_a_row_committed_with_an_id_below_the_newest_seen_is_still_read(tmp_path
     behind the newest seen are checked on every read, and only the rows not seen are decoded."""
     import sqlalchemy as sa
 
-    from stalwart.controller.store import events
+    from stalwart.controller.store.db import events
     store = Store(f"sqlite:///{tmp_path}/s.db")
     try:
         job = store.create_job("j", {"machines": 1, "steps": 10}, 1.0, submitted=True)

@@ -1,5 +1,5 @@
 """Restore planning: the newest step every rank can restore, and each rank's tiers in order."""
-from stalwart.controller.restore import Availability, plan
+from stalwart.controller.rules.restore import Availability, plan
 
 
 def av_with(world, steps, own_holder, backup_holder, durable=()):

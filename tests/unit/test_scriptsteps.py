@@ -1,12 +1,12 @@
 """A plain script's steps without the SDK: the step hook's records (worker/stephook.py), the agent's
 reading of them (agent/scriptsteps.py) and the controller's numbering across restarts from the
-script's own snapshots (controller/scriptsteps.py)."""
+script's own snapshots (controller/rules/scriptsteps.py)."""
 import json
 import os
 
 from stalwart import protocol as p
 from stalwart.agent import scriptsteps as agent_side
-from stalwart.controller.scriptsteps import ScriptRun, number
+from stalwart.controller.rules.scriptsteps import ScriptRun, number
 from stalwart.worker import stephook
 
 

@@ -11,8 +11,8 @@ from stalwart import cli
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.pool import p99_standbys
-from stalwart.controller.restore import Availability
+from stalwart.controller.cluster.standby import p99_standbys
+from stalwart.controller.rules.restore import Availability
 from stalwart.sim import peers, results
 from stalwart.sim.engine import DAY, Config, Sim
 from stalwart.sim.failures import Fault, Model, trace
@@ -229,7 +229,7 @@ def test_whatif_replaces_the_slowest_by_the_median():
 
 
 def test_whatif_command_reads_a_job_from_the_store(tmp_path, capsys):
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     url = f"sqlite:///{tmp_path / 'stalwart.db'}"
     store = Store(url)
     spec = {"name": "w", "machines": 4, "gpus_per_machine": 2, "tp": 2, "pp": 2, "command": ["python", "t.py"]}

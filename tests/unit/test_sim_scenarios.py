@@ -11,7 +11,7 @@ import pytest
 from corekit import of
 from stalwart import cli
 from stalwart.controller.job import actions as a
-from stalwart.controller.pool import p99_standbys
+from stalwart.controller.cluster.standby import p99_standbys
 from stalwart.sim import peers, results
 from stalwart.sim.engine import Config, Sim
 from stalwart.sim.failures import Dist, Fault, Model, trace

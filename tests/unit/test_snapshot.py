@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from stalwart.controller.snapshot import mark_state_dir, remove_tree, snapshot, versionable, walk
+from stalwart.controller.code.tree import mark_state_dir, remove_tree, snapshot, versionable, walk
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli import main
-from stalwart.controller import api_models
+from stalwart.controller.api import models as api_models
 from stalwart.spec import JobSpec, parse_duration
 from stalwart.spec import schema as spec_schema
 from stalwart.spec.duration import PATTERN

@@ -1,5 +1,5 @@
 """The job's start-up split into phases that add up to the ledger's start-up bucket."""
-from stalwart.controller.startup import startup_phases
+from stalwart.controller.report.startup import startup_phases
 
 
 def ev(t, kind, **data):

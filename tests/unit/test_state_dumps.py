@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import msgspec
 
 from stalwart.controller.job import state as S
-from stalwart.controller.peerwatch import PeerWatch
+from stalwart.controller.rules.peerwatch import PeerWatch
 
 
 def whole(st: S.JobState) -> bytes:

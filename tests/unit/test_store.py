@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from stalwart.controller.store import Store, StoreSchemaError
+from stalwart.controller.store.db import Store, StoreSchemaError
 
 
 def test_a_decision_is_written_all_or_nothing(tmp_path):
@@ -28,7 +28,7 @@ def test_a_decision_is_written_all_or_nothing(tmp_path):
 
 
 def test_a_submitted_job_has_its_report_from_the_moment_its_id_exists(tmp_path):
-    from stalwart.controller.report import build_report
+    from stalwart.controller.report.build import build_report
     store = Store(f"sqlite:///{tmp_path}/s.db")
     try:
         job = store.create_job("j", {"machines": 1, "steps": 10}, 1.0, submitted=True)

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from stalwart import clock
-from stalwart.controller import store as store_mod
+from stalwart.controller import clock
+from stalwart.controller.store import db as store_mod
 from stalwart.controller import supervise
 from stalwart.controller.job import state as S
-from stalwart.controller.lease import Lease
-from stalwart.controller.store import LeaseLost, Store, StoreUnavailable
+from stalwart.controller.store.lease import Lease
+from stalwart.controller.store.db import LeaseLost, Store, StoreUnavailable
 
 
 @pytest.fixture

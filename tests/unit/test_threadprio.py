@@ -2,7 +2,7 @@
 import os
 import threading
 
-from stalwart.threadprio import BACKGROUND_NICE, background_thread
+from stalwart.worker.threadprio import BACKGROUND_NICE, background_thread
 
 
 def test_only_the_calling_thread_is_lowered():

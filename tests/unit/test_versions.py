@@ -9,10 +9,10 @@ import stat
 import pytest
 import sqlalchemy as sa
 
-from stalwart.controller import versions as V
-from stalwart.controller.store import Store
-from stalwart.controller.snapshot import remove_tree, snapshot, tree_hash
-from stalwart.controller.versions import (Versions, after_failure, current_version, due_update, to_prewarm,
+from stalwart.controller.code import versions as V
+from stalwart.controller.store.db import Store
+from stalwart.controller.code.tree import remove_tree, snapshot, tree_hash
+from stalwart.controller.code.versions import (Versions, after_failure, current_version, due_update, to_prewarm,
                                           is_due, is_healthy, last_stable_version, rollback_reason)
 
 T = 1_700_000_000.0

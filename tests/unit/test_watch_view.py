@@ -1,7 +1,7 @@
-"""watch.py (`stalwart status --watch`): in place with rich on a terminal, plain lines otherwise."""
+"""console/watch.py (`stalwart status --watch`): in place with rich on a terminal, plain lines otherwise."""
 import io
 
-from stalwart.watch import plain_line, watch
+from stalwart.console.watch import plain_line, watch
 
 
 def rep(step, state="running", incidents=()):

@@ -1,12 +1,10 @@
-"""The WebSocket frames of the agents' channel (stalwart/websocket.py): what a client writes a server
+"""The WebSocket frames of the agents' channel (stalwart/transport/websocket.py): what a client writes a server
 reads back whole (fragments joined, control frames as they come), the handshake's key, masking
 required one way and refused the other, and an oversized message refused from its header with its
 payload passed over, so that the stream can be read on (the peer's close comes after it)."""
 import struct
 
-from stalwart import websocket as ws
-
-
+from stalwart.transport import websocket as ws
 def test_the_handshake_key_is_rfc_6455s_example():
     assert ws.accept_key("dGhlIHNhbXBsZSBub25jZQ==") == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
 

@@ -37,10 +37,10 @@ from stalwart.agent.adopt import AdoptedProcess
 from stalwart.agent.succession import Succession
 from stalwart.agent.workers import Worker, WorkerSet, renice, take_run_names, warm_nice
 from stalwart.chaos.machine import MachineChaos
-from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 from stalwart.devices.netns import Machine
 from stalwart.devices.simgpu import SimGpu
-from stalwart.jsonlines import JsonLineSocket
+from stalwart.transport.jsonlines import JsonLineSocket
 
 log = logging.getLogger("stalwart.agent")
 PLAIN_REFILL_AFTER_S = 60.0     # a run without step reports gets its spares this long after its start

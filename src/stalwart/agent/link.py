@@ -1,6 +1,6 @@
 """The agent's line to the controller: registration, beats, batches of events, commands.
 
-Over the agent's channel (one WebSocket, `controller/channel.py`) when the controller serves one:
+Over the agent's channel (one WebSocket, `controller/api/channel.py`) when the controller serves one:
 messages are MessagePack frames, each beat and batch answered by an ack naming its `seq`, and
 commands pushed as the controller has them. Over HTTP requests otherwise (a controller from
 before the channel answers the upgrade with 404): register, heartbeat and events are POSTs and
@@ -27,8 +27,10 @@ from typing import Any
 
 import msgspec
 
-from stalwart import protocol, websocket
-from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart import protocol
+
+from stalwart.transport import websocket
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 log = logging.getLogger("stalwart.agent")
 

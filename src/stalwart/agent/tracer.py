@@ -6,7 +6,7 @@ timeout, all in parallel threads.  ``--nonblocking`` reads the process memory wi
 pausing it, which is what works on a SIGSTOP-ed process and on a cgroup-frozen one
 (environment.md: the default mode fails on the first and hangs on the second).
 
-The records are the input of :func:`stalwart.controller.implicit.decide_hang` (and of
+The records are the input of :func:`stalwart.controller.rules.hangstacks.decide_hang` (and of
 :func:`stalwart.analyzer.stacks.from_pyspy`).
 """
 

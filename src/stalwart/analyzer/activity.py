@@ -2,7 +2,7 @@
 
 The agent samples each worker's CPU time, log size and flight-recorder summary
 (`agent/progress.py`); this rule judges two samples, and the controller's hang timer
-(`controller/hangwatch.py`) counts what it says as progress. Pure: no clock, no process.
+(`controller/rules/hangwatch.py`) counts what it says as progress. Pure: no clock, no process.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from stalwart.backends import k8s_template
-from stalwart import identity
+from stalwart.security import identity
 from stalwart.backends.kubernetes import (CHECKPOINT_MOUNT, CLUSTER_LABEL, SECRET_KEY, TOKEN_KEY, K8sConfig,
                                          agent_pod)
 from stalwart.backends.statedir import DB_NAME
@@ -209,7 +209,7 @@ def _submit_job(cfg: K8sConfig) -> dict:
 def render(spec: dict[str, Any], cfg: K8sConfig, token: str, spare: int = 0, secret: str | None = None) -> list[dict]:
     """Every object of the job, in apply order (`token`: the API's, and `secret`: the controller's,
     from which the agents' join tokens derive; both kept by the caller so that renders agree)."""
-    from stalwart.controller.pool import standby_count
+    from stalwart.controller.cluster.standby import standby_count
     from stalwart.spec import JobSpec
     js = JobSpec.from_dict(spec)
     cfg = dataclasses.replace(cfg, machines=js.machines + standby_count(js) + spare)

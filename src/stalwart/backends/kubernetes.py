@@ -141,14 +141,15 @@ def _check_checkpoint(ck: Any) -> None:
 def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> dict[str, Any]:
     """The agent pod of one machine (a manifest, and what a refill creates), the operator's
     `pod_template` merged in. Its credential: a one-time join token made for this machine
-    (`stalwart.identity`; the controller's refills make one from the controller's secret), never
+    (`stalwart.security.identity`; the controller's refills make one from the controller's secret), never
     the operator's token, which the user's training code would inherit."""
     labels = {"app.kubernetes.io/name": "stalwart-agent", CLUSTER_LABEL: cfg.tag, MACHINE_LABEL: machine}
     resources: dict[str, Any] = {"requests": dict(cfg.requests)}
     if cfg.gpu_resource:
         resources["limits"] = {cfg.gpu_resource: str(cfg.gpus)}
     if join_token is None:
-        from stalwart import auth, identity
+        from stalwart.security import auth
+        from stalwart.security import identity
         join_token = identity.join_token(auth.read_token_file(cfg.secret_file).encode(), machine)
     env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

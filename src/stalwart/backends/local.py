@@ -29,12 +29,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from stalwart import auth, identity
+from stalwart.security import auth
+
+from stalwart.security import identity
 from stalwart.agent.adopt import leftovers
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
-from stalwart.client import Client, ControllerUnreachable
+from stalwart.transport.client import Client, ControllerUnreachable
 from stalwart.devices import netns
 from stalwart.errors import StalwartError
 

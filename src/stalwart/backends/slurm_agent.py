@@ -13,7 +13,9 @@ import os
 import socket
 import sys
 
-from stalwart import auth, identity
+from stalwart.security import auth
+
+from stalwart.security import identity
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, node_info
 
 

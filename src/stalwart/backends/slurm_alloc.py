@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 
-from stalwart import auth
+from stalwart.security import auth
 from stalwart.backends.slurm import SlurmError, job_info
 from stalwart.backends.local import LocalCluster
 from stalwart.backends.slurm_submit import SlurmCluster

@@ -21,7 +21,7 @@ import time
 
 from stalwart.backends.local import LocalCluster
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig
-from stalwart.client import ControllerUnreachable
+from stalwart.transport.client import ControllerUnreachable
 
 
 def default_advertise() -> str:

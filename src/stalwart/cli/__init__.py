@@ -10,7 +10,7 @@ import sys
 from stalwart import __version__
 from stalwart.cli import jobs, logs, services, spec, views
 from stalwart.cli.common import EXIT, UserError, log_level, missing_extra_line, resolve_slurm_job, setup_logging
-from stalwart.client import ApiError, ControllerUnreachable
+from stalwart.transport.client import ApiError, ControllerUnreachable
 from stalwart.errors import StalwartError
 
 __all__ = ["build_parser", "main"]

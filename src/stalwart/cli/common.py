@@ -9,10 +9,10 @@ import os
 import shutil
 import sys
 
-from stalwart import auth
+from stalwart.security import auth
 from stalwart.backends import statedir
 from stalwart.chaos import catalogue
-from stalwart.client import Client, ControllerUnreachable
+from stalwart.transport.client import Client, ControllerUnreachable
 from stalwart.errors import UserError
 
 __all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "TLS_CA_ENV", "TOKEN_FILE_ENV",
@@ -215,7 +215,7 @@ def note(text: str) -> None:
 
 
 def is_python(exe: str) -> bool:
-    from stalwart.commandline import is_python as named_python
+    from stalwart.spec.commandline import is_python as named_python
     return named_python(exe)
 
 
@@ -237,7 +237,7 @@ def launch_command(cmd: list[str], module: bool, no_python: bool) -> list[str]:
 
 def check_command(cmd: list[str], workdir: str) -> None:
     """A script, module or executable that does not exist is one line, before anything starts."""
-    from stalwart.commandline import python_target
+    from stalwart.spec.commandline import python_target
     target = python_target(cmd)
     if target is not None and target[1] == "script":
         path = os.path.join(workdir, cmd[target[0]])
@@ -310,7 +310,7 @@ def spec_from_args(a):
         raise UserError("--machines is required (or a config file that sets machines)")
     spec = JobSpec.from_dict(d)
     for c in spec.chaos:
-        from stalwart.controller.pool import standby_count
+        from stalwart.controller.cluster.standby import standby_count
         catalogue.validate_against(catalogue.parse(c), spec.machines + standby_count(spec),
                                    spec.gpus_per_machine, spec.machines)
     check_command(spec.command, spec.workdir or os.getcwd())
@@ -389,8 +389,8 @@ def state_store_url(a) -> str:
 
 
 def offline_report(a, job: str = "latest") -> dict:
-    from stalwart.controller.report import build_report
-    from stalwart.controller.store import Store
+    from stalwart.controller.report.build import build_report
+    from stalwart.controller.store.db import Store
     if not os.path.exists(statedir.db_path(a.state_dir)):
         raise UserError(f"no stalwart state in {os.path.abspath(a.state_dir)} (run a job first, or pass --state-dir)")
     store = Store(statedir.db_url(a.state_dir))

@@ -13,7 +13,7 @@ from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_hel
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.backends.statedir import StateDirBusy, StateDirLock
-    from stalwart.controller.pool import standby_count
+    from stalwart.controller.cluster.standby import standby_count
     need_controller("stalwart run")
     spec = spec_from_args(a)
     if a.spare < 0:

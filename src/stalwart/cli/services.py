@@ -11,16 +11,18 @@ import threading
 import time
 import urllib.parse
 
-from stalwart import auth, identity
+from stalwart.security import auth
+
+from stalwart.security import identity
 from stalwart.backends import statedir
 from stalwart.cli.common import DEFAULT_STATE, UserError, controller_options, labels, state_options, write_atomic
-from stalwart.client import ApiError, Client, ControllerUnreachable
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 
 def cmd_controller(a) -> int:
     from sqlalchemy import exc as sa_exc
 
-    from stalwart.controller.api import ApiServer
+    from stalwart.controller.api.server import ApiServer
     from stalwart.controller.service import Controller
     host, _, port = a.listen.rpartition(":")
     if not port.isdigit():
@@ -37,7 +39,7 @@ def cmd_controller(a) -> int:
         logging.getLogger("stalwart").warning("the token file %s is readable by others (chmod 600 it)", token_path)
     store_host = a.store_host or (host if host not in ("", "0.0.0.0") else "127.0.0.1")
     from stalwart.backends.config import load as load_backend
-    from stalwart.controller.channel import raise_open_files
+    from stalwart.controller.api.channel import raise_open_files
     raise_open_files()
     # (the database goes with the state dir unless --db says otherwise: it named ./.stalwart
     # whatever --state-dir said, and a controller started elsewhere died on a traceback)
@@ -54,7 +56,7 @@ def cmd_controller(a) -> int:
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     srv = ApiServer(ctl, host or "0.0.0.0", int(port), token=token, tls=tls)
-    # the read-only token of Prometheus and the dashboard (stalwart.identity)
+    # the read-only token of Prometheus and the dashboard (stalwart.security.identity)
     write_secret(os.path.join(a.state_dir, identity.READER_FILE), identity.reader_token(ctl.secret))
     srv.start()
     from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
@@ -90,7 +92,7 @@ def cmd_controller(a) -> int:
 def _lease_lost(why: str) -> None:
     """Another controller took the lease: this one stops acting at once (nothing more is
     committed or sent) and exits with a code of its own, for its supervisor to read."""
-    from stalwart.controller.lease import EXIT_LEASE_LOST
+    from stalwart.controller.store.lease import EXIT_LEASE_LOST
     logging.getLogger("stalwart").error("lost the lease: %s; exiting (code %d)", why, EXIT_LEASE_LOST)
     logging.shutdown()
     sys.stderr.flush()

@@ -26,7 +26,7 @@ from stalwart.errors import UserError
 
 def cmd_slurm_submit(a) -> int:
     from stalwart.backends.launch import run_job
-    from stalwart.controller.pool import standby_count
+    from stalwart.controller.cluster.standby import standby_count
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
@@ -124,7 +124,7 @@ def _running_job(state_dir: str, job_id: str) -> int | None:
 
     from stalwart.backends.statedir import db_path, db_url
     from stalwart.controller.service import RUNNING_STATES
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     try:
         with open(os.path.join(state_dir, "slurm", "state.json")) as f:
             main = json.load(f).get("main")
@@ -143,7 +143,7 @@ def _running_job(state_dir: str, job_id: str) -> int | None:
 def cmd_slurm_run(a) -> int:
     from stalwart.backends.launch import run_job
     from stalwart.backends.slurm_agent import node_address
-    from stalwart.controller.pool import standby_count
+    from stalwart.controller.cluster.standby import standby_count
     env = os.environ
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
@@ -214,7 +214,7 @@ def cmd_slurm_run(a) -> int:
 
 
 def cmd_slurm_sbatch(a) -> int:
-    from stalwart.controller.pool import standby_count
+    from stalwart.controller.cluster.standby import standby_count
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")

@@ -9,14 +9,14 @@ import os
 
 from stalwart.cli.common import (EXIT, UserError, api_client, offline_report, print_json, report, state_store_url,
                                  state_options)
-from stalwart.client import ControllerUnreachable
+from stalwart.transport.client import ControllerUnreachable
 
 ENDED_BADLY = ("failed", "cancelled")
 
 
 def cmd_status(a) -> int:
     if a.watch:
-        from stalwart.watch import watch
+        from stalwart.console.watch import watch
         if a.interval <= 0:
             raise UserError(f"--interval must be > 0 (got {a.interval})")
         if a.json:
@@ -50,8 +50,8 @@ def cmd_status(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from stalwart.progress import summary
-    from stalwart.report_html import load_series, render
+    from stalwart.console.progress import summary
+    from stalwart.controller.report.html import load_series, render
     rep = report(a)
     rep.pop("live", None)
     if a.json and a.json != "-":
@@ -141,9 +141,9 @@ def cmd_whatif(a) -> int:
 
 def offline_incident(url: str, job: str, incident: int) -> dict:
     """One incident as `GET /api/jobs/{job}/incidents/{id}` answers it, read from a store."""
-    from stalwart.controller.dashboard import incident_detail
-    from stalwart.controller.report import build_report
-    from stalwart.controller.store import Store
+    from stalwart.controller.api.dashboard import incident_detail
+    from stalwart.controller.report.build import build_report
+    from stalwart.controller.store.db import Store
     from stalwart.errors import NotFound
     store = Store(url)
     try:

@@ -6,13 +6,13 @@ interfaces of `job/ports.py` (built here, one `JobPorts` per job); the machine r
 Restart-safe: jobs a previous controller left running are taken over (their saved state loaded,
 their agents heard again, see `job/flows/reconcile.py`), unless it is started with
 `abandon_running` (a fresh local cluster: the old one's machines are gone with it). A standby
-(`lease`) waits for the lease (`controller/lease.py`) and then takes over the same way.
+(`lease`) waits for the lease (`controller/store/lease.py`) and then takes over the same way.
 
 Store outages: the controller's threads wait them out (`Store.patient`) and are supervised
 (`controller/supervise.py`): the heartbeat monitor keeps judging machines from memory while the
 store is away, its writes (when this controller was last alive, a lost machine's last beat) go
 through the `store-probe` thread, whose write every second is also what `/api/health` reads.
-Times are the steady clock of `stalwart.clock`: a step of the host's clock moves no deadline.
+Times are the steady clock of `stalwart.controller.clock`: a step of the host's clock moves no deadline.
 """
 from __future__ import annotations
 
@@ -24,25 +24,30 @@ from typing import Callable
 
 import msgspec
 
-from stalwart import auth, clock, protocol
+from stalwart import protocol
+
+from stalwart.security import auth
+
+from stalwart.controller import clock
 from stalwart.chaos import catalogue
-from stalwart.controller import snapshot, versions
-from stalwart.controller.beats import BeatLateness
+from stalwart.controller.code import tree as snapshot
+from stalwart.controller.code import versions
+from stalwart.controller.cluster.beats import BeatLateness
 from stalwart.controller.job import state as S
-from stalwart.controller.commands import CommandQueues
+from stalwart.controller.api.commands import CommandQueues
 from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
                                             VersionRegistered)
 from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.runner import JobRunner
-from stalwart.controller.lease import Lease
-from stalwart.controller.machines import AgentReply, Registry, Role
-from stalwart.controller.pool import standby_count
-from stalwart.controller.rendezvous import Rendezvous
-from stalwart.controller.reportcache import ReportCache
-from stalwart.controller.restore import Availability
-from stalwart.controller.store import Store
+from stalwart.controller.store.lease import Lease
+from stalwart.controller.cluster.machines import AgentReply, Registry, Role
+from stalwart.controller.cluster.standby import standby_count
+from stalwart.controller.api.rendezvous import Rendezvous
+from stalwart.controller.report.cache import ReportCache
+from stalwart.controller.rules.restore import Availability
+from stalwart.controller.store.db import Store
 from stalwart.controller.supervise import supervised
-from stalwart.controller.supply import Supply
+from stalwart.controller.cluster.supply import Supply
 from stalwart.errors import Conflict, InvalidRequest, NotFound
 from stalwart.spec import JobSpec
 
@@ -95,7 +100,7 @@ class Controller:
         """`secret_file`: the controller's secret (credentials and checkpoint keys derive from it;
         default: made once in the state dir). `lease`: share the store with other controllers under
         this holder name ("" for host:pid): wait here until this one holds the lease
-        (`controller/lease.py`); `on_lease_lost` is called with the reason when another takes it
+        (`controller/store/lease.py`); `on_lease_lost` is called with the reason when another takes it
         (the CLI exits). `checkpoint_dir`: where durable checkpoints go (default: the state dir's).
         `on_phase(job id, phase)`: called after each transition a job carried out (the control
         plane's chaos, `chaos/controller.py`)."""

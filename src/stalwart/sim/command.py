@@ -151,7 +151,7 @@ def simulate(cfg: "Config", model: "Model", profile_name: str, policies: list[pe
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from stalwart.controller.pool import p99_standbys
+    from stalwart.controller.cluster.standby import p99_standbys
     p99_standbys(1, 0.0)            # scipy imported once, before the processes fork (seconds each)
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                              mp_context=multiprocessing.get_context("fork")) as pool:

@@ -37,14 +37,14 @@ import random
 from typing import Any, Callable
 
 from stalwart import protocol as p
-from stalwart.controller import placement
+from stalwart.controller.cluster import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, Tick,
                                             VersionRegistered)
-from stalwart.controller.pool import p99_standbys
-from stalwart.controller.restore import Availability
+from stalwart.controller.cluster.standby import p99_standbys
+from stalwart.controller.rules.restore import Availability
 from stalwart.sim.agents import Agents
 from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
 from stalwart.sim.config import Config, Segment

@@ -15,8 +15,8 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from stalwart import plots
-from stalwart.controller import ledger
+from stalwart.controller.report import plots
+from stalwart.controller.report import ledger
 from stalwart.sim.engine import DAY, Sim
 
 BUCKETS = ledger.BUCKETS + ("requeue", "manual")

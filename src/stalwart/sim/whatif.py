@@ -11,7 +11,7 @@ __all__ = ["analyze", "from_store", "render"]
 
 
 def from_store(url: str, job: str, microbatches: int) -> tuple[int, dict[str, Any]]:
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
     from stalwart.spec import JobSpec
     store = Store(url)
     try:

@@ -30,7 +30,7 @@ from typing import Callable, Deque
 
 import msgspec
 
-from stalwart.jsonlines import JsonLineSocket
+from stalwart.transport.jsonlines import JsonLineSocket
 from stalwart.protocol import Env
 
 LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...

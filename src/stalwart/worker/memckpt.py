@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from stalwart.threadprio import background_thread
+from stalwart.worker.threadprio import background_thread
 from stalwart.worker.shardfmt import (  # noqa: F401  (the format's helpers, re-exported)
     ALIGN, FORMAT, HASH, KEY_BYTES, MAC, CorruptShard, ForgedShard, NoSpace, _encode_header, base_of, check_free,
     checksum,

@@ -5,7 +5,7 @@ timer all want them. Every training loop ends its step with ``optimizer.step()``
 optimizer hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) sees each step the moment it ends.
 A script's own snapshots are ``torch.save(state, path)`` and ``torch.load(path)``: wrapping both
 tells at which step a file was written and that a restarted script read it back, which is what
-numbers its steps across restarts (the controller keeps the marks: ``controller/scriptsteps.py``).
+numbers its steps across restarts (the controller keeps the marks: ``controller/rules/scriptsteps.py``).
 
 ``hookdir/sitecustomize.py`` loads this file at interpreter start-up (beside the flight-recorder
 hook) and calls :func:`start`. The hooks are installed as soon as ``torch`` is imported (at once in

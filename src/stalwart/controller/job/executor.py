@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
-from stalwart.commandline import python_target
+from stalwart.spec.commandline import python_target
 from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.state import JobState
-from stalwart.controller.machines import Role
+from stalwart.controller.cluster.machines import Role
 from stalwart.spec import JobSpec
 
 log = logging.getLogger("stalwart.controller")

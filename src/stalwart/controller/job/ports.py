@@ -12,15 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stalwart import clock, protocol
+from stalwart import protocol
+
+from stalwart.controller import clock
 from stalwart.controller.job.events import ClusterView
-from stalwart.controller.machines import Role
+from stalwart.controller.cluster.machines import Role
 
 StoreOp = tuple[str, dict[str, Any]]
 
 
 class JobStore(Protocol):
-    """The store as a job writes it (`controller/store.py`)."""
+    """The store as a job writes it (`controller/store/db.py`)."""
 
     def commit(self, job_id: int, ops: list[StoreOp], state: bytes | None) -> None:
         """Write `ops` and the job's saved state in one transaction (waits while the store is away)."""
@@ -33,14 +35,14 @@ class JobStore(Protocol):
 
 
 class AgentGateway(Protocol):
-    """Commands to agents (`controller/commands.py`)."""
+    """Commands to agents (`controller/api/commands.py`)."""
 
     def send(self, machine: str, cmd: protocol.Command) -> None:
         """Queue `cmd` for the machine's agent (pushed on its channel, or taken by its poll)."""
 
 
 class MachineRoles(Protocol):
-    """The machine registry as a job changes it (`controller/machines.py`)."""
+    """The machine registry as a job changes it (`controller/cluster/machines.py`)."""
 
     def assign(self, machine: str, role: Role, job_id: int, reason: str | None = None) -> None:
         """The job gave the machine a role."""
@@ -53,7 +55,7 @@ class MachineRoles(Protocol):
 
 
 class WorkerRendezvous(Protocol):
-    """The rendezvous stores the controller hosts for the workers (`controller/rendezvous.py`)."""
+    """The rendezvous stores the controller hosts for the workers (`controller/api/rendezvous.py`)."""
 
     def open(self, job_id: int, run: int) -> int:
         """The port of the run's store (opened once per run)."""
@@ -69,7 +71,7 @@ class WorkerRendezvous(Protocol):
 
 
 class ClusterBackend(Protocol):
-    """The cluster's backend as a job asks it (`controller/supply.py`)."""
+    """The cluster's backend as a job asks it (`controller/cluster/supply.py`)."""
 
     def evict(self, machine: str, reason: str | None, incident: int | None) -> None:
         """The job evicted the machine: drain or cordon it where the backend can."""

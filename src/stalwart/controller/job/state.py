@@ -33,11 +33,11 @@ from stalwart import protocol
 from stalwart.analyzer.failslow import FailSlowRounds
 from stalwart.analyzer.replay import ReplayPlan
 from stalwart.analyzer.traces import TraceWatch
-from stalwart.controller.hangwatch import HangWatch
-from stalwart.controller.peerwatch import PeerWatch
-from stalwart.controller.policy import Alert, Exit, Mechanism, Resolution
-from stalwart.controller.restore import Availability
-from stalwart.controller.scriptsteps import ScriptRun
+from stalwart.controller.rules.hangwatch import HangWatch
+from stalwart.controller.rules.peerwatch import PeerWatch
+from stalwart.controller.rules.policy import Alert, Exit, Mechanism, Resolution
+from stalwart.controller.rules.restore import Availability
+from stalwart.controller.rules.scriptsteps import ScriptRun
 from stalwart.errors import StalwartError
 
 
@@ -129,7 +129,7 @@ class RunState:
     hello_ranks: set[int] = field(default_factory=set)
     imported_at: float = 0.0
     ready_at: float = 0.0
-    # a plain script's steps as its ranks' step hooks report them (controller/scriptsteps.py)
+    # a plain script's steps as its ranks' step hooks report them (controller/rules/scriptsteps.py)
     script: ScriptRun = field(default_factory=ScriptRun)
 
 

@@ -12,7 +12,7 @@ from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_o
                                         slow_ranks, slowdown, slowdown_exceeds, steady_outliers,
                                         throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
-from stalwart.controller import implicit
+from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.actions import TraceStacks
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.detectors.hang import TRACE_TIMEOUT_S

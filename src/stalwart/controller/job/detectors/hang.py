@@ -3,7 +3,7 @@ flight-recorder summaries single out the stuck machine (`controller.implicit`)."
 from __future__ import annotations
 
 from stalwart import protocol
-from stalwart.controller import implicit
+from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record, save_data
 from stalwart.controller.job.state import JobPhase, JobState

@@ -7,7 +7,7 @@ from stalwart import protocol
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record, save_data
 from stalwart.controller.job.state import JobPhase, JobState, PendingStep
-from stalwart.controller.peerwatch import PeerWatch
+from stalwart.controller.rules.peerwatch import PeerWatch
 
 # Comparing every machine with its peers is quadratic in the group (pairwise distances): beyond
 # this many machines the check runs less often than every heartbeat, never less often than every

@@ -19,7 +19,7 @@ from __future__ import annotations
 from stalwart import protocol
 from stalwart.analyzer.failslow import slowdown
 from stalwart.analyzer.traces import TraceWatch, describe, op_key
-from stalwart.controller import implicit
+from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record, save_data
 from stalwart.controller.job.state import JobPhase, JobState

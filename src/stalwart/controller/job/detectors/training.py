@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from stalwart.controller.hangwatch import anomaly, culprit_machines
+from stalwart.controller.rules.hangwatch import anomaly, culprit_machines
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record
 from stalwart.controller.job.state import OPEN_END, BadSteps, JobState, PendingStep

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
-from stalwart.controller.policy import Resolution, Snapshot
-from stalwart.controller.pool import standby_count
+from stalwart.controller.rules.policy import Resolution, Snapshot
+from stalwart.controller.cluster.standby import standby_count
 from stalwart.controller.job.actions import Action, Record, UpdateIncident
 from stalwart.controller.job.events import ClusterView
 from stalwart.controller.job.state import Incident, JobState, PendingStep

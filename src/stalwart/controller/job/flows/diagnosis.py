@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from stalwart import protocol
-from stalwart.controller import ladder, policy, versions
-from stalwart.controller.policy import Mechanism
+from stalwart.controller.rules import ladder
+from stalwart.controller.rules import policy
+from stalwart.controller.code import versions
+from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, InterPair, RunChecks
 from stalwart.controller.job.flows.base import Actions, Ctx, Failures, Replays, record, save_data
 from stalwart.controller.job.state import (Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PairKey,

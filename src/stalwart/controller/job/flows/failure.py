@@ -12,8 +12,10 @@ import logging
 
 from stalwart import protocol
 from stalwart.analyzer.classify import classify
-from stalwart.controller import placement, policy, versions
-from stalwart.controller.policy import Mechanism
+from stalwart.controller.cluster import placement
+from stalwart.controller.rules import policy
+from stalwart.controller.code import versions
+from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Diagnoses, HotUpdates, Replays, Restarts, record

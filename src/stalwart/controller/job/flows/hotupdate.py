@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from stalwart.controller import versions
-from stalwart.controller.policy import Mechanism
+from stalwart.controller.code import versions
+from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.job.actions import PrepareSpares, SaveVersion, UpdateIncident
 from stalwart.controller.job.flows.base import Actions, Ctx, Incidents, Restarts, Standbys, record
 from stalwart.controller.job.state import HotUpdatePrep, Incident, IncidentPhase, JobState

@@ -15,8 +15,8 @@ import math
 
 from stalwart import protocol
 from stalwart.analyzer import replay
-from stalwart.controller import policy
-from stalwart.controller.policy import Mechanism
+from stalwart.controller.rules import policy
+from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.job.actions import CloseScratch, StartReplayGroup, StopWorkers
 from stalwart.controller.job.flows.base import Actions, Ctx, Failures, record, save_data
 from stalwart.controller.job.state import Incident, IncidentPhase, JobPhase, JobState, Replay, ReplayGroup

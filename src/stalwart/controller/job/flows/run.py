@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 
 from stalwart import protocol
-from stalwart.controller import restore, scriptsteps
-from stalwart.controller.hangwatch import HangWatch
+from stalwart.controller.rules import restore
+from stalwart.controller.rules import scriptsteps
+from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Failures, HotUpdates, Standbys, record
@@ -191,7 +192,7 @@ class RunFlow:
 
     def on_script(self, st: JobState, ev: protocol.Script, now: float) -> Actions:
         """A plain script's step-hook records: its steps, numbered from its own snapshots
-        (controller/scriptsteps.py), go where an SDK's step reports go."""
+        (controller/rules/scriptsteps.py), go where an SDK's step reports go."""
         run = st.run
         if run is None or ev.run != st.run_seq or not 0 <= ev.rank < self.ctx.world:
             return []

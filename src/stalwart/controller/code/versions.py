@@ -21,7 +21,7 @@ Decision logic is pure (``is_due``, ``due_update``, ``rollback_reason``, ``after
 ``is_healthy``, ``current_version``, ``last_stable_version``): plain dicts and an explicit ``now``.
 ``Versions`` is the store side; ``snapshot`` the file-system side.
 
-The table is declared on ``stalwart.controller.store.META``: import this module before creating the
+The table is declared on ``stalwart.controller.store.db.META``: import this module before creating the
 ``Store`` and ``META.create_all`` creates it. ``Versions(store)`` also creates it if it is missing
 (a store created before this module was imported).
 """
@@ -33,8 +33,8 @@ from typing import Any, Iterable, Mapping
 
 import sqlalchemy as sa
 
-from stalwart.controller.snapshot import remove_tree, snapshot
-from stalwart.controller.store import META
+from stalwart.controller.code.tree import remove_tree, snapshot
+from stalwart.controller.store.db import META
 
 STATUSES = ("stable", "pending", "urgent", "applied", "rolled-back", "failed", "superseded")
 MODES = ("lazy", "urgent", "window")

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart import clock
+from stalwart.controller import clock
 from stalwart.backends.base import drain_reason
-from stalwart.controller.machines import Registry
-from stalwart.controller.store import Store
+from stalwart.controller.cluster.machines import Registry
+from stalwart.controller.store.db import Store
 
 log = logging.getLogger("stalwart.controller")
 REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for this long

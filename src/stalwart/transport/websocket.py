@@ -1,7 +1,7 @@
 """WebSocket (RFC 6455) on asyncio and the standard library: the frames, the handshake's key, and
 a small client. The agent's channel to the controller uses both ends: the agent (agent/link.py)
 and the simulated agents of bench/controller_scale.py the client, the controller
-(controller/channel.py) the frames.
+(controller/api/channel.py) the frames.
 
 Why not aiohttp's WebSocket (the controller's HTTP API is aiohttp): on the controller, aiohttp
 keeps about 85 objects alive per open WebSocket (the request, its handler's task and coroutines,

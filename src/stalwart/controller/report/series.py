@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from stalwart.controller import ledger
-
+from stalwart.controller.report import ledger
 RATE_WINDOW = 20            # steps/s over the last 20 committed steps of a run
 
 

@@ -1,4 +1,4 @@
-"""Enrollment: a machine trades a one-time join token for its credential (`stalwart.identity`).
+"""Enrollment: a machine trades a one-time join token for its credential (`stalwart.security.identity`).
 
 What is kept (the store's meta table, shared by controllers on one database): which join tokens
 were used, and which machine ids enrolled. A join token made for any machine enrolls a new id
@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from stalwart import identity
+from stalwart.security import identity
 from stalwart.errors import Conflict, InvalidRequest
 
 log = logging.getLogger("stalwart.controller")

@@ -6,7 +6,7 @@ import json
 import threading
 import urllib.parse
 
-from stalwart import auth
+from stalwart.security import auth
 from stalwart.errors import StalwartError
 
 

@@ -24,7 +24,7 @@ from enum import Enum, StrEnum
 from typing import Any
 
 from stalwart import protocol
-from stalwart.controller.beats import BeatLateness
+from stalwart.controller.cluster.beats import BeatLateness
 
 
 class Role(StrEnum):

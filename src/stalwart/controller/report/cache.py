@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stalwart.controller.store import Store
+    from stalwart.controller.store.db import Store
 
 REUSE_FACTOR = 10.0     # a report is reused for this many times what it took to build...
 MAX_REUSE_S = 30.0      # ...but never longer than this
@@ -88,7 +88,7 @@ class ReportCache:
 
     def report(self, job_id: int, now: float | None = None) -> dict:
         """The job's report (`report.build_report`); LookupError for an unknown job."""
-        from stalwart.controller.report import build_report
+        from stalwart.controller.report.build import build_report
         with self._lock:
             job = self.store.job(job_id)
             if job is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
-from stalwart.controller.policy import Mechanism
+from stalwart.controller.rules.policy import Mechanism
 from stalwart.diag.pairs import judge_digests, judge_pairs, judge_speed
 
 UNEXPLAINED = (Mechanism.REATTEMPT, Mechanism.ROLLBACK, Mechanism.REPLAY)   # rungs that evicted no machine

@@ -20,19 +20,23 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from aiohttp import web
 
-from stalwart import __version__, auth, identity, protocol
-from stalwart.logtext import loggable
-from stalwart.controller import api_models as models
-from stalwart.controller.channel import Channels, FrontDoor
-from stalwart.controller.dashboard import DashboardViews, static_file
-from stalwart.controller.enroll import Enrollment
-from stalwart.controller.machines import AgentReply
-from stalwart.controller.metrics import KEEP_ENDED_S, ControllerMetrics
-from stalwart.controller.observe import ControllerSource, Raw, current_statuses
+from stalwart import __version__, protocol
+
+from stalwart.security import auth
+
+from stalwart.security import identity
+from stalwart.security.logtext import loggable
+from stalwart.controller.api import models
+from stalwart.controller.api.channel import Channels, FrontDoor
+from stalwart.controller.api.dashboard import DashboardViews, static_file
+from stalwart.controller.api.enroll import Enrollment
+from stalwart.controller.cluster.machines import AgentReply
+from stalwart.controller.api.metrics import KEEP_ENDED_S, ControllerMetrics
+from stalwart.controller.api.observe import ControllerSource, Raw, current_statuses
 from stalwart.controller.service import Controller
-from stalwart.controller.store import StoreUnavailable
+from stalwart.controller.store.db import StoreUnavailable
 from stalwart.errors import Conflict, InvalidRequest, StalwartError
-from stalwart.report_html import render as render_html
+from stalwart.controller.report.html import render as render_html
 
 log = logging.getLogger("stalwart.api")
 # an agent's beat and batch of events answered over HTTP (the channel answers with protocol.Ack)
@@ -146,7 +150,7 @@ class Api:
     def openapi(self, q, body):
         return self._openapi
 
-    # -- the operator's view (controller/dashboard.py, controller/metrics.py): read-only --------
+    # -- the operator's view (controller/api/dashboard.py, controller/api/metrics.py): read-only --------
     def dashboard(self, q, body):
         return Raw(*self.views.page())
 
@@ -285,7 +289,7 @@ class ApiServer:
             http = runner.server
             assert http is not None
             # every connection starts at the front door: agents' channels are served there
-            # (controller/channel.py), any other request goes on to aiohttp
+            # (controller/api/channel.py), any other request goes on to aiohttp
             listening = self.loop.run_until_complete(self.loop.create_server(
                 lambda: FrontDoor(http, self.channels), sock=self.sock, ssl=self.tls, backlog=LISTEN_BACKLOG))
         except BaseException as e:       # (reported by start)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from stalwart.controller import ledger
-from stalwart.controller.startup import startup_phases
-from stalwart.controller.store import Store
+from stalwart.controller.report import ledger
+from stalwart.controller.report.startup import startup_phases
+from stalwart.controller.store.db import Store
 
 
 def _rel(t: float | None, t0: float) -> float | None:

@@ -47,7 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
 from stalwart.controller.job.state import JobPhase
-from stalwart.controller.ledger import BUCKETS
+from stalwart.controller.report.ledger import BUCKETS
 
 log = logging.getLogger("stalwart.metrics")
 

@@ -20,7 +20,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from stalwart import auth, protocol
+from stalwart import protocol
+
+from stalwart.security import auth
 from stalwart.spec import schema as spec_schema
 
 REF_TEMPLATE = "#/components/schemas/{name}"
@@ -101,7 +103,7 @@ class Route:
     handler: str                         # the Api method
     body: type | None = None             # the request model (POST)
     summary: str = ""
-    public: bool = False                 # no token needed: stalwart.auth.is_public decides
+    public: bool = False                 # no token needed: stalwart.security.auth.is_public decides
     pattern: re.Pattern = re.compile("")
     query: tuple[str, ...] = ()          # its query parameters (QUERY)
 
@@ -207,7 +209,7 @@ ROUTES: list[Route] = [
              query=("microbatches",)),
     Route.of("GET", "/metrics", "metrics", None, "Prometheus exposition"),
 ]
-# open routes (stalwart.auth.is_public): liveness, this description, the dashboard's page shell
+# open routes (stalwart.security.auth.is_public): liveness, this description, the dashboard's page shell
 ROUTES += [
     Route.of("GET", "/api/health", "health", None, "liveness"),
     Route.of("GET", "/api/openapi.json", "openapi", None, "this document"),

@@ -15,7 +15,7 @@ any other caller (an API request) waits at most `BOUNDED_WAIT_S` and gets `Store
 (HTTP 503). `unavailable()` says whether writes fail or hang now: `/api/health` answers 503 from it
 (a read that succeeds says nothing about writes, so it never clears it).
 
-With a lease (`controller/lease.py`), every write transaction first checks the fence: a controller
+With a lease (`controller/store/lease.py`), every write transaction first checks the fence: a controller
 whose lease another one took gets `LeaseLost` from its first write, before anything it decided
 reaches an agent.
 

@@ -1,6 +1,6 @@
 """Commands waiting for their agents: pushed on an agent's channel, or taken by its long poll.
 
-Job threads put commands (any thread). An agent with a channel (controller/channel.py) has a
+Job threads put commands (any thread). An agent with a channel (controller/api/channel.py) has a
 pusher attached here: a command wakes only that pusher, on the API's event loop
 (`call_soon_threadsafe`), which takes the machine's commands and writes them to its socket. An
 agent without one (HTTP: an older agent) long-polls for its own (`take`), so thousands of idle

@@ -16,7 +16,7 @@ becomes a `ChannelConn`; anything else is handed to aiohttp as it came. A channe
 object handling its messages in `data_received`, one after the other, in order (a batch of
 events is in its job's inbox before the next message is read; a registration, which writes the
 store on a thread, holds the messages behind it). No task, no request object: see
-`stalwart.websocket` for why not aiohttp's WebSocket.
+`stalwart.transport.websocket` for why not aiohttp's WebSocket.
 
 A message that is not valid gets a `ChannelError` naming the field and the channel stays open; a
 batch with an event that does not fit its kind is taken without that event, and its `Ack` says
@@ -40,8 +40,14 @@ from typing import Any
 
 import msgspec
 
-from stalwart import auth, identity, protocol, websocket as ws
-from stalwart.logtext import loggable
+from stalwart import protocol
+
+from stalwart.security import auth
+
+from stalwart.security import identity
+
+from stalwart.transport import websocket as ws
+from stalwart.security.logtext import loggable
 from stalwart.controller.service import Controller
 from stalwart.errors import StalwartError
 

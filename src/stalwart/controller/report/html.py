@@ -13,10 +13,10 @@ import os
 from typing import TYPE_CHECKING
 
 from stalwart.backends.statedir import db_path
-from stalwart.plots import COLORS, Mark, Series, line_chart, stacked_bars
+from stalwart.controller.report.plots import COLORS, Mark, Series, line_chart, stacked_bars
 
 if TYPE_CHECKING:
-    from stalwart.client import Client
+    from stalwart.transport.client import Client
 
 PHASES = ("detection", "localization", "failover", "lost_progress", "hot_update")
 CSS = """body{font-family:sans-serif;margin:2em;color:#1f2937;max-width:1400px}
@@ -113,7 +113,7 @@ def render(rep: dict, series: dict | None = None) -> str:
 def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | None:
     """The series of a job for the report: from the controller `client` talks to when it
     answers, else from the state dir's store; None when neither has it."""
-    from stalwart.client import ApiError, ControllerUnreachable
+    from stalwart.transport.client import ApiError, ControllerUnreachable
     if client is not None:
         try:
             return client.get(f"/api/jobs/{job_id}/series?points=200")
@@ -124,8 +124,8 @@ def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | 
         return None
     import time
 
-    from stalwart.controller.series import series_payload
-    from stalwart.controller.store import Store
+    from stalwart.controller.report.series import series_payload
+    from stalwart.controller.store.db import Store
     store = Store(f"sqlite:///{db}")
     try:
         return series_payload(store.events(job_id), time.time(), points=200)

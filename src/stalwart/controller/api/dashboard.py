@@ -2,7 +2,7 @@
 
 Pure builders take a job's report (``report.build_report`` plus ``live``), its event log and the
 controller's machine table and return JSON-ready dicts; :class:`DashboardViews` wires them to a
-:class:`~stalwart.controller.observe.StatusSource` for the HTTP routes. Nothing here knows the HTTP
+:class:`~stalwart.controller.api.observe.StatusSource` for the HTTP routes. Nothing here knows the HTTP
 framework: a route calls a method and serialises what it returns.
 
 Incident ids are always the report's ``incidents[i]["id"]``; the stored incident row that holds an
@@ -17,8 +17,8 @@ import time
 from importlib import resources
 
 from stalwart.analyzer.stacks import group_records
-from stalwart.controller.observe import StatusSource
-from stalwart.controller.series import job_start, series_payload
+from stalwart.controller.api.observe import StatusSource
+from stalwart.controller.report.series import job_start, series_payload
 from stalwart.errors import NotFound
 
 MACHINE_STATES = ("active", "standby", "evicted", "idle", "provisioning", "released")

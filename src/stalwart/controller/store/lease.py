@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import sqlalchemy as sa
 
-from stalwart.controller.store import META, LeaseLost, Store, StoreUnavailable
+from stalwart.controller.store.db import META, LeaseLost, Store, StoreUnavailable
 
 log = logging.getLogger("stalwart.controller")
 BEAT_S = 0.5

@@ -1,0 +1,2 @@
+"""Wires: the controller's JSON-over-HTTP client, the WebSocket framing of agents' channels, newline-JSON
+between workers and their agent."""
