@@ -2,6 +2,9 @@
 import math
 import random
 
+import numpy as np
+import pytest
+
 from stalwart.agent.metrics import MetricsSampler, gpu_means
 from stalwart.controller.rules.peerwatch import PeerWatch
 
@@ -90,3 +93,22 @@ def test_the_peer_check_thins_out_on_large_jobs_but_keeps_a_candidates_run_alive
     assert peer_check_period(0.5, 8192) == 5.0
     assert peer_check_period(30.0, 4) == 30.0                     # never more often than a heartbeat
     assert peer_check_period(1.0, 100_000) < Continuity().grace_s  # a candidate's run survives the gaps
+
+
+@pytest.mark.parametrize("metrics", [["step_s"], ["compute_s", "step_s", "cpu"]])
+def test_the_sample_array_holds_each_rows_values_and_nan_where_a_row_lacks_one(metrics):
+    w = PeerWatch.create([["a", "b", "c"]], 1.0, 20.0, 60.0)
+    for t in range(10):
+        for i, m in enumerate("abc"):
+            row = {"step_s": 1.0 + i + t / 100, "compute_s": 0.5 + i, "cpu": 10.0 * i + t}
+            if (t + i) % 4 == 0:
+                del row["cpu"]
+            if t == 5 and m == "b":
+                del row["step_s"]
+            w.add(m, t + 0.5, row)
+    have = list(range(10))
+    got = w._samples(["a", "b", "c"], have, metrics)
+    want = np.array([[[w.rows[m][b].get(k, np.nan) for k in metrics] for b in have] for m in "abc"])
+    assert got.shape == (3, 10, len(metrics))
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got).any()
