@@ -70,7 +70,7 @@ def test_the_console_shows_rank_0_and_every_ranks_stderr_with_prefixes(tmp_path)
 def test_a_plain_scripts_progress_line_counts_steps_and_shows_no_target():
     out = io.StringIO()
     prog = Progress(stream=out, target_given=False)
-    base = {"state": "running", "ettr": 0.5, "steps_target": 100, "incidents": []}
+    base = {"state": "running", "ettr": 0.5, "productive_s": 2.0, "steps_target": 100, "incidents": []}
     prog.update({**base, "live": {"step": 0, "run": 1, "state": "running"}})
     prog.update({**base, "live": {"step": 40, "run": 1, "state": "running", "script": True, "steps_per_s": 12.5}})
     text = out.getvalue()
@@ -101,3 +101,15 @@ def test_logs_of_a_rank_that_wrote_nothing_say_so(tmp_path, capsys):
     assert out.out == "" and out.err == "stalwart: rank 1 wrote nothing in run 2 (--all-runs for the earlier runs)\n"
     assert main(["logs", "--rank", "1", "--all-runs", "--state-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "[rank1]:before the crash\n"
+
+
+def test_the_progress_line_says_no_ettr_before_a_step_and_keeps_the_step_across_a_restart():
+    out = io.StringIO()
+    prog = Progress(stream=out, target_given=False)
+    prog.update({"state": "running", "ettr": 0.0, "productive_s": 0.0, "incidents": [],
+                 "live": {"run": 1, "state": "starting"}})
+    assert "ETTR -" in prog.last_line and "ETTR 0.000" not in prog.last_line
+    # the new run has not reported a step yet: the line keeps the job's steps, not 0
+    prog.update({"state": "running", "ettr": 0.8, "productive_s": 8.0, "steps_completed": 60, "incidents": [],
+                 "live": {"step": 0, "run": 2, "state": "running"}})
+    assert "step 60" in prog.last_line and "ETTR 0.800" in prog.last_line

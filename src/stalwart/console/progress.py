@@ -38,7 +38,7 @@ class Progress:
 
     def update(self, st: dict) -> None:
         live = st.get("live") or {}
-        step = live.get("step", st.get("steps_completed", 0))
+        step = live.get("step") or st.get("steps_completed", 0)   # a new run's first report is not in yet
         script = bool(live.get("script")) or st.get("steps_source") == "script"
         known = not script and (self.target_given or step > 0)
         total = (st.get("steps_target") or 0) if known else 0
@@ -47,7 +47,8 @@ class Progress:
         line = f"{self._bar(step, total)} step {step}/{total}" if total else f"step {step}"
         line += f"  loss {loss:.4f}" if loss is not None else ""
         line += f"  {rate:.1f} steps/s" if rate else ""
-        line += f"  ETTR {st.get('ettr', 0):.3f}  run {live.get('run', '-')}  [{live.get('state', st['state'])}]"
+        ettr = f"{st['ettr']:.3f}" if st.get("productive_s") else "-"   # nothing measured before a step
+        line += f"  ETTR {ettr}  run {live.get('run', '-')}  [{live.get('state', st['state'])}]"
         if not total and st.get("incidents"):
             line += f"  incidents {len(st['incidents'])}"
         for inc in st.get("incidents", []):
