@@ -36,10 +36,11 @@ from typing import Any
 import yaml
 
 from stalwart.backends import k8s_template
-from stalwart.security import identity
-from stalwart.backends.kubernetes import (CHECKPOINT_MOUNT, CLUSTER_LABEL, SECRET_KEY, TOKEN_KEY, K8sConfig,
-                                         agent_pod)
+from stalwart.backends.kubernetes import CHECKPOINT_MOUNT, CLUSTER_LABEL, SECRET_KEY, TOKEN_KEY, K8sConfig, agent_pod
 from stalwart.backends.statedir import DB_NAME
+from stalwart.controller.cluster.standby import standby_count
+from stalwart.security import identity
+from stalwart.spec import JobSpec
 
 CONTROLLER_LABELS = {"app.kubernetes.io/name": "stalwart-controller"}
 CONTROLLER_REQUESTS = {"cpu": "1", "memory": "2Gi"}
@@ -48,7 +49,6 @@ SUBMIT_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
 
 def load_job(path: str) -> tuple[dict[str, Any], K8sConfig]:
     """The job spec (validated) and its `kubernetes:` settings from a job YAML."""
-    from stalwart.spec import JobSpec
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -209,8 +209,6 @@ def _submit_job(cfg: K8sConfig) -> dict:
 def render(spec: dict[str, Any], cfg: K8sConfig, token: str, spare: int = 0, secret: str | None = None) -> list[dict]:
     """Every object of the job, in apply order (`token`: the API's, and `secret`: the controller's,
     from which the agents' join tokens derive; both kept by the caller so that renders agree)."""
-    from stalwart.controller.cluster.standby import standby_count
-    from stalwart.spec import JobSpec
     js = JobSpec.from_dict(spec)
     cfg = dataclasses.replace(cfg, machines=js.machines + standby_count(js) + spare)
     backend = {"kind": "kubernetes", **dataclasses.asdict(cfg)}

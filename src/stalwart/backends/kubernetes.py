@@ -29,6 +29,7 @@ from typing import Any
 
 from stalwart.backends import k8s_template
 from stalwart.backends.base import Backend, BackendState
+from stalwart.security import auth, identity
 
 log = logging.getLogger("stalwart.kubernetes")
 EVICTED_LABEL = "stalwart.io/evicted"
@@ -148,8 +149,6 @@ def agent_pod(cfg: K8sConfig, machine: str, join_token: str | None = None) -> di
     if cfg.gpu_resource:
         resources["limits"] = {cfg.gpu_resource: str(cfg.gpus)}
     if join_token is None:
-        from stalwart.security import auth
-        from stalwart.security import identity
         join_token = identity.join_token(auth.read_token_file(cfg.secret_file).encode(), machine)
     env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

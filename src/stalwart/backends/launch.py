@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Callable
 
+from stalwart.console.progress import Progress, summary
 from stalwart.transport.client import ApiError, ControllerUnreachable
 
 PROGRESS_EVERY_S = 1.0     # the progress line's refresh, from the job's live progress (cheap)...
@@ -34,7 +35,6 @@ def run_job(cluster, spec, start: Callable[[], None], job: int | None = None,
     controller that took it over); the exit code (0 succeeded, 1 not, 130 interrupted). `tick` is
     called at each refresh. `logs`: the workers' output to show (a `cli.logs.LogTail`), printed
     above the progress line as it comes. The cluster is stopped whatever happens."""
-    from stalwart.console.progress import Progress, summary
     rep = None
     cluster.on_controller_restart = lambda msg: print(f"\nstalwart: {msg}", file=sys.stderr, flush=True)
     try:

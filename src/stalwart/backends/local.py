@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,16 +30,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from stalwart.security import auth
+import psutil
 
-from stalwart.security import identity
 from stalwart.agent.adopt import leftovers
+from stalwart.agent.paths import ckpt_root
 from stalwart.agent.workers import die_with_parent, kill_tree
 from stalwart.backends.base import Backend
 from stalwart.backends.statedir import db_url as statedir_db_url
-from stalwart.transport.client import Client, ControllerUnreachable
 from stalwart.devices import netns
 from stalwart.errors import StalwartError
+from stalwart.security import auth, identity
+from stalwart.transport.client import Client, ControllerUnreachable
 
 log = logging.getLogger("stalwart.local")
 
@@ -294,9 +296,6 @@ class LocalCluster(Backend):
     def start_agent(self, machine: str, fresh: bool = True) -> None:
         """Start `machine`'s agent (`fresh`: a new machine; else its agent restarts and keeps
         what its work directory and memory hold)."""
-        import shutil
-
-        from stalwart.agent.paths import ckpt_root
         # a machine that starts here is new: memory at its path is a killed earlier cluster's
         # (same state dir path), never this machine's checkpoints
         if fresh:
@@ -371,9 +370,6 @@ class LocalCluster(Backend):
 def remove_machine_memory(state_dir: str) -> None:
     """Free the shared memory (checkpoint shards) of every machine of this state dir: agents that
     were killed (machine-down, a stopped cluster) never free their own."""
-    import shutil
-
-    from stalwart.agent.paths import ckpt_root
     machines = os.path.join(state_dir, "machines")
     for m in os.listdir(machines) if os.path.isdir(machines) else []:
         shutil.rmtree(ckpt_root(os.path.join(machines, m)), ignore_errors=True)
@@ -394,7 +390,6 @@ def kill_leftovers(state_dir: str) -> list[int]:
 def cleanup_stale(state_dir: str) -> list[int]:
     """Kill processes a crashed `stalwart run` left behind (recorded in pids.json), and remove
     the network namespaces, links and nft tables it created."""
-    import psutil
     pid_file = os.path.join(state_dir, "pids.json")
     killed = []
     netns_dir = os.path.join(state_dir, "netns")

@@ -10,13 +10,13 @@ import argparse
 import ipaddress
 import json
 import os
+import shutil
 import socket
 import sys
 
-from stalwart.security import auth
-
-from stalwart.security import identity
+from stalwart.agent.paths import ckpt_root
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, node_info
+from stalwart.security import auth, identity
 
 
 def node_address(node: str) -> str:
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = cfg.workdir.format(state_dir=cfg.state_dir, machine=machine, node=node)
     # a machine that starts here is new (a refill, or a requeued allocation on whatever nodes it
     # got): checkpoint memory at its path is an earlier agent's, never this one's
-    import shutil
 
-    from stalwart.agent.paths import ckpt_root
     shutil.rmtree(ckpt_root(workdir), ignore_errors=True)
     args = agent_argv(cfg, a.first, env, join_token_file(cfg, machine, workdir))
     os.environ.update(cfg.env)

@@ -27,15 +27,16 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
-
-from stalwart.security import auth
-from stalwart.backends.slurm import SlurmError, job_info
+from stalwart.agent.workers import kill_tree
 from stalwart.backends.local import LocalCluster
+from stalwart.backends.slurm import SlurmError, job_info
 from stalwart.backends.slurm_submit import SlurmCluster
 from stalwart.errors import UserError
+from stalwart.security import auth
 
 REGISTRY_ENV = "STALWART_SLURM_JOBS"
 COMMENT_PREFIX = "stalwart:"
@@ -90,7 +91,6 @@ class InsideCluster(SlurmCluster):
         self.requeued = False        # keep the refill allocations: their agents serve the next run
 
     def start(self, timeout: float = 60.0, takeover: bool = False) -> str:   # type: ignore[override]
-        import threading
         os.makedirs(self.state_dir, exist_ok=True)
         self.token = auth.create_token_file(self.token_file)      # (kept: a requeued run reuses it)
         self.store_host = self.advertise
@@ -144,7 +144,6 @@ class InsideCluster(SlurmCluster):
             proc.kill()
 
     def stop(self) -> None:
-        from stalwart.agent.workers import kill_tree
         if self.step is not None:
             kill_tree(self.step.pid, grace_s=2.0)     # srun passes SIGTERM to the agents, then ends the step
             self.step = None

@@ -1,6 +1,7 @@
 """The chaos catalogue: every fault stalwart can inject, and the `KIND@step=S,machine=M` syntax."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
@@ -101,7 +102,6 @@ def parse(text: str) -> ChaosSpec:
 
 def check_runnable(kind: str, euid: int | None = None) -> None:
     """Refuse, with the reason, a kind this host cannot inject (no root)."""
-    import os
     euid = os.geteuid() if euid is None else euid
     if kind in ROOT_KINDS and euid != 0:
         raise ChaosError(f"chaos {kind} needs root ({ROOT_KINDS[kind]}); this runs as uid {euid}")

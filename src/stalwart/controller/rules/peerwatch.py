@@ -102,7 +102,7 @@ class PeerWatch:
         if not metrics:
             return None, {"samples": len(have)}
         data = self._samples(machines, have, metrics)
-        series = {m: data[i] for i, m in enumerate(machines)}
+        series: dict[Hashable, np.ndarray] = {m: data[i] for i, m in enumerate(machines)}
         found = detect(series, metrics, now_index=len(have) - 1, window=WINDOW,
                        start_index=len(have) - 1, rel_floor=REL_FLOOR)
         if not found:
