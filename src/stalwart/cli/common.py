@@ -3,17 +3,19 @@ client (its URL and credentials from options or the environment), the job option
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
 import shutil
 import sys
 
-from stalwart.security import auth
 from stalwart.backends import statedir
 from stalwart.chaos import catalogue
-from stalwart.transport.client import Client, ControllerUnreachable
+from stalwart.controller.cluster.standby import standby_count
 from stalwart.errors import UserError
+from stalwart.security import auth
+from stalwart.transport.client import Client, ControllerUnreachable
 
 __all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "TLS_CA_ENV", "TOKEN_FILE_ENV",
            "UserError", "chaos_help", "api_client", "client_options", "controller_options", "controller_url",
@@ -47,7 +49,6 @@ def missing_extra_line(command: str, module: str | None) -> str | None:
 
 def need_controller(command: str) -> None:
     """Before a command that runs the control plane starts anything."""
-    import importlib.util
     for mod in EXTRAS["controller"]:
         if mod == "uvloop":
             continue        # (optional: the asyncio loop where it is missing)
@@ -215,7 +216,7 @@ def note(text: str) -> None:
 
 
 def is_python(exe: str) -> bool:
-    from stalwart.spec.commandline import is_python as named_python
+    from stalwart.spec.commandline import is_python as named_python   # spec: not on --help's path
     return named_python(exe)
 
 
@@ -246,7 +247,6 @@ def check_command(cmd: list[str], workdir: str) -> None:
         return
     if target is not None and target[1] == "module":
         if os.path.abspath(cmd[0]) == os.path.abspath(sys.executable):
-            import importlib.util
             top = cmd[target[0]].split(".")[0]
             sys.path.insert(0, workdir)
             try:
@@ -310,7 +310,6 @@ def spec_from_args(a):
         raise UserError("--machines is required (or a config file that sets machines)")
     spec = JobSpec.from_dict(d)
     for c in spec.chaos:
-        from stalwart.controller.cluster.standby import standby_count
         catalogue.validate_against(catalogue.parse(c), spec.machines + standby_count(spec),
                                    spec.gpus_per_machine, spec.machines)
     check_command(spec.command, spec.workdir or os.getcwd())

@@ -3,17 +3,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import uuid
 
 from stalwart.chaos import catalogue
-from stalwart.cli.common import (DEFAULT_STATE, UserError, api_client, chaos_help, job_options, need_controller,
-                                 print_json, spec_from_args, state_options, torchrun_options)
+from stalwart.cli.common import (
+    DEFAULT_STATE,
+    UserError,
+    api_client,
+    chaos_help,
+    job_options,
+    need_controller,
+    print_json,
+    spec_from_args,
+    state_options,
+    torchrun_options,
+)
+from stalwart.cli.logs import LogTail, parse_ranks
+from stalwart.controller.cluster.standby import standby_count
 
 
 def cmd_run(a) -> int:
     from stalwart.backends.local import LocalCluster
     from stalwart.backends.statedir import StateDirBusy, StateDirLock
-    from stalwart.controller.cluster.standby import standby_count
     need_controller("stalwart run")
     spec = spec_from_args(a)
     if a.spare < 0:
@@ -26,7 +38,6 @@ def cmd_run(a) -> int:
             require_isolation()
         except NetworkUnavailable as e:
             raise UserError(str(e)) from None
-    from stalwart.cli.logs import LogTail, parse_ranks
     shown = parse_ranks(a.log_ranks)
     lock = StateDirLock(a.state_dir)
     try:
@@ -116,8 +127,6 @@ def cmd_cleanup(a) -> int:
     killed = cleanup_stale(a.state_dir)
     print(f"stopped {len(killed)} leftover process(es)")
     if a.orphans:
-        import shutil
-
         from stalwart.agent.paths import orphans
         gone = orphans()
         for root in gone:

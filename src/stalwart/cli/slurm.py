@@ -9,6 +9,7 @@ controller's modules are imported where a command runs, so that building the par
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -19,14 +20,13 @@ import yaml
 from stalwart.backends.slurm import NOTES, JobInfo, SlurmError, ended_reason, job_info, run_cli
 from stalwart.backends.slurm_alloc import COMMENT_PREFIX, InsideCluster, batch_script, gpu_request, remember
 from stalwart.backends.slurm_submit import SlurmCluster, default_advertise
-from stalwart.errors import StalwartError
 from stalwart.cli.common import job_options, spec_from_args
-from stalwart.errors import UserError
+from stalwart.controller.cluster.standby import standby_count
+from stalwart.errors import StalwartError, UserError
 
 
 def cmd_slurm_submit(a) -> int:
     from stalwart.backends.launch import run_job
-    from stalwart.controller.cluster.standby import standby_count
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")
@@ -120,8 +120,6 @@ def _notes_printer(path: str):
 
 def _running_job(state_dir: str, job_id: str) -> int | None:
     """The stalwart job this allocation ran before it was requeued, if it still runs."""
-    import json
-
     from stalwart.backends.statedir import db_path, db_url
     from stalwart.controller.service import RUNNING_STATES
     from stalwart.controller.store.db import Store
@@ -143,7 +141,6 @@ def _running_job(state_dir: str, job_id: str) -> int | None:
 def cmd_slurm_run(a) -> int:
     from stalwart.backends.launch import run_job
     from stalwart.backends.slurm_agent import node_address
-    from stalwart.controller.cluster.standby import standby_count
     env = os.environ
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
@@ -214,7 +211,6 @@ def cmd_slurm_run(a) -> int:
 
 
 def cmd_slurm_sbatch(a) -> int:
-    from stalwart.controller.cluster.standby import standby_count
     spec = spec_from_args(a)
     if a.spare < 0:
         raise UserError(f"--spare must be >= 0 (got {a.spare})")

@@ -7,8 +7,17 @@ from __future__ import annotations
 import json
 import os
 
-from stalwart.cli.common import (EXIT, UserError, api_client, offline_report, print_json, report, state_store_url,
-                                 state_options)
+from stalwart.cli.common import (
+    EXIT,
+    UserError,
+    api_client,
+    offline_report,
+    print_json,
+    report,
+    state_options,
+    state_store_url,
+)
+from stalwart.errors import NotFound
 from stalwart.transport.client import ControllerUnreachable
 
 ENDED_BADLY = ("failed", "cancelled")
@@ -144,7 +153,6 @@ def offline_incident(url: str, job: str, incident: int) -> dict:
     from stalwart.controller.api.dashboard import incident_detail
     from stalwart.controller.report.build import build_report
     from stalwart.controller.store.db import Store
-    from stalwart.errors import NotFound
     store = Store(url)
     try:
         row = store.latest_job() if job == "latest" else store.job(int(job)) if job.isdigit() else None
