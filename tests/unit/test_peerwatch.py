@@ -2,11 +2,11 @@
 import math
 import random
 
+import msgspec
 import numpy as np
-import pytest
 
 from stalwart.agent.metrics import MetricsSampler, gpu_means
-from stalwart.controller.rules.peerwatch import PeerWatch
+from stalwart.controller.rules.peerwatch import METRICS, PeerWatch
 
 
 def feed(w, t, odd=None, n=4, temp_odd=95.0):
@@ -95,20 +95,36 @@ def test_the_peer_check_thins_out_on_large_jobs_but_keeps_a_candidates_run_alive
     assert peer_check_period(1.0, 100_000) < Continuity().grace_s  # a candidate's run survives the gaps
 
 
-@pytest.mark.parametrize("metrics", [["step_s"], ["compute_s", "step_s", "cpu"]])
-def test_the_sample_array_holds_each_rows_values_and_nan_where_a_row_lacks_one(metrics):
-    w = PeerWatch.create([["a", "b", "c"]], 1.0, 20.0, 60.0)
-    for t in range(10):
+def test_the_window_holds_each_rows_values_and_nan_where_a_row_lacks_one():
+    w = PeerWatch.create([["a", "b", "c"]], 1.0, 10.0, 60.0)
+    want: dict[str, dict[int, dict[str, float]]] = {m: {} for m in "abc"}
+    for t in range(30):                     # 30 buckets through a ring of 10 + slack
         for i, m in enumerate("abc"):
-            row = {"step_s": 1.0 + i + t / 100, "compute_s": 0.5 + i, "cpu": 10.0 * i + t}
+            row = {"step_s": 1.0 + i + t / 100, "compute_s": 0.5 + i, "cpu": 10.0 * i + t, "junk": 1.0}
             if (t + i) % 4 == 0:
                 del row["cpu"]
-            if t == 5 and m == "b":
-                del row["step_s"]
+            if t == 25 and m == "b":
+                row["step_s"] = math.nan       # not finite: not a sample
             w.add(m, t + 0.5, row)
-    have = list(range(10))
-    got = w._samples(["a", "b", "c"], have, metrics)
-    want = np.array([[[w.rows[m][b].get(k, np.nan) for k in metrics] for b in have] for m in "abc"])
-    assert got.shape == (3, 10, len(metrics))
-    np.testing.assert_array_equal(got, want)
-    assert np.isnan(got).any()
+            want[m].setdefault(t, {}).update({k: v for k, v in row.items() if k != "junk" and math.isfinite(v)})
+    w.add("a", 3.5, {"step_s": 99.0})          # older than what its ring slot holds now: dropped
+    sm = w._samples
+    for m in "abc":
+        for b in range(20, 30):
+            s = b % sm.size
+            assert sm.ids[sm.index[m], s] == b
+            got = dict(zip(METRICS, sm.vals[sm.index[m], s]))
+            assert {k: v for k, v in got.items() if not np.isnan(v)} == want[m][b]
+    _, seen = w.check(30.0)
+    assert seen[0]["samples"] == 10 and seen[0]["metrics"] == ["compute_s", "step_s", "cpu"]
+
+
+def test_the_samples_are_not_saved_with_the_state_and_the_window_fills_again():
+    w = PeerWatch.create([[f"m{i}" for i in range(4)]], 1.0, 30.0, 20.0)
+    assert run(w, odd_from=10.0, odd="m2") is not None
+    saved = msgspec.to_builtins(w)
+    assert set(saved) == {"groups", "period_s", "lookback", "conts", "since"}
+    back = msgspec.convert(saved, type=PeerWatch)
+    back.conts = [type(c)(continuity_s=c.continuity_s, grace_s=c.grace_s) for c in back.conts]
+    assert back.check(61.0) == (None, {0: {"samples": 0}})     # the window starts empty after a restart
+    assert run_from(back, 61.0, odd_from=61.0, odd="m2")[1] == "m2"
