@@ -403,7 +403,7 @@ def dumps(state: JobState, pieces: bool = True) -> bytes:
     Infinity), not turned into null.
 
     The text is exactly `json.dumps` of the whole, but written in pieces: a job of 2,048 machines
-    has a state of megabytes (its peers' metric windows, the ranks' hang timers), and one call of
+    has a state of megabytes (the ranks' hang timers and step records), and one call of
     the C encoder holds the GIL for all of it (~0.2 s), stalling the API's event loop, which
     answers every agent's beat, for as long. In pieces of at most CHUNK entries the GIL passes
     between them (every few ms), so a save delays a beat by little more than `to_builtins`.
