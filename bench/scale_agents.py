@@ -30,9 +30,8 @@ import urllib.parse
 import msgspec
 
 from stalwart import protocol
-
-from stalwart.transport import websocket
 from stalwart.protocol import merge_steps
+from stalwart.transport import websocket
 
 
 class HttpError(Exception):

@@ -11,11 +11,9 @@ import threading
 import time
 import urllib.parse
 
-from stalwart.security import auth
-
-from stalwart.security import identity
 from stalwart.backends import statedir
 from stalwart.cli.common import DEFAULT_STATE, UserError, controller_options, labels, state_options, write_atomic
+from stalwart.security import auth, identity
 from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 
@@ -59,7 +57,7 @@ def cmd_controller(a) -> int:
     # the read-only token of Prometheus and the dashboard (stalwart.security.identity)
     write_secret(os.path.join(a.state_dir, identity.READER_FILE), identity.reader_token(ctl.secret))
     srv.start()
-    from stalwart.controller.gcpolicy import settle_when      # (start-up objects out of the collector)
+    from stalwart.controller.gcpolicy import settle_when  # (start-up objects out of the collector)
     threading.Thread(target=settle_when, args=(ctl.rendezvous.imported,), name="gc-settle", daemon=True).start()
     # where this host's CLI, a local cluster's agents and its supervisor find it (written before
     # the port file, which says the controller is up)
@@ -159,10 +157,10 @@ def agent_credential(a, workdir: str) -> str:
 
 
 def cmd_agent(a) -> int:
+    from stalwart import protocol
     from stalwart.agent.daemon import Agent
     from stalwart.agent.probeset import ProbeSetupError
     from stalwart.agent.workdir import WorkdirInUse
-    from stalwart import protocol
     if a.gpus is not None:
         logging.getLogger("stalwart").warning("--gpus is deprecated: it is --gpus-per-machine (the GPUs of "
                                               "this machine; `stalwart sim --gpus` is the whole job's)")

@@ -41,15 +41,11 @@ from typing import Any
 import msgspec
 
 from stalwart import protocol
-
-from stalwart.security import auth
-
-from stalwart.security import identity
-
-from stalwart.transport import websocket as ws
-from stalwart.security.logtext import loggable
 from stalwart.controller.service import Controller
 from stalwart.errors import StalwartError
+from stalwart.security import auth, identity
+from stalwart.security.logtext import loggable
+from stalwart.transport import websocket as ws
 
 log = logging.getLogger("stalwart.api")
 Observe = Callable[[str, str, int, float], None]      # (route, method, code, seconds)

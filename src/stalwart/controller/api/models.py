@@ -21,7 +21,6 @@ import msgspec
 from msgspec import Meta
 
 from stalwart import protocol
-
 from stalwart.security import auth
 from stalwart.spec import schema as spec_schema
 

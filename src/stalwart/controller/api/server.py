@@ -21,22 +21,19 @@ import msgspec
 from aiohttp import web
 
 from stalwart import __version__, protocol
-
-from stalwart.security import auth
-
-from stalwart.security import identity
-from stalwart.security.logtext import loggable
 from stalwart.controller.api import models
 from stalwart.controller.api.channel import Channels, FrontDoor
 from stalwart.controller.api.dashboard import DashboardViews, static_file
 from stalwart.controller.api.enroll import Enrollment
-from stalwart.controller.cluster.machines import AgentReply
 from stalwart.controller.api.metrics import KEEP_ENDED_S, ControllerMetrics
 from stalwart.controller.api.observe import ControllerSource, Raw, current_statuses
+from stalwart.controller.cluster.machines import AgentReply
+from stalwart.controller.report.html import render as render_html
 from stalwart.controller.service import Controller
 from stalwart.controller.store.db import StoreUnavailable
 from stalwart.errors import Conflict, InvalidRequest, StalwartError
-from stalwart.controller.report.html import render as render_html
+from stalwart.security import auth, identity
+from stalwart.security.logtext import loggable
 
 log = logging.getLogger("stalwart.api")
 # an agent's beat and batch of events answered over HTTP (the channel answers with protocol.Ack)
