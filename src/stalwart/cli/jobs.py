@@ -166,7 +166,7 @@ def add_parsers(sub) -> None:
 
     i = sub.add_parser("inject", help="inject a fault into the running job", epilog=chaos_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    i.add_argument("kind")
+    i.add_argument("kind", help="the fault to inject, one of the kinds listed below")
     i.add_argument("--machine", type=int, required=True, help="machine index M (machine mM)")
     i.add_argument("--rank", type=int)
     i.add_argument("--param", action="append", help="KEY=VALUE for the kind (code=79, peer=2, rate=1mbit, "
