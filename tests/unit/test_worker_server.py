@@ -122,3 +122,27 @@ def test_a_bad_line_or_a_failed_handler_does_not_cut_the_worker_off(linked, capl
             break
         threading.Event().wait(0.01)
     assert not server.has_link(pid)
+
+
+def test_the_sdk_reads_its_agents_messages_typed_and_drops_a_bad_line(tmp_path, monkeypatch, caplog):
+    from stalwart.worker.link import AgentLink
+    monkeypatch.delenv(p.Env.RELINK_S, raising=False)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "agent.sock"))
+    srv.listen(1)
+    srv.settimeout(WAIT_S)
+    got: queue.Queue = queue.Queue()
+    link = AgentLink(str(tmp_path / "agent.sock"), got.put)
+    agent, _ = srv.accept()
+    try:
+        with caplog.at_level(logging.WARNING, logger="stalwart.worker"):
+            send(agent, "not json {", {"type": "no-such-kind"}, {"type": "activate", "env": "not a map"},
+                 p.encode(p.WorkerChaos(kind="nan", from_step=3)), p.encode(p.Activate(env={"RANK": "1"})))
+            assert got.get(timeout=WAIT_S) == p.WorkerChaos(kind="nan", from_step=3)
+            assert got.get(timeout=WAIT_S) == p.Activate(env={"RANK": "1"})
+        assert got.empty()
+        assert len([r for r in caplog.records if "from the agent dropped" in r.getMessage()]) == 3
+    finally:
+        link.close()            # (first: a link whose agent goes away ends its worker)
+        agent.close()
+        srv.close()
