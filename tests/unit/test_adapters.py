@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 
-from stalwart.protocol import Env
+from stalwart.protocol import Env, WorkerChaos
 from stalwart.worker import memckpt
 from stalwart.worker.adapters import dcp as adcp
 from stalwart.worker.adapters import require
@@ -241,9 +241,9 @@ def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
         standby.wait_if_standby()
         assert os.environ["RANK"] == "5" and Env.STANDBY not in os.environ
         assert got[0]["type"] == "standby_ready" and got[0]["pid"] == os.getpid()
-        later: list[dict] = []
+        later: list[WorkerChaos] = []
         link = standby.take_link(later.append)
-        assert link is standby._link and later == [{"type": "chaos", "kind": "nan", "from_step": 3}]
+        assert link is standby._link and later == [WorkerChaos(kind="nan", from_step=3)]
         link.send({"type": "hello", "rank": 5})
         t.join(30)
         assert got[1] == {"type": "hello", "rank": 5}

@@ -6,6 +6,7 @@ import pytest
 from stalwart.chaos import catalogue
 from stalwart.chaos.catalogue import ChaosError
 from stalwart.chaos.machine import AGENT_KINDS, HANDLERS
+from stalwart.protocol import WorkerChaos
 
 
 def test_parse_full_and_minimal():
@@ -76,8 +77,8 @@ def test_stage_hang_is_a_kind_forwarded_to_the_worker_sdk():
     mc = MachineChaos("m1", "/nonexistent", "/nonexistent", 2, "/nonexistent", "/nonexistent",
                       None, Workers(), lambda rank, msg: sent.append((rank, msg)))
     mc.apply({"kind": "stage-hang", "from_step": 20})
-    assert [(r, m["type"], m["kind"], m["from_step"]) for r, m in sent] == \
-        [(2, "chaos", "stage-hang", 20), (3, "chaos", "stage-hang", 20)]
+    hang = WorkerChaos(kind="stage-hang", from_step=20)
+    assert sent == [(2, hang), (3, hang)]
 
 
 class _Blocked(Exception):
@@ -101,7 +102,7 @@ def test_maybe_hang_blocks_in_the_pipeline_or_without_one_in_the_all_reduce(monk
     monkeypatch.setattr(context.time, "sleep", sleep)
     for where in ("pp", "dp"):
         ctx.maybe_hang(5, where)                # no chaos armed: never blocks
-    ctx._on_agent_message({"type": "chaos", "kind": "stage-hang", "from_step": 7})
+    ctx._on_agent_message(WorkerChaos(kind="stage-hang", from_step=7))
     ctx.maybe_hang(6, "pp")
     ctx.maybe_hang(6, "dp")                     # armed, not yet in effect
     assert naps == []

@@ -10,6 +10,7 @@ import os
 import pytest
 from corekit import Harness, of, records
 
+import stalwart
 from stalwart import protocol as p
 from stalwart.analyzer.traces import DensityModel, window_features
 from stalwart.controller.job import actions as a
@@ -71,7 +72,7 @@ def test_a_rank_alone_in_its_peer_group_or_with_few_collectives_gets_no_features
 
 # -- the flight-recorder hook's trace ------------------------------------------------------------
 def _frhook():
-    path = os.path.join(os.path.dirname(p.__file__), "worker", "frhook.py")
+    path = os.path.join(os.path.dirname(stalwart.__file__), "worker", "frhook.py")
     spec = importlib.util.spec_from_file_location("_frhook_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -17,6 +17,7 @@ from stalwart.chaos import catalogue
 from stalwart.chaos.net import ChaosUnavailable
 from stalwart.devices.netns import Machine
 from stalwart.devices.simgpu import SimGpu
+from stalwart.protocol import WorkerChaos
 
 # Worker-side kinds: forwarded to the worker SDK over the local socket.
 SDK_KINDS = {"nan", "user-error", "stage-hang"}
@@ -25,7 +26,7 @@ SDK_KINDS = {"nan", "user-error", "stage-hang"}
 class MachineChaos:
     def __init__(self, machine_id: str, workdir: str, simgpu_path: str, gpus: int,
                  kmsg_path: str, disk_override_path: str, network: dict | None,
-                 workers, send_to_worker: Callable[[int, dict], None]):
+                 workers, send_to_worker: Callable[[int, WorkerChaos], None]):
         self.machine_id = machine_id
         self.workdir = workdir
         self.simgpu_path = simgpu_path
@@ -166,8 +167,11 @@ class MachineChaos:
     def _to_sdk(self, cmd):
         ranks = [cmd["rank"]] if cmd.get("rank") is not None else \
             [w.rank for w in self.workers.workers if w.rank is not None]
+        params = {k: v for k, v in cmd.items() if k not in ("type", "kind", "rank", "step", "from_step")}
+        msg = WorkerChaos(kind=cmd["kind"], rank=cmd.get("rank"), from_step=int(cmd.get("from_step", 0)),
+                          params=params)
         for r in ranks:
-            self.send_to_worker(r, {"type": "chaos", **cmd})
+            self.send_to_worker(r, msg)
 
 
 # kind -> its handler, one for each kind of the catalogue but `machine-down`, which the agent

@@ -44,7 +44,7 @@ class Context:
         # from here on this process' steps are the SDK's to report: the start-up hook's own
         # optimizer-step counting stands down (see Env.SDK_STEPS)
         os.environ[Env.SDK_STEPS] = "1"
-        self._chaos: dict[str, dict] = {}
+        self._chaos: dict[str, protocol.WorkerChaos] = {}
         self._imported_at = time.time()       # torch and the training script are loaded
         self._activation = threading.Event()
         self._activation_env: dict[str, str] = {}
@@ -169,13 +169,12 @@ class Context:
                 self.groups[kind] = None if len(ranks) == 1 else dist.new_group(
                     list(ranks), timeout=timeout, use_local_synchronization=True)
 
-    def _on_agent_message(self, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "activate":
-            self._activation_env = {k: str(v) for k, v in msg["env"].items()}
+    def _on_agent_message(self, msg: protocol.ToWorker) -> None:
+        if isinstance(msg, protocol.Activate):
+            self._activation_env = dict(msg.env)
             self._activation.set()
-        elif kind == "chaos":
-            self._chaos[msg["kind"]] = msg
+        elif isinstance(msg, protocol.WorkerChaos):
+            self._chaos[msg.kind] = msg
 
     # -- restore -----------------------------------------------------------------------------
     def restore(self) -> tuple[int, Any]:
@@ -208,7 +207,7 @@ class Context:
     def chaos_active(self, kind: str, step: int) -> bool:
         """True when chaos of `kind` was armed on this worker and applies from `step` on."""
         c = self._chaos.get(kind)
-        return c is not None and step >= int(c.get("from_step", 0))
+        return c is not None and step >= c.from_step
 
     def maybe_hang(self, step: int, where: str = "pp") -> None:
         """Block forever here when the `stage-hang` chaos is armed and applies from `step` on.

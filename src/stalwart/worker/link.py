@@ -10,8 +10,9 @@ that may wait comes LAZY_S or more after it, or within LAZY_IDLE_S of the writer
 (the last report before a hang). The writer does not poll: with a checkpoint every step it wakes
 once a step, for the commit (it woke every LAZY_S, 20 times a second, taking the interpreter
 lock from the training thread each time). Messages from the agent (activation of a warm
-standby, chaos) are handed to a callback on a reader thread. Without an agent (a plain torchrun
-job) the link is inert.
+standby, chaos) are decoded into `protocol.workerlink`'s types and handed to a callback on a
+reader thread; a line that is not one of them is dropped. Without an agent (a plain torchrun job)
+the link is inert.
 
 When the agent's end closes (the agent died), the link connects to the same socket path again
 for up to STALWART_RELINK_S seconds: a restarted agent listens there and adopts the worker
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import socket
 import threading
@@ -31,15 +33,16 @@ from typing import Callable, Deque
 import msgspec
 
 from stalwart.transport.jsonlines import JsonLineSocket
-from stalwart.protocol import Env
+from stalwart.protocol import Env, ToWorker, decode_to_worker
 
 LAZY_S = 0.05       # a message sent with wake=False this old goes with the next such message...
 LAZY_IDLE_S = 1.0   # ...and within this when none follows, while the writer waits this long...
 LAZY_KEEP_S = 10.0  # ...until this long after the last (then it sleeps until a message comes)
+log = logging.getLogger("stalwart.worker")
 
 
 class AgentLink:
-    def __init__(self, path: str | None, on_message: Callable[[dict], None]):
+    def __init__(self, path: str | None, on_message: Callable[[ToWorker], None]):
         self.path = path
         self._on_message = on_message
         self._buf: Deque[dict | threading.Event | None] = collections.deque()
@@ -116,17 +119,16 @@ class AgentLink:
 
     def send_now(self, msg: dict | msgspec.Struct) -> None:
         """Send synchronously (used before blocking on the agent, and before exit)."""
-        if isinstance(msg, msgspec.Struct):
-            msg = msgspec.to_builtins(msg)
+        data: dict = msgspec.to_builtins(msg) if isinstance(msg, msgspec.Struct) else msg
         if self._conn is not None:
             self.flush()
             conn = self._conn
             try:
-                conn.send(msg)
+                conn.send(data)
             except OSError:
                 if not self._relink(conn):
                     raise
-                self._conn.send(msg)
+                self._conn.send(data)
 
     def flush(self, timeout: float = 5.0) -> None:
         if self._conn is None:
@@ -181,8 +183,11 @@ class AgentLink:
             assert conn is not None
             try:
                 msg = conn.recv()
-            except (OSError, ValueError):
+            except OSError:
                 msg = None
+            except ValueError as e:     # not JSON (the line is consumed: go on with the next)
+                log.warning("a line from the agent dropped: %s", e)
+                continue
             if msg is None:
                 if not self._closed.is_set() and self._relink(conn):
                     continue
@@ -190,7 +195,12 @@ class AgentLink:
                     # The agent is gone: the machine is being torn down. Do not train on alone.
                     os._exit(70)
                 return
-            self._on_message(msg)
+            try:
+                typed = decode_to_worker(msg)
+            except msgspec.ValidationError as e:    # (a newer agent's kind, say)
+                log.warning("a message from the agent dropped: %s", e)
+                continue
+            self._on_message(typed)
 
     def close(self) -> None:
         if self._conn is None:

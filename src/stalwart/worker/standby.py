@@ -14,16 +14,16 @@ import os
 import threading
 from typing import Callable
 
-from stalwart.protocol import Env, StandbyReady
+from stalwart.protocol import Activate, Env, StandbyReady, ToWorker
 from stalwart.worker.link import AgentLink
 from stalwart.worker.warmup import untitle_warm, warm_up_torch
 
 _link: AgentLink | None = None
-_handler: Callable[[dict], None] | None = None
-_early: list[dict] = []          # messages (chaos) that came before a context took the link
+_handler: Callable[[ToWorker], None] | None = None
+_early: list[ToWorker] = []      # messages (chaos) that came before a context took the link
 
 
-def _dispatch(msg: dict) -> None:
+def _dispatch(msg: ToWorker) -> None:
     if _handler is not None:
         _handler(msg)
     else:
@@ -38,9 +38,9 @@ def wait_if_standby() -> None:
     activated = threading.Event()
     env: dict[str, str] = {}
 
-    def on_message(msg: dict) -> None:
-        if msg.get("type") == "activate":
-            env.update({k: str(v) for k, v in msg["env"].items()})
+    def on_message(msg: ToWorker) -> None:
+        if isinstance(msg, Activate):
+            env.update(msg.env)
             activated.set()
         else:
             _early.append(msg)
@@ -56,7 +56,7 @@ def wait_if_standby() -> None:
     untitle_warm()
 
 
-def take_link(on_message: Callable[[dict], None]) -> AgentLink | None:
+def take_link(on_message: Callable[[ToWorker], None]) -> AgentLink | None:
     """The link a standby's wait opened (its later messages go to `on_message`), or None."""
     global _handler
     if _link is None:
