@@ -23,3 +23,10 @@ def test_a_replay_or_another_shape_or_version_never_gets_them():
     assert spec(cwd="/code/v2").warm_key() != job
     assert spec(code_path="/versions/abc").warm_key() != job
     assert spec(command=["python", "-m", "other"]).warm_key() != job
+
+
+def test_a_run_tells_its_workers_torchruns_restart_count():
+    from stalwart.protocol import run_env
+    assert run_env(spec(run=1))["TORCHELASTIC_RESTART_COUNT"] == "0"      # the first start
+    assert run_env(spec(run=3))["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert "TORCHELASTIC_RESTART_COUNT" not in run_env(spec(run=None))      # a spare learns it at activation

@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 
 from stalwart import protocol
-
 from stalwart.transport import websocket
 from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 

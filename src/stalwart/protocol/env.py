@@ -71,7 +71,8 @@ def run_env(spec: RunSpec) -> dict[str, str]:
         env[Env.CODE_VERSION] = spec.version
     if spec.run is not None:
         env.update({Env.RUN: spec.run, Env.RESTORE_STEP: spec.restore_step,
-                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": spec.run})
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": max(0, spec.run - 1)})   # as torchrun: 0 at the first start
         if spec.master is not None:
             env.update({"MASTER_ADDR": spec.master[0], "MASTER_PORT": spec.master[1]})
     return {k: str(v) for k, v in env.items()}
