@@ -21,6 +21,8 @@ import msgspec
 from aiohttp import web
 
 from stalwart import __version__, protocol
+from stalwart.analyzer.whatif import analyze
+from stalwart.spec import JobSpec
 
 from stalwart.security import auth
 
@@ -174,8 +176,6 @@ class Api:
         return self.views.incident(job, inc_id)
 
     def job_whatif(self, job, q, body):
-        from stalwart.analyzer.whatif import analyze
-        from stalwart.spec import JobSpec
         job_id = self.ctl.resolve_job(job)
         microbatches = _int_query(q, "microbatches")
         row = self.ctl.store.job(job_id)
