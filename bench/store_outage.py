@@ -115,6 +115,7 @@ def commit_cost(n: int = 400) -> dict:
     import sqlalchemy as sa
 
     from stalwart.controller.store.db import Store
+    from stalwart.controller.store.ops import Record
     out = {}
     for mode in ("NORMAL", "FULL"):
         d = tempfile.mkdtemp(prefix="stalwart-commit-")
@@ -125,7 +126,7 @@ def commit_cost(n: int = 400) -> dict:
         state = os.urandom(20_000)
         t = time.perf_counter()
         for i in range(n):
-            s.commit(job, [("event", {"kind": "incident_resumed", "t": float(i), "data": {"i": i}})], state)
+            s.commit(job, [Record(kind="incident_resumed", t=float(i), data={"i": i})], state)
         out[mode] = (time.perf_counter() - t) / n
         assert s.read(lambda c: c.exec_driver_sql("PRAGMA synchronous").scalar()) == (1 if mode == "NORMAL" else 2)
         s.close()

@@ -8,7 +8,7 @@ from stalwart import protocol
 from stalwart.backends.base import Backend
 from stalwart.controller.job import actions as a
 from stalwart.controller.job.executor import Executor
-from stalwart.controller.cluster.machines import Role
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.service import Controller
 from stalwart.spec import JobSpec
 
@@ -53,14 +53,14 @@ def test_eviction_reason_and_labels_reach_the_backend(tmp_path):
                                                                                          "switch": "leaf2"}))
         job = ctl.store.create_job("t", {}, 0.0)
         ex = Executor(ctl.job_ports(job), job, JobSpec(machines=1, gpus_per_machine=8, command=["x"]))
-        ex.perform(None, [a.AssignMachine(machine="m1", state="evicted", reason="gpu_xid on m1: xid=79",
+        ex.perform(None, [a.AssignMachine(machine="m1", state=Role.EVICTED, reason="gpu_xid on m1: xid=79",
                                           incident=3)], None)
         assert b.evicted == [("m1", "stalwart: incident 3: gpu_xid on m1: xid=79",
                               {"slurm.node": "n7", "switch": "leaf2"})]
         got = ctl.registry.get("m1")
         assert got is not None and got.role is Role.EVICTED and got.job_id == job
         assert {m["id"]: m["state"] for m in ctl.store.machines()} == {"m1": "evicted"}
-        ex.perform(None, [a.AssignMachine(machine="m1", state="standby")], None)   # not an eviction
+        ex.perform(None, [a.AssignMachine(machine="m1", state=Role.STANDBY)], None)   # not an eviction
         assert len(b.evicted) == 1
     finally:
         ctl.close()

@@ -11,7 +11,7 @@ class _Store:
         self.commits: list[tuple[list, bytes | None]] = []
 
     def commit(self, job_id, ops, state):
-        self.commits.append(([(k, v.get("kind"), (v.get("data") or {}).get("step")) for k, v in ops], state))
+        self.commits.append(([(type(op).__name__, op.kind, op.data.get("step")) for op in ops], state))
 
 
 def _executor():
@@ -31,14 +31,14 @@ def test_step_records_wait_for_the_state_save_and_keep_their_order():
     ex.perform(None, [step(1), a.Record(kind="rank_times", data={"step": 1}, t=1.0)], None)
     assert store.commits == []                                   # nothing written per step
     ex.perform(None, [step(2)], b"{}")                           # the state's save takes them along
-    assert store.commits == [([("event", "step", 0), ("event", "step", 1), ("event", "rank_times", 1),
-                               ("event", "step", 2)], b"{}")]
+    assert store.commits == [([("Record", "step", 0), ("Record", "step", 1), ("Record", "rank_times", 1),
+                               ("Record", "step", 2)], b"{}")]
     # anything else is written at once, the waiting records first; a routine record behind it
     # stays behind it
     ex.perform(None, [step(3)], None)
     ex.perform(None, [step(4), a.Record(kind="incident_opened", data={}, t=4.0), step(5)], None)
-    assert store.commits[-1] == ([("event", "step", 3), ("event", "step", 4), ("event", "incident_opened", None),
-                                  ("event", "step", 5)], None)
+    assert store.commits[-1] == ([("Record", "step", 3), ("Record", "step", 4), ("Record", "incident_opened", None),
+                                  ("Record", "step", 5)], None)
     assert len(store.commits) == 2
 
 

@@ -3,7 +3,8 @@ the answers to beats and event batches, a job's end, the heartbeat monitor's sca
 `/api/machines` shows."""
 from stalwart import protocol
 from stalwart.controller.cluster.beats import BeatLateness
-from stalwart.controller.cluster.machines import AgentReply, Registry, Role
+from stalwart.controller.cluster.machines import AgentReply, Registry
+from stalwart.controller.cluster.roles import Role
 
 ROW_KEYS = ["id", "state", "address", "registered_at", "last_beat", "alive", "isolated", "job_id", "reason"]
 

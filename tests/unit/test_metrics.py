@@ -12,6 +12,7 @@ from stalwart.controller.report.ledger import BUCKETS
 from stalwart.controller.api.metrics import ControllerMetrics, incident_latencies
 from stalwart.controller.report.build import build_report
 from stalwart.controller.store.db import Store
+from stalwart.controller.store.ops import OpenIncident, UpdateIncident
 
 ALLOWED_LABELS = {"state", "bucket", "symptom", "category", "mechanism", "tier", "le", "route", "method",
                   "code", "job_id", "job_name"}
@@ -203,12 +204,11 @@ def _life(store, job: int, t0: float):
         t += 1.0
         if k == 12:
             store.add_event(job, "incident_opened", {"incident": 1, "symptom": "exit", "planned": False}, t=t)
-            store.commit(job, [("incident_open", {"id": 1, "run_seq": 1, "symptom": "exit", "category": "explicit",
-                                                  "detected_at": t})], None)
+            store.commit(job, [OpenIncident(seq=1, run=1, symptom="exit", category="explicit", detected_at=t)], None)
             yield t + 0.5
             store.add_event(job, "incident_localized", {"incident": 1, "mechanism": "evict_restart"}, t=t + 1)
-            store.commit(job, [("incident_update", {"id": 1, "symptom": "gpu_xid", "mechanism": "evict_restart",
-                                                    "localized_at": t + 1})], None)
+            store.commit(job, [UpdateIncident(seq=1, fields={"symptom": "gpu_xid", "mechanism": "evict_restart",
+                                                             "localized_at": t + 1})], None)
             run, step, t = 2, step - 3, t + 3
             store.add_event(job, "run_started", {"run": run, "start_step": step, "machines": ["m1"]}, t=t)
             store.add_event(job, "incident_resumed", {"incident": 1}, t=t + 1)

@@ -5,23 +5,23 @@ import sqlite3
 import pytest
 
 from stalwart.controller.store.db import Store, StoreSchemaError
+from stalwart.controller.store.ops import OpenIncident, Record
 
 
 def test_a_decision_is_written_all_or_nothing(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/s.db")
     try:
         job = store.create_job("j", {"machines": 1}, 1.0)
-        store.commit(job, [("event", {"kind": "a", "data": {}, "t": 2.0}),
-                           ("incident_open", {"id": 1, "run_seq": 1, "symptom": "x", "category": "explicit",
-                                              "detected_at": 2.0})], b'{"phase":"running"}')
-        with pytest.raises(ValueError, match="unknown store operation"):
-            store.commit(job, [("event", {"kind": "b", "data": {}, "t": 3.0}), ("nonsense", {})], b"{}")
+        store.commit(job, [Record(kind="a", data={}, t=2.0),
+                           OpenIncident(seq=1, run=1, symptom="x", category="explicit", detected_at=2.0)],
+                     b'{"phase":"running"}')
+        with pytest.raises(TypeError, match="not a store operation"):
+            store.commit(job, [Record(kind="b", data={}, t=3.0), ("event", {})], b"{}")  # type: ignore[list-item]
         assert [e["kind"] for e in store.events(job)] == ["a"]          # "b" rolled back
         assert store.load_state(job) == b'{"phase":"running"}'
         assert [i["id"] for i in store.incidents(job)] == [1]
         other = store.create_job("k", {"machines": 1}, 1.0)               # incident ids are per job
-        store.commit(other, [("incident_open", {"id": 1, "run_seq": 1, "symptom": "y", "category": "explicit",
-                                                "detected_at": 2.0})], None)
+        store.commit(other, [OpenIncident(seq=1, run=1, symptom="y", category="explicit", detected_at=2.0)], None)
         assert [i["symptom"] for i in store.incidents(other)] == ["y"]
     finally:
         store.close()

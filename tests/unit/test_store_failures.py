@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import sqlalchemy as sa
 
 from stalwart.controller import clock
 from stalwart.controller.store import db as store_mod
@@ -16,6 +17,7 @@ from stalwart.controller import supervise
 from stalwart.controller.job import state as S
 from stalwart.controller.store.lease import Lease
 from stalwart.controller.store.db import LeaseLost, Store, StoreUnavailable
+from stalwart.controller.store.ops import Record, UpdateRun
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_a_patient_write_waits_out_a_lock_and_health_says_so(db, monkeypatch):
 
     def writer():
         s.patient()
-        s.commit(job, [("event", {"kind": "x", "t": 2.0, "data": {}})], None)
+        s.commit(job, [Record(kind="x", t=2.0, data={})], None)
         done.set()
     threading.Thread(target=writer, daemon=True).start()
     deadline = time.monotonic() + 10
@@ -75,8 +77,8 @@ def test_a_patient_write_waits_out_a_lock_and_health_says_so(db, monkeypatch):
 
 def test_a_statement_error_is_not_retried(db):
     s = Store(db[0])
-    with pytest.raises(ValueError):
-        s.commit(1, [("nonsense", {})], None)
+    with pytest.raises(sa.exc.CompileError):         # (no such column)
+        s.commit(1, [UpdateRun(seq=1, fields={"nonsense": 1})], None)
     assert s.retries == 0
     s.close()
 

@@ -25,30 +25,37 @@ from typing import Callable
 import msgspec
 
 from stalwart import protocol
-
-from stalwart.security import auth
-
-from stalwart.controller import clock
 from stalwart.chaos import catalogue
+from stalwart.controller import clock
+from stalwart.controller.api.commands import CommandQueues
+from stalwart.controller.api.rendezvous import Rendezvous
+from stalwart.controller.cluster.beats import BeatLateness
+from stalwart.controller.cluster.machines import AgentReply, Registry
+from stalwart.controller.cluster.roles import Role
+from stalwart.controller.cluster.standby import standby_count
+from stalwart.controller.cluster.supply import Supply
 from stalwart.controller.code import tree as snapshot
 from stalwart.controller.code import versions
-from stalwart.controller.cluster.beats import BeatLateness
 from stalwart.controller.job import state as S
-from stalwart.controller.api.commands import CommandQueues
-from stalwart.controller.job.events import (AgentBack, AgentEvent, Cancel, Inject, MachineLost, Resumed,
-                                            VersionRegistered)
+from stalwart.controller.job.events import (
+    AgentBack,
+    AgentEvent,
+    Cancel,
+    Inject,
+    MachineLost,
+    Resumed,
+    VersionRegistered,
+)
 from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.runner import JobRunner
-from stalwart.controller.store.lease import Lease
-from stalwart.controller.cluster.machines import AgentReply, Registry, Role
-from stalwart.controller.cluster.standby import standby_count
-from stalwart.controller.api.rendezvous import Rendezvous
 from stalwart.controller.report.cache import ReportCache
 from stalwart.controller.rules.restore import Availability
 from stalwart.controller.store.db import Store
+from stalwart.controller.store.lease import Lease
+from stalwart.controller.store.ops import StartJob
 from stalwart.controller.supervise import supervised
-from stalwart.controller.cluster.supply import Supply
 from stalwart.errors import Conflict, InvalidRequest, NotFound
+from stalwart.security import auth
 from stalwart.spec import JobSpec
 
 log = logging.getLogger("stalwart.controller")
@@ -402,7 +409,7 @@ class Controller:
             st.versions, st.version_id, st.code_path = [row], row["id"], row["path"]
         else:
             log.info("job %s: hot update off: %s", job_id, off)
-        self.store.commit(job_id, [("job", {"state": "running"})], S.dumps(st))
+        self.store.commit(job_id, [StartJob()], S.dumps(st))
         runner = JobRunner(self.job_ports(job_id), spec, st)
         self.jobs[job_id] = runner
         runner.start()

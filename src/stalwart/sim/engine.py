@@ -44,6 +44,7 @@ from stalwart.controller.job.core import JobCore
 from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, Tick,
                                             VersionRegistered)
 from stalwart.controller.cluster.standby import p99_standbys
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.rules.restore import Availability
 from stalwart.sim.agents import Agents
 from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
@@ -485,7 +486,7 @@ class Sim:
 
     def assign(self, act: a.AssignMachine) -> None:
         self.cluster.assign(act.machine, act.state)
-        if act.state == "evicted":
+        if act.state == Role.EVICTED:
             self.bad.pop(act.machine, None)
             self.slow_machines.discard(act.machine)
             self.coming += 1            # the scheduler replaces a drained machine
@@ -721,7 +722,7 @@ class Sim:
                 inc = self.incidents[-1] if self.incidents else {}
                 drain = list(inc.get("evicted_machines") or [])
             for m in drain:
-                self.assign(a.AssignMachine(machine=m, state="evicted"))
+                self.assign(a.AssignMachine(machine=m, state=Role.EVICTED))
             resume, why = durable + 1, "manual" if human else "requeue"
             if not human and self.platform.reschedule:
                 # only the shortfall is rescheduled: the other machines keep their memory copies

@@ -31,6 +31,7 @@ import base64
 import binascii
 import logging
 import re
+import resource
 import time
 import urllib.parse
 from collections import deque
@@ -423,7 +424,6 @@ def _seq_of(data: bytes) -> int | None:
 def raise_open_files() -> None:
     """Every agent holds one connection to the controller (its channel): the soft limit of open
     files (often 1,024) goes up to the hard one, so a cluster of thousands is not refused."""
-    import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 1 << 20
     if soft != resource.RLIM_INFINITY and soft < want:

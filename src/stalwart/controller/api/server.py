@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 
 from stalwart import __version__, protocol
+from stalwart.analyzer.whatif import analyze
 from stalwart.controller.api import models
 from stalwart.controller.api.channel import Channels, FrontDoor
 from stalwart.controller.api.dashboard import DashboardViews, static_file
@@ -34,6 +35,7 @@ from stalwart.controller.store.db import StoreUnavailable
 from stalwart.errors import Conflict, InvalidRequest, StalwartError
 from stalwart.security import auth, identity
 from stalwart.security.logtext import loggable
+from stalwart.spec import JobSpec
 
 log = logging.getLogger("stalwart.api")
 # an agent's beat and batch of events answered over HTTP (the channel answers with protocol.Ack)
@@ -171,8 +173,6 @@ class Api:
         return self.views.incident(job, inc_id)
 
     def job_whatif(self, job, q, body):
-        from stalwart.analyzer.whatif import analyze
-        from stalwart.spec import JobSpec
         job_id = self.ctl.resolve_job(job)
         microbatches = _int_query(q, "microbatches")
         row = self.ctl.store.job(job_id)

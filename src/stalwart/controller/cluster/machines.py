@@ -4,7 +4,7 @@ One `Machine` per machine, held by a `Registry` under one lock (the API's thread
 monitor and the job threads all reach it). The registry is memory only: its callers write the
 store (`machines` table), whose rows it is loaded from when a controller starts.
 
-A machine's role (`Role`, the `state` column of the store and of `/api/machines`):
+A machine's role (`Role`, in `roles.py`: the `state` column of the store and of `/api/machines`):
 
     provisioning --register--> idle --a job takes it--> active | standby --fault--> evicted
     active | standby --the job ends--> idle
@@ -20,21 +20,12 @@ import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import Any
 
 from stalwart import protocol
 from stalwart.controller.cluster.beats import BeatLateness
-
-
-class Role(StrEnum):
-    """A machine's role, written unchanged to the store and the API."""
-    PROVISIONING = "provisioning"      # a row written before its agent registered (a lost beat's write)
-    IDLE = "idle"                      # free: any job may take it
-    STANDBY = "standby"                # a job's warm spare
-    ACTIVE = "active"                  # holds ranks of a job's run
-    EVICTED = "evicted"                # taken out of service by a job's incident
-
+from stalwart.controller.cluster.roles import Role
 
 KEPT_ON_REGISTER = frozenset((Role.ACTIVE, Role.STANDBY, Role.EVICTED))
 HELD = frozenset((Role.ACTIVE, Role.STANDBY))       # roles a job's end gives back

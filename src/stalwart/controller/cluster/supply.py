@@ -18,6 +18,7 @@ from stalwart.controller import clock
 from stalwart.backends.base import drain_reason
 from stalwart.controller.cluster.machines import Registry
 from stalwart.controller.store.db import Store
+from stalwart.controller.store.ops import Record
 
 log = logging.getLogger("stalwart.controller")
 REQUEST_TTL_S = 600.0     # a machine asked of the backend counts as coming for this long
@@ -70,7 +71,6 @@ class Supply:
             self._requested.update({m: now for m in names})
         if names:
             log.info("job %s: asked the cluster for %s", job_id, ", ".join(names))
-            self.store.commit(job_id, [("event", {"kind": "machines_requested", "t": now,
-                                                  "data": {"machines": names, "backend": self.backend.kind}})],
-                              None)
+            self.store.commit(job_id, [Record(kind="machines_requested", t=now,
+                                              data={"machines": names, "backend": self.backend.kind})], None)
         return names

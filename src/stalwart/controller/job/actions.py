@@ -1,89 +1,24 @@
 """What the job core decides, as values: the executor (`executor.py`) is the only part that acts.
 
-Store actions go into one transaction with the state saved after them; agent actions become
-typed commands (`stalwart.protocol`); machine actions change the controller's registry (and tell
-the backend about an eviction).
+Store actions go into one transaction with the state saved after them: they are the store's own
+operation types (`controller/store/ops.py`, imported here: the job core depends on the store, never
+the reverse), handed to `Store.commit` unchanged. Agent actions become typed commands
+(`stalwart.protocol`); machine actions change the controller's registry (and tell the backend
+about an eviction); `AssignMachine` and `FinishJob` are both a row and an act.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-# -- the store (the event log, incidents, runs, versions, checkpoints, the job row) --------------
+from stalwart.controller.store.ops import (ROWS_ONLY, AddCheckpoint, AssignMachine, CreateRun, FinishJob,
+                                           OpenIncident, Record, SaveVersion, UpdateIncident, UpdateRun)
 
-
-@dataclass(frozen=True)
-class Record:
-    """One event of the job's log (what the ETTR ledger is rebuilt from)."""
-    kind: str
-    data: dict[str, Any]
-    t: float
-
-
-@dataclass(frozen=True)
-class OpenIncident:
-    seq: int
-    run: int | None
-    symptom: str
-    category: str
-    detected_at: float
-
-
-@dataclass(frozen=True)
-class UpdateIncident:
-    seq: int
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class CreateRun:
-    seq: int
-    start_step: int
-    started_at: float
-    machines: list[str]
-    restore_step: int
-
-
-@dataclass(frozen=True)
-class UpdateRun:
-    seq: int
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class SaveVersion:
-    row: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class AddCheckpoint:
-    step: int
-    rank: int
-    tier: str
-    location: str
-    checksum: str
-    t: float
-
-
-@dataclass(frozen=True)
-class FinishJob:
-    """The job ended: its row, its machines back to the free pool, its rendezvous closed."""
-    state: str
-    reason: str | None
-    machines: list[str]
-    t: float
-
+# -- the store (the event log, incidents, runs, versions, checkpoints, the job row, machine roles):
+# Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,
+# AssignMachine and FinishJob, from `controller/store/ops.py`
 
 # -- machines ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AssignMachine:
-    """A machine's role for this job: active, standby, evicted (with the reason) or idle."""
-    machine: str
-    state: str
-    reason: str | None = None
-    incident: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,4 +131,9 @@ class SendChaos:
 Action = Union[Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,
                FinishJob, AssignMachine, RequestMachines, StartRun, StopWorkers, Prewarm, PrepareSpares, TraceStacks,
                RunChecks, StartReplayGroup, CloseScratch, SendChaos]
-STORE_ACTIONS = (Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint)
+STORE_ACTIONS = ROWS_ONLY       # the actions that are store rows and nothing else
+
+__all__ = ["Action", "STORE_ACTIONS", "Record", "OpenIncident", "UpdateIncident", "CreateRun", "UpdateRun",
+           "SaveVersion", "AddCheckpoint", "FinishJob", "AssignMachine", "RequestMachines", "RestoreCopy",
+           "StartRun", "StopWorkers", "Prewarm", "PrepareSpares", "TraceStacks", "InterPair", "RunChecks",
+           "StartReplayGroup", "CloseScratch", "SendChaos"]

@@ -1,7 +1,8 @@
 """The executor: the only part of the job core with side effects.
 
 It writes every store action of one decision, the machines' new roles and the job's state in one
-transaction (write-ahead: a controller killed after it finds the state that goes with what was
+transaction (the actions are the store's typed operations, `controller/store/ops.py`, passed on
+as they are) (write-ahead: a controller killed after it finds the state that goes with what was
 sent), and only then sends the agents their commands, built here from the actions with the
 rendezvous ports and peer addresses the flows never see. It reaches the rest of the controller
 through the interfaces of `job/ports.py` alone (store, agents, machine registry, rendezvous,
@@ -24,7 +25,8 @@ from stalwart.controller.job import actions as a
 from stalwart.spec.commandline import python_target
 from stalwart.controller.job.ports import JobPorts
 from stalwart.controller.job.state import JobState
-from stalwart.controller.cluster.machines import Role
+from stalwart.controller.cluster.roles import Role
+from stalwart.controller.store.ops import OPS, StoreOp
 from stalwart.spec import JobSpec
 
 log = logging.getLogger("stalwart.controller")
@@ -74,28 +76,22 @@ class Executor:
         self.ports, self.job_id, self.spec = ports, job_id, spec
         self.topo = spec.topology()
         self.G = spec.gpus_per_machine
-        self._deferred: list[tuple[str, dict[str, Any]]] = []     # routine records not written yet
+        self._deferred: list[StoreOp] = []     # routine records (a.Record) not written yet
 
     def perform(self, st: JobState, actions: list[a.Action], state_json: bytes | None,
                 on_committed: Callable[[], None] | None = None) -> None:
         """Store actions, machine roles and the state in one transaction; then the commands
         (`on_committed` is called between). Routine records (ROUTINE_RECORDS) wait for the next
         transaction, in order. The commit waits as long as the store is away (`Store.patient`)."""
-        ops: list[tuple[str, dict[str, Any]]] = []
+        ops: list[StoreOp] = []
         sends: list[a.Action] = []
         deferred = self._deferred
         for act in actions:
-            op = self._store_op(act)
-            if op is not None:
-                if op[0] == "event" and op[1]["kind"] in ROUTINE_RECORDS and not ops:
-                    deferred.append(op)
+            if isinstance(act, OPS):
+                if isinstance(act, a.Record) and act.kind in ROUTINE_RECORDS and not ops:
+                    deferred.append(act)
                     continue
-                ops.append(op)
-            if isinstance(act, a.AssignMachine):
-                ops.append(("machine", {"id": act.machine, "state": act.state, "reason": act.reason,
-                                        "job_id": None if act.state == "idle" else self.job_id}))
-            if isinstance(act, a.FinishJob):
-                ops.append(("job", {"state": act.state, "reason": act.reason, "finished_at": act.t}))
+                ops.append(act)
             if not isinstance(act, a.STORE_ACTIONS):
                 sends.append(act)
         if ops or state_json is not None or len(deferred) >= MAX_DEFERRED:
@@ -106,35 +102,12 @@ class Executor:
         for act in sends:
             self._act(st, act)
 
-    # -- the store ------------------------------------------------------------------------------
-    def _store_op(self, act: a.Action) -> tuple[str, dict[str, Any]] | None:
-        if isinstance(act, a.Record):
-            return "event", {"kind": act.kind, "data": act.data, "t": act.t}
-        if isinstance(act, a.OpenIncident):
-            return "incident_open", {"id": act.seq, "run_seq": act.run, "symptom": act.symptom,
-                                     "category": act.category, "detected_at": act.detected_at}
-        if isinstance(act, a.UpdateIncident):
-            return "incident_update", {"id": act.seq, **act.fields}
-        if isinstance(act, a.CreateRun):
-            return "run_create", {"seq": act.seq, "start_step": act.start_step, "started_at": act.started_at,
-                                  "machines": {str(i): m for i, m in enumerate(act.machines)},
-                                  "restore": {"step": act.restore_step} if act.restore_step >= 0 else None}
-        if isinstance(act, a.UpdateRun):
-            return "run_update", {"seq": act.seq, **act.fields}
-        if isinstance(act, a.SaveVersion):
-            return "version", dict(act.row)
-        if isinstance(act, a.AddCheckpoint):
-            return "checkpoint", {"step": act.step, "rank": act.rank, "tier": act.tier,
-                                  "location": act.location, "checksum": act.checksum, "created_at": act.t}
-        return None
-
     # -- everything else ---------------------------------------------------------------------------
     def _act(self, st: JobState, act: a.Action) -> None:
         ports, agents = self.ports, self.ports.agents
         if isinstance(act, a.AssignMachine):
-            role = Role(act.state)
-            ports.machines.assign(act.machine, role, self.job_id, act.reason)
-            if role is Role.EVICTED:
+            ports.machines.assign(act.machine, act.state, self.job_id, act.reason)
+            if act.state == Role.EVICTED:
                 ports.backend.evict(act.machine, act.reason, act.incident)
         elif isinstance(act, a.FinishJob):
             # its machines go back to the free pool, its rendezvous stores close

@@ -8,23 +8,21 @@ reconciler is handed a client, not its manager), so each can be driven by fakes 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stalwart import protocol
-
 from stalwart.controller import clock
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.events import ClusterView
-from stalwart.controller.cluster.machines import Role
-
-StoreOp = tuple[str, dict[str, Any]]
+from stalwart.controller.store.ops import StoreOp
 
 
 class JobStore(Protocol):
     """The store as a job writes it (`controller/store/db.py`)."""
 
-    def commit(self, job_id: int, ops: list[StoreOp], state: bytes | None) -> None:
+    def commit(self, job_id: int, ops: Sequence[StoreOp], state: bytes | None) -> None:
         """Write `ops` and the job's saved state in one transaction (waits while the store is away)."""
 
     def patient(self) -> None:

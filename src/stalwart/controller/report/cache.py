@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from stalwart.controller.report.build import build_report
+
 if TYPE_CHECKING:
     from stalwart.controller.store.db import Store
 
@@ -88,7 +90,6 @@ class ReportCache:
 
     def report(self, job_id: int, now: float | None = None) -> dict:
         """The job's report (`report.build_report`); LookupError for an unknown job."""
-        from stalwart.controller.report.build import build_report
         with self._lock:
             job = self.store.job(job_id)
             if job is None:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import html
 import json
 import os
-
-from typing import TYPE_CHECKING
+import time
 
 from stalwart.backends.statedir import db_path
 from stalwart.controller.report.plots import COLORS, Mark, Series, line_chart, stacked_bars
-
-if TYPE_CHECKING:
-    from stalwart.transport.client import Client
+from stalwart.controller.report.series import series_payload
+from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
 PHASES = ("detection", "localization", "failover", "lost_progress", "hot_update")
 CSS = """body{font-family:sans-serif;margin:2em;color:#1f2937;max-width:1400px}
@@ -110,10 +108,9 @@ def render(rep: dict, series: dict | None = None) -> str:
 </body></html>"""
 
 
-def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | None:
+def load_series(client: Client | None, state_dir: str, job_id: int) -> dict | None:
     """The series of a job for the report: from the controller `client` talks to when it
     answers, else from the state dir's store; None when neither has it."""
-    from stalwart.transport.client import ApiError, ControllerUnreachable
     if client is not None:
         try:
             return client.get(f"/api/jobs/{job_id}/series?points=200")
@@ -122,10 +119,7 @@ def load_series(client: "Client | None", state_dir: str, job_id: int) -> dict | 
     db = db_path(state_dir)
     if not os.path.exists(db):
         return None
-    import time
-
-    from stalwart.controller.report.series import series_payload
-    from stalwart.controller.store.db import Store
+    from stalwart.controller.store.db import Store       # (sqlalchemy: only where the store is read)
     store = Store(f"sqlite:///{db}")
     try:
         return series_payload(store.events(job_id), time.time(), points=200)

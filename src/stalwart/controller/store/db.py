@@ -4,7 +4,8 @@ checkpoint, through SQLAlchemy.
 SQLite by default (a file in the state dir), PostgreSQL in production: one SQLAlchemy URL. The
 store is the only state that survives a controller restart, and `stalwart report` reads it directly.
 A job core's decision is written in one transaction (`commit`): its events, incident and run rows,
-machine roles and the job's saved state together.
+machine roles and the job's saved state together. The operations are typed values (`ops.py`, the
+job core's store actions themselves), each with its writer here (`_write`, one `match` over them).
 
 The database is a dependency that fails (a file locked by another process, a PostgreSQL restart or
 failover). Every call goes through one path (`_call`): a transaction that fails on a connection or
@@ -35,10 +36,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Never, NoReturn, Sequence, TypeVar
 
 import sqlalchemy as sa
 
+from stalwart.controller.cluster.roles import Role
+from stalwart.controller.store import ops
+from stalwart.controller.store.ops import StoreOp
 from stalwart.errors import StalwartError
 
 log = logging.getLogger("stalwart.store")
@@ -160,6 +164,62 @@ def _row(r) -> dict:
 def _enc(values: dict) -> dict:
     return {k: (json.dumps(v) if k in JSON_FIELDS and not isinstance(v, str) else v)
             for k, v in values.items()}
+
+
+def _upsert_machine(c, ident: str, values: dict[str, Any]) -> None:
+    if c.execute(sa.select(machines.c.id).where(machines.c.id == ident)).first():
+        c.execute(machines.update().where(machines.c.id == ident).values(**_enc(values)))
+    else:
+        c.execute(machines.insert().values(id=ident, **_enc(values)))
+
+
+def _write(c, job_id: int, op: StoreOp) -> None:
+    """The rows of one operation of job `job_id`. A `match` over the `StoreOp` union: mypy finds
+    an operation without a writer (`assert_never`), and so does a unit test over the union."""
+    match op:
+        case ops.Record():
+            c.execute(_INS_EVENT, {"job_id": job_id, "t": op.t, "kind": op.kind, "data": json.dumps(op.data)})
+        case ops.OpenIncident():
+            c.execute(incidents.insert().values(job_id=job_id, **_enc(dict(
+                id=op.seq, run_seq=op.run, symptom=op.symptom, category=op.category,
+                detected_at=op.detected_at, suspects=[], evicted=[], data={}))))
+        case ops.UpdateIncident():
+            c.execute(incidents.update().where((incidents.c.job_id == job_id) & (incidents.c.id == op.seq))
+                      .values(**_enc(op.fields)))
+        case ops.CreateRun():
+            c.execute(runs.insert().values(job_id=job_id, **_enc(dict(
+                seq=op.seq, start_step=op.start_step, started_at=op.started_at,
+                machines={str(i): m for i, m in enumerate(op.machines)},
+                restore={"step": op.restore_step} if op.restore_step >= 0 else None))))
+        case ops.UpdateRun():
+            c.execute(runs.update().where((runs.c.job_id == job_id) & (runs.c.seq == op.seq))
+                      .values(**_enc(op.fields)))
+        case ops.SaveVersion():
+            table = META.tables["code_versions"]
+            v = dict(op.row)
+            ident = v.pop("id")
+            c.execute(table.update().where(table.c.id == ident).values(**v))
+        case ops.AddCheckpoint():
+            c.execute(_DEL_CKPT, {"jid": job_id, "s": op.step, "r": op.rank, "tier": op.tier})
+            c.execute(_INS_CKPT, {"job_id": job_id, "step": op.step, "rank": op.rank, "tier": op.tier,
+                                  "location": op.location, "checksum": op.checksum, "created_at": op.t})
+        case ops.AssignMachine():
+            role = Role(op.state)
+            _upsert_machine(c, op.machine, {"state": role.value, "reason": op.reason,
+                                            "job_id": None if role is Role.IDLE else job_id})
+        case ops.FinishJob():
+            c.execute(jobs.update().where(jobs.c.id == job_id)
+                      .values(state=op.state, reason=op.reason, finished_at=op.t))
+        case ops.StartJob():
+            c.execute(jobs.update().where(jobs.c.id == job_id).values(state="running"))
+        case _:
+            _not_an_op(op)
+
+
+def _not_an_op(op: Never) -> NoReturn:
+    """Reached by no `StoreOp` (mypy checks it, like `typing.assert_never`), only by a value of
+    another type that a caller slipped past the type checker."""
+    raise TypeError(f"not a store operation: {op!r}")
 
 
 class StoreSchemaError(StalwartError, RuntimeError):
@@ -365,49 +425,15 @@ class Store:
         return self.read(lambda c: [_row(r) for r in c.execute(query)])
 
     # -- one decision of a job core, in one transaction ------------------------------------------
-    def commit(self, job_id: int, ops: list[tuple[str, dict[str, Any]]], state: bytes | None) -> None:
-        """Apply a job's store operations and save its state, all or nothing. Operations:
-        event, incident_open, incident_update, run_create, run_update, version, checkpoint,
-        machine, job (see the executor)."""
+    def commit(self, job_id: int, ops: Sequence[StoreOp], state: bytes | None) -> None:
+        """Write a job's store operations (`ops.py`, in order) and save its state, all or nothing."""
         def go(c):
-            for kind, v in ops:
-                self._op(c, job_id, kind, dict(v))
+            for op in ops:
+                _write(c, job_id, op)
             if state is not None:
                 c.execute(_DEL_STATE, {"jid": job_id})
                 c.execute(_INS_STATE, {"job_id": job_id, "state": state, "saved_at": time.time()})
         self.write(go)
-
-    def _op(self, c, job_id: int, kind: str, v: dict[str, Any]) -> None:
-        if kind == "event":
-            c.execute(_INS_EVENT, {"job_id": job_id, "t": v["t"], "kind": v["kind"], "data": json.dumps(v["data"])})
-        elif kind == "incident_open":
-            c.execute(incidents.insert().values(job_id=job_id, **_enc(dict(v, suspects=[], evicted=[], data={}))))
-        elif kind == "incident_update":
-            ident = v.pop("id")
-            c.execute(incidents.update().where((incidents.c.job_id == job_id) & (incidents.c.id == ident))
-                      .values(**_enc(v)))
-        elif kind == "run_create":
-            c.execute(runs.insert().values(job_id=job_id, **_enc(v)))
-        elif kind == "run_update":
-            seq = v.pop("seq")
-            c.execute(runs.update().where((runs.c.job_id == job_id) & (runs.c.seq == seq)).values(**_enc(v)))
-        elif kind == "version":
-            table = META.tables["code_versions"]
-            ident = v.pop("id")
-            c.execute(table.update().where(table.c.id == ident).values(**v))
-        elif kind == "checkpoint":
-            c.execute(_DEL_CKPT, {"jid": job_id, "s": v["step"], "r": v["rank"], "tier": v["tier"]})
-            c.execute(_INS_CKPT, dict(v, job_id=job_id))
-        elif kind == "machine":
-            ident = v.pop("id")
-            if c.execute(sa.select(machines.c.id).where(machines.c.id == ident)).first():
-                c.execute(machines.update().where(machines.c.id == ident).values(**_enc(v)))
-            else:
-                c.execute(machines.insert().values(id=ident, **_enc(v)))
-        elif kind == "job":
-            c.execute(jobs.update().where(jobs.c.id == job_id).values(**_enc(v)))
-        else:
-            raise ValueError(f"unknown store operation {kind!r}")
 
     # -- jobs ----------------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict, now: float, submitted: bool = False) -> int:
@@ -420,7 +446,7 @@ class Store:
             assert key is not None
             job_id = int(key[0])
             if submitted:
-                self._op(c, job_id, "event", {"kind": "job_submitted", "data": {"spec": spec}, "t": now})
+                _write(c, job_id, ops.Record(kind="job_submitted", data={"spec": spec}, t=now))
             return job_id
         return self.write(go)
 
@@ -467,8 +493,8 @@ class Store:
             v = dict(values)
             if "state" not in v and not c.execute(
                     sa.select(machines.c.id).where(machines.c.id == machine_id)).first():
-                v["state"] = "provisioning"
-            self._op(c, 0, "machine", dict(v, id=machine_id))
+                v["state"] = Role.PROVISIONING.value
+            _upsert_machine(c, machine_id, v)
         self.write(go)
 
     def machines(self) -> list[dict]:

@@ -16,6 +16,7 @@ from stalwart.controller.cluster import placement
 from stalwart.controller.rules import policy
 from stalwart.controller.code import versions
 from stalwart.controller.rules.policy import Mechanism
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Diagnoses, HotUpdates, Replays, Restarts, record
@@ -243,11 +244,11 @@ class FailureFlow:
         for m in set(inc.lost) | set(res.evict):
             st.avail.drop_machine(m)      # its memory (own shards, peers' backups) is gone
         for old, new in plan.items():
-            acts += [AssignMachine(machine=old, state="evicted", reason=res.cause, incident=inc.seq),
+            acts += [AssignMachine(machine=old, state=Role.EVICTED, reason=res.cause, incident=inc.seq),
                      StopWorkers(machines=[old], run=None)]
             st.slots[st.slots.index(old)] = new
             st.pool.standby.remove(new)
-            acts.append(AssignMachine(machine=new, state="active"))
+            acts.append(AssignMachine(machine=new, state=Role.ACTIVE))
             if groups:        # where the standby sits relative to the group: switch, pod or far
                 near = placement.distance(labels[new], groups.get(old, ()))
                 acts.append(record("standby_placed", now, machine=new, replaces=old, incident=inc.seq,

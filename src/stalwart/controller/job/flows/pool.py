@@ -4,6 +4,7 @@ agent that registers later), warming their workers so the next failover does not
 `import torch` (from the job's first step on: until then they would slow the first start)."""
 from __future__ import annotations
 
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import AssignMachine, Prewarm, RequestMachines
 from stalwart.controller.job.flows.base import Actions, Ctx, record
 from stalwart.controller.job.state import JobState
@@ -71,7 +72,7 @@ class PoolFlow:
         taken = set(st.slots) | set(st.pool.standby)
         for m in [m for m in self.ctx.cluster.free() if m not in taken][:max(0, short)]:
             st.pool.standby.append(m)
-            acts += [AssignMachine(machine=m, state="standby")] + (
+            acts += [AssignMachine(machine=m, state=Role.STANDBY)] + (
                 self.prewarm(st, m) if started and not st.script else [])
             acts.append(record("standby_added", now, machine=m, pool=len(st.pool.standby), want=want))
         short = want - len(st.pool.standby)

@@ -9,6 +9,7 @@ from stalwart import protocol
 from stalwart.controller.rules import restore
 from stalwart.controller.rules import scriptsteps
 from stalwart.controller.rules.hangwatch import HangWatch
+from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Failures, HotUpdates, Standbys, record
@@ -41,10 +42,10 @@ class RunFlow:
             return []
         st.slots = free[:spec.machines]
         st.pool.standby = free[spec.machines:spec.machines + want]
-        acts: Actions = [AssignMachine(machine=m, state="active") for m in st.slots]
+        acts: Actions = [AssignMachine(machine=m, state=Role.ACTIVE) for m in st.slots]
         # standbys warm up once the first step is done (pool.refill): their `import torch` must not
         # compete with the first run's start-up for the machines' (or, locally, the host's) CPUs
-        acts += [AssignMachine(machine=m, state="standby") for m in st.pool.standby]
+        acts += [AssignMachine(machine=m, state=Role.STANDBY) for m in st.pool.standby]
         if st.versioning_off:
             log.info("job %s: hot update off: %s", st.job_id, st.versioning_off)
         return acts + self.start_run(st, -1, {}, now)
