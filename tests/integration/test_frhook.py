@@ -92,15 +92,15 @@ def test_progress_watch_on_real_workers(tmp_path):
         inside = {"entered": 4, "in_collective": True, "entries": [], "t": time.time()}
         (fr / f"{pids[1]}.json").write_text(json.dumps(inside))       # rank 1 "spins inside a collective"
         first = watch.sample(time.time())
-        assert first["ranks"] == [0, 1, 2] and first["collectives"] == {1: 4}      # first samples
+        assert first is not None and first.ranks == [0, 1, 2] and first.collectives == {1: 4}  # first samples
         time.sleep(1.0)
         second = watch.sample(time.time())
-        assert second["type"] == "activity" and second["run"] == 1
-        assert second["ranks"] == [0] and second["collectives"] == {}             # nothing new to send
+        assert isinstance(second, p.Activity) and second.run == 1
+        assert second.ranks == [0] and second.collectives == {}                  # nothing new to send
         (fr / f"{pids[1]}.json").write_text(json.dumps(dict(inside, entered=5)))
         time.sleep(0.5)
         third = watch.sample(time.time())
-        assert third["ranks"] == [0, 1] and third["collectives"] == {1: 5}
+        assert third is not None and third.ranks == [0, 1] and third.collectives == {1: 5}
         assert set(watch.summaries({1: {pids[1]}, 0: {pids[0]}})) == {1}
         watch.reset()
         assert os.listdir(fr) == []

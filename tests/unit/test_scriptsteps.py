@@ -4,6 +4,8 @@ script's own snapshots (controller/rules/scriptsteps.py)."""
 import json
 import os
 
+import msgspec
+
 from stalwart import protocol as p
 from stalwart.agent import scriptsteps as agent_side
 from stalwart.controller.rules.scriptsteps import ScriptRun, number
@@ -80,9 +82,9 @@ def test_the_agent_reads_each_workers_files_in_order_and_drops_the_others(tmp_pa
     pid = os.getpid()
     (tmp_path / "99999999-000000001.steps").write_text('[["s", 1, 1.0]]')      # a process of no worker
     (tmp_path / f"{pid}.json").write_text("{}")                                 # a flight-recorder summary
-    [ev] = agent_side.collect(str(tmp_path), {3: {pid}}, run=2)
-    msg = p.decode_event(ev)
+    [msg] = agent_side.collect(str(tmp_path), {3: {pid}}, run=2)
     assert isinstance(msg, p.Script)
+    assert p.decode_event(msgspec.to_builtins(msg)) == msg          # what the controller reads
     assert msg.rank == 3 and msg.run == 2
     assert [(r.kind, r.n) for r in msg.records] == [("step", 1), ("step", 2)]
     assert sorted(os.listdir(tmp_path)) == [f"{pid}.json"] and len(mine) == 2

@@ -51,7 +51,7 @@ class ChaosCommands:
     """The agent's `chaos` commands: applied at once, or armed until this machine's ranks reach
     their step (`last_step`: rank -> the last step its SDK reported)."""
 
-    def __init__(self, apply: Callable[[dict], float], emit: Callable[[dict], None],
+    def __init__(self, apply: Callable[[dict], float], emit: Callable[[p.Event], None],
                  last_step: Callable[[], Mapping[int, int]], machine_pids: Callable[[], list[int]]):
         self.apply, self.emit, self.last_step, self.machine_pids = apply, emit, last_step, machine_pids
         self.armed = ArmedChaos()

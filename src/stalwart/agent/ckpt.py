@@ -54,12 +54,12 @@ class RestoreFailed(StalwartError, RuntimeError):
 
 
 class CkptManager:
-    def __init__(self, machine_id: str, root: str, emit: Callable[[dict], None], peer_host: str = "127.0.0.1",
+    def __init__(self, machine_id: str, root: str, emit: Callable[[p.Event], None], peer_host: str = "127.0.0.1",
                  announce_every_s: float = 0.0):
         self.machine_id = machine_id
         self.announce_every_s = announce_every_s
         self._announced: dict[tuple[int, str], float] = {}    # (rank, tier) -> when last reported
-        self._held: dict[tuple[int, str], dict] = {}          # (rank, tier) -> newest report not sent
+        self._held: dict[tuple[int, str], p.Ckpt] = {}          # (rank, tier) -> newest report not sent
         self._limiting = True                                 # a run trains (see workers_stopped)
         self.root = root
         self.shm_dir = os.path.join(root, "own")
@@ -265,7 +265,7 @@ class CkptManager:
         self.server.stop()
         self.store.close()
 
-    def prepare_run(self, cmd: p.Start, emit: Callable[[dict], None]) -> list[dict[str, str]] | None:
+    def prepare_run(self, cmd: p.Start, emit: Callable[[p.Event], None]) -> list[dict[str, str]] | None:
         """Checkpoint set-up and restore shards for a run: the extra env of each worker, or None
         (reported as `restore_failed`) when a rank has no valid copy anywhere. A replay's run
         (stop-time diagnostics: a throw-away copy of the job, of its own shape) neither reads nor

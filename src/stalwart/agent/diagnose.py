@@ -44,7 +44,7 @@ def _warm_checker_child() -> None:
 class Diagnoser:
     def __init__(self, machine_id: str, workdir: str, simgpu_path: str,
                  env: Callable[[dict], dict[str, str]], prefix: Callable[[], list[str] | None],
-                 emit: Callable[[dict], None], forks: ForkServers | None = None):
+                 emit: Callable[[protocol.Event], None], forks: ForkServers | None = None):
         self.machine_id, self.workdir, self.simgpu_path = machine_id, workdir, simgpu_path
         self.env, self.prefix, self.emit = env, prefix, emit
         self.forks = forks if forks is not None and forks.enabled else None

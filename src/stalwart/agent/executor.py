@@ -35,7 +35,7 @@ class CommandExecutor:
     def __init__(self, machine_id: str, state: RunState, workers: WorkerSet, warm: WorkerSet,
                  forks: ForkServers, server: WorkerServer, env: WorkerEnv, ckpt: CkptManager,
                  progress: ProgressWatch, chaos: MachineChaos, chaos_cmds: ChaosCommands, diagnoser: Diagnoser,
-                 emit: Callable[[p.Event | dict], None], reset_pace: Callable[[], None],
+                 emit: Callable[[p.Event], None], reset_pace: Callable[[], None],
                  save_state: Callable[[], None], shutdown: Callable[[], None], keep_warm: bool = True):
         """`workers`: the run's; `warm`: the warm spares (torch imported, the user's module
         loaded, blocked at the activation barrier: a restart never waits for `import torch`);

@@ -15,7 +15,7 @@ log = logging.getLogger("stalwart.agent")
 
 class ExitReports:
     def __init__(self, workers: Callable[[], list[Worker]], sweep: Callable[[], None],
-                 script_events: Callable[[list[Worker]], list], emit: Callable[[p.Event | dict], None]):
+                 script_events: Callable[[list[Worker]], list[p.Script]], emit: Callable[[p.Event], None]):
         """`workers`: the run's workers; `sweep`: look at every probe now; `script_events`: a plain
         script's last step-hook records of some workers, as events."""
         self.workers, self.sweep, self.script_events, self.emit = workers, sweep, script_events, emit

@@ -43,7 +43,7 @@ def gpu_means(devices: list[dict[str, Any]]) -> dict[str, float]:
 
 class MetricsSampler:
     def __init__(self, pids: Callable[[], list[int]], gpu_read: Callable[[], list[dict]],
-                 ifname: str | None, emit: Callable[[dict], None], period_s: float = 1.0):
+                 ifname: str | None, emit: Callable[[protocol.Event], None], period_s: float = 1.0):
         self.pids, self.gpu_read, self.ifname, self.emit = pids, gpu_read, ifname, emit
         self.period_s = period_s
         self._cpu: dict[int, float] = {}

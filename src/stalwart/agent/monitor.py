@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from stalwart.agent.probes.base import HealthEvent, Probe
-from stalwart.protocol import Health, Severity
+from stalwart.protocol import Event, Health, Severity
 
 log = logging.getLogger("stalwart.agent")
 
@@ -29,7 +29,7 @@ def to_event(h: HealthEvent, certain_kinds: frozenset = frozenset()) -> Health:
 
 
 class Monitor:
-    def __init__(self, probes: list[Probe], emit: Callable[[dict], None], tick_s: float = 0.2,
+    def __init__(self, probes: list[Probe], emit: Callable[[Event], None], tick_s: float = 0.2,
                  certain_kinds: frozenset = frozenset()):
         """`certain_kinds`: kinds this machine knows to be its own fault (e.g. disk_full on a
         machine-local disk, which the disk probe alone cannot know)."""

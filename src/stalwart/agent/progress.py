@@ -79,7 +79,7 @@ class ProgressWatch:
 
     def __init__(self, fr_dir: str, workers: Callable[[], list[Worker]], has_sdk: Callable[[int], bool],
                  last_steps: Callable[[], dict[int, int]], run: Callable[[], int | None],
-                 emit: Callable[[dict], None], period_s: float = 1.0):
+                 emit: Callable[[p.Event], None], period_s: float = 1.0):
         self.fr_dir = fr_dir
         self.workers, self.has_sdk, self.last_steps, self.run = workers, has_sdk, last_steps, run
         self.emit = emit
@@ -123,7 +123,7 @@ class ProgressWatch:
             if ev is not None:
                 self.emit(ev)
 
-    def script_events(self, only: list[Worker] | None = None) -> list[dict]:
+    def script_events(self, only: list[Worker] | None = None) -> list[p.Script]:
         """The step hook's records of the run's workers (agent/scriptsteps.py), one `script` event
         per rank; `only`: just these workers (one that ended: its last records before its exit)."""
         run = self.run()
@@ -163,7 +163,7 @@ class ProgressWatch:
                 out[rank] = summary
         return out
 
-    def sample(self, now: float) -> dict | None:
+    def sample(self, now: float) -> p.Activity | None:
         """One sample of every live worker of the run; the `activity` event to send, or None."""
         run = self.run()
         live = [w for w in self.workers() if w.rank is not None and w.run == run and w.proc.poll() is None]
@@ -199,7 +199,7 @@ class ProgressWatch:
                     traces[rank] = ops
         if not ranks and not counts and not traces:
             return None
-        return p.encode(p.Activity(run=run, ranks=sorted(ranks), collectives=counts, traces=traces, t=now))
+        return p.Activity(run=run, ranks=sorted(ranks), collectives=counts, traces=traces, t=now)
 
     def _new_ops(self, rank: int, summary: dict) -> list[p.TraceOp]:
         """The trace operations of `summary` not sent yet (a summary is read until the next replaces

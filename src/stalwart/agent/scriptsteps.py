@@ -44,8 +44,8 @@ def _records(raw: object) -> list[p.ScriptRecord]:
 
 
 def collect(directory: str, trees: dict[int, set[int]], run: int, skip: set[int] | frozenset = frozenset(),
-            keep_others: bool = False) -> list[dict]:
-    """The `script` events (encoded) of the run's ranks from `directory`, one per rank with news;
+            keep_others: bool = False) -> list[p.Script]:
+    """The `script` events of the run's ranks from `directory`, one per rank with news;
     `skip`: pids whose steps the SDK reports (their files are dropped); files of other processes
     are dropped too unless `keep_others` (a look at some of the workers only)."""
     owner = {pid: rank for rank, pids in trees.items() for pid in pids}
@@ -76,7 +76,7 @@ def collect(directory: str, trees: dict[int, set[int]], run: int, skip: set[int]
                 pass
             _unlink(path)
         if records:
-            out.append(p.encode(p.Script(run=run, rank=rank, records=records)))
+            out.append(p.Script(run=run, rank=rank, records=records))
     return out
 
 

@@ -78,9 +78,9 @@ class ControllerSession:
         return round(self.heartbeat_s * self.missed_beats + 5.0, 1)
 
     # -- events out ------------------------------------------------------------------------------
-    def emit(self, event: p.Event | dict) -> None:
-        """Queue an event for the controller: one of `protocol`'s events (or its wire form)."""
-        data: dict = msgspec.to_builtins(event) if isinstance(event, msgspec.Struct) else event
+    def emit(self, event: p.Event) -> None:
+        """Queue an event for the controller: one of `protocol`'s events, in its wire form."""
+        data: dict = msgspec.to_builtins(event)
         if not data.get("t"):
             data["t"] = time.time()
         data["machine"] = self.machine_id

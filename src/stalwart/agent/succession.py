@@ -37,7 +37,7 @@ class Taken(msgspec.Struct, frozen=True):
 
 class Succession:
     def __init__(self, workdir: str, machine_id: str, exits_dir: str, forks: ForkServers, workers: WorkerSet,
-                 ckpt: CkptManager, emit: Callable[[dict], None]):
+                 ckpt: CkptManager, emit: Callable[[p.Event], None]):
         self.workdir, self.machine_id, self.exits_dir = workdir, machine_id, exits_dir
         self.forks, self.workers, self.ckpt, self.emit = forks, workers, ckpt, emit
         self._old_servers: tuple[tuple[int, int], ...] = ()   # a predecessor's fork servers keeping adopted workers
