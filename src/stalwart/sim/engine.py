@@ -41,7 +41,7 @@ from stalwart.controller import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, Tick,
+from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, StepReport, Tick,
                                             VersionRegistered)
 from stalwart.controller.pool import p99_standbys
 from stalwart.controller.restore import Availability
@@ -291,7 +291,8 @@ class Sim:
         assert self.core is not None and self.st is not None
         if self.st.terminal:
             return
-        self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else 1
+        self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else \
+            len(ev.ranks) if isinstance(ev, StepReport) else 1
         acts = self.core.handle(self.st, ev, self.now)
         if acts:
             if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
@@ -386,9 +387,9 @@ class Sim:
         tr.reported = k
         tr.reports += 1
         self.stats["reports"] += 1
-        self._handle(AgentEvents(items=tuple(
-            (m, p.Step(run=tr.run, rank=i, step=k, t=t_k, dur=dur, loss=loss, grad_norm=loss, local_grad_norm=1.0,
-                       compute_s=comp[i] if comp else None)) for i, m in enumerate(tr.slots))))
+        self._handle(StepReport(run=tr.run, step=k, t=t_k, dur=dur, machines=tuple(tr.slots),
+                                ranks=tuple(range(len(tr.slots))), compute_s=tuple(comp) if comp else None,
+                                loss=loss, grad_norm=loss, local_grad_norm=1.0))
 
     def report_durable(self, tr: Training) -> None:
         """The newest durable checkpoints of a stopped run (one, two without memory copies), as its
