@@ -48,6 +48,7 @@ from stalwart.controller.restore import Availability
 from stalwart.sim.agents import Agents
 from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
 from stalwart.sim.config import Config, Segment
+from stalwart.sim.durations import Durations
 from stalwart.sim.failures import Fault, Model
 from stalwart.sim.peers import Platform
 from stalwart.sim.profile import Profile
@@ -62,43 +63,6 @@ HANG_FLOOR_S = 30.0       # the uncalibrated hang timeout (10x this) outlasts a 
 SLOW_WATCH_EXTRA_S = 600.0  # beyond the slowdown detectors' own windows (see `watching_slow`)
 GC_EVERY = 200_000          # allocations between the cyclic collector's young collections (see `run`)
 IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
-
-
-class Durations:
-    """The profile's durations, each drawn from the scenario's distribution where it gives one
-    (`Model.durations`); one draw per name and instant, so the events an action sends at once
-    agree on how long it took."""
-
-    def __init__(self, profile: Profile, model: Model, seed: int, clock: Callable[[], float]):
-        self._profile, self._clock = profile, clock
-        self._draw = {k: d.sampler() for k, d in model.durations.items()}
-        self._bound = {k: max(d.mean, d.max or 0.0) for k, d in model.durations.items()}
-        self._rng = random.Random(f"{seed}/durations")
-        self._last: dict[str, tuple[float, float]] = {}
-
-    def bound(self, name: str) -> float:
-        """The longest a duration usually takes (its distribution's max): what a timeout must allow."""
-        b = self._bound.get(name)
-        if b is not None:
-            return b
-        return EXTRA[name] if name in EXTRA else float(getattr(self._profile, name))
-
-    def __getattr__(self, name: str) -> Any:
-        draw = self.__dict__.get("_draw", {}).get(name)
-        if draw is None:
-            if name in EXTRA:
-                return EXTRA[name]
-            return getattr(self._profile, name)
-        now = self._clock()
-        last = self._last.get(name)
-        if last is None or last[0] != now:
-            last = self._last[name] = (now, draw(self._rng))
-        return last[1]
-
-
-# durations a scenario may give beyond the profile's (`scenario.EXTRA_DURATIONS`), and their defaults
-EXTRA = {"storage_outage_s": 1800.0, "slow_replacement_s": 4 * 3600.0, "planned_s": 0.0, "user_fix_s": 5400.0,
-         "warmup_s": 0.0}
 
 
 class Sim:
