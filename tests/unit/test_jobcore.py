@@ -6,7 +6,7 @@ from corekit import NAN, Harness, kinds, of, records
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
-from stalwart.controller.job.events import AgentEvents, Cancel, Inject, MachineLost, VersionRegistered
+from stalwart.controller.job.events import AgentEvents, Cancel, Inject, MachineLost, StepReport, VersionRegistered
 from stalwart.controller.job.state import JobPhase, TransitionError
 
 
@@ -728,3 +728,42 @@ def test_several_agents_events_together_decide_as_each_one_alone():
     assert repr(together) == repr(one) and st_together == st_one
     evicted = [x.machine for x in of(one, a.AssignMachine) if x.state == "evicted"]
     assert evicted == ["m1"] and [x.restore_step for x in of(one, a.StartRun)] == [3] and records(one, "step")
+
+
+def test_one_report_of_a_step_for_all_ranks_decides_as_each_rank_alone():
+    """StepReport (one step of many ranks as columns) gives the actions and the state, hang watch
+    included, of the same reports handled one rank at a time: whole steps with compute times,
+    a step some ranks reported before the rest, a report listing a rank twice, a report of a
+    committed step and one of another run, then a crash and the restart."""
+    def drive(together: bool) -> tuple[list[a.Action], str]:
+        h = started(Harness(machines=4, gpus=2, standby=1))
+        out: list[a.Action] = []
+
+        def send(s: int, ranks: list[int], run: int = 1, loss: float | None = 2.0) -> None:
+            comp = tuple(0.5 + 0.01 * r for r in ranks)
+            rep = StepReport(run=run, step=s, t=h.now, dur=1.0, machines=tuple(h.machine_of(r) for r in ranks),
+                             ranks=tuple(ranks), compute_s=comp, loss=loss, grad_norm=1.0, local_grad_norm=0.5)
+            if together:
+                out.extend(h.event(rep))
+            else:
+                for m, ev in rep.as_agent_events().items:
+                    out.extend(h.agent(m, ev))
+        for s in range(6):
+            h.now += 1.0
+            send(s, list(range(h.world)))
+        h.now += 1.0
+        send(6, [5, 6], loss=None)                 # part of a step, then the rest and more
+        send(6, [7, 0, 1, 2, 3, 4, 5])
+        h.now += 1.0
+        send(7, [1, 1, 2, 0, 3, 4, 5, 6, 7])       # a rank twice
+        send(7, list(range(h.world)))             # committed already
+        send(8, list(range(h.world)), run=2)      # another run's
+        h.now += 1.0
+        send(8, list(reversed(range(h.world))))
+        out.extend(h.tick(400.0))                 # long silence: the hang watch decides
+        return out, S.dumps(h.st)
+    one, st_one = drive(False)
+    together, st_together = drive(True)
+    assert repr(together) == repr(one) and st_together == st_one
+    assert [x["step"] for x in records(one, "step")] == list(range(9))
+    assert of(one, a.TraceStacks)                 # the hang was seen, from the same per-rank times

@@ -41,7 +41,7 @@ from stalwart.controller.cluster import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, Tick,
+from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, StepReport, Tick,
                                             VersionRegistered)
 from stalwart.controller.cluster.standby import p99_standbys
 from stalwart.controller.cluster.roles import Role
@@ -49,6 +49,7 @@ from stalwart.controller.rules.restore import Availability
 from stalwart.sim.agents import Agents
 from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
 from stalwart.sim.config import Config, Segment
+from stalwart.sim.durations import Durations
 from stalwart.sim.failures import Fault, Model
 from stalwart.sim.peers import Platform
 from stalwart.sim.profile import Profile
@@ -63,43 +64,6 @@ HANG_FLOOR_S = 30.0       # the uncalibrated hang timeout (10x this) outlasts a 
 SLOW_WATCH_EXTRA_S = 600.0  # beyond the slowdown detectors' own windows (see `watching_slow`)
 GC_EVERY = 200_000          # allocations between the cyclic collector's young collections (see `run`)
 IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
-
-
-class Durations:
-    """The profile's durations, each drawn from the scenario's distribution where it gives one
-    (`Model.durations`); one draw per name and instant, so the events an action sends at once
-    agree on how long it took."""
-
-    def __init__(self, profile: Profile, model: Model, seed: int, clock: Callable[[], float]):
-        self._profile, self._clock = profile, clock
-        self._draw = {k: d.sampler() for k, d in model.durations.items()}
-        self._bound = {k: max(d.mean, d.max or 0.0) for k, d in model.durations.items()}
-        self._rng = random.Random(f"{seed}/durations")
-        self._last: dict[str, tuple[float, float]] = {}
-
-    def bound(self, name: str) -> float:
-        """The longest a duration usually takes (its distribution's max): what a timeout must allow."""
-        b = self._bound.get(name)
-        if b is not None:
-            return b
-        return EXTRA[name] if name in EXTRA else float(getattr(self._profile, name))
-
-    def __getattr__(self, name: str) -> Any:
-        draw = self.__dict__.get("_draw", {}).get(name)
-        if draw is None:
-            if name in EXTRA:
-                return EXTRA[name]
-            return getattr(self._profile, name)
-        now = self._clock()
-        last = self._last.get(name)
-        if last is None or last[0] != now:
-            last = self._last[name] = (now, draw(self._rng))
-        return last[1]
-
-
-# durations a scenario may give beyond the profile's (`scenario.EXTRA_DURATIONS`), and their defaults
-EXTRA = {"storage_outage_s": 1800.0, "slow_replacement_s": 4 * 3600.0, "planned_s": 0.0, "user_fix_s": 5400.0,
-         "warmup_s": 0.0}
 
 
 class Sim:
@@ -292,7 +256,8 @@ class Sim:
         assert self.core is not None and self.st is not None
         if self.st.terminal:
             return
-        self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else 1
+        self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else \
+            len(ev.ranks) if isinstance(ev, StepReport) else 1
         acts = self.core.handle(self.st, ev, self.now)
         if acts:
             if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
@@ -387,9 +352,9 @@ class Sim:
         tr.reported = k
         tr.reports += 1
         self.stats["reports"] += 1
-        self._handle(AgentEvents(items=tuple(
-            (m, p.Step(run=tr.run, rank=i, step=k, t=t_k, dur=dur, loss=loss, grad_norm=loss, local_grad_norm=1.0,
-                       compute_s=comp[i] if comp else None)) for i, m in enumerate(tr.slots))))
+        self._handle(StepReport(run=tr.run, step=k, t=t_k, dur=dur, machines=tuple(tr.slots),
+                                ranks=tuple(range(len(tr.slots))), compute_s=tuple(comp) if comp else None,
+                                loss=loss, grad_norm=loss, local_grad_norm=1.0))
 
     def report_durable(self, tr: Training) -> None:
         """The newest durable checkpoints of a stopped run (one, two without memory copies), as its

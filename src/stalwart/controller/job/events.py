@@ -24,6 +24,36 @@ class AgentEvents:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """One step as every listed rank reported it, at one instant, as whole-job columns: rank
+    `ranks[i]` on machine `machines[i]` finished step `step` at `t` in `dur` seconds, its compute
+    taking `compute_s[i]` (None: not measured); loss, gradient norms and tokens are the same for
+    all. The core handles it exactly as one `AgentEvent` carrying a `protocol.Step` per rank, in
+    the listed order, would be handled (`as_agent_events` gives those), without an object and a
+    dispatch per rank: what a job of tens of thousands of ranks needs while every step is
+    reported."""
+    run: int | None
+    step: int
+    t: float
+    dur: float | None
+    machines: tuple[str, ...]
+    ranks: tuple[int, ...]
+    compute_s: tuple[float | None, ...] | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int | None = None
+    local_grad_norm: float | None = None
+
+    def as_agent_events(self) -> AgentEvents:
+        comp = self.compute_s or (None,) * len(self.ranks)
+        return AgentEvents(items=tuple(
+            (m, protocol.Step(run=self.run, rank=r, step=self.step, t=self.t, dur=self.dur, loss=self.loss,
+                              grad_norm=self.grad_norm, tokens=self.tokens, local_grad_norm=self.local_grad_norm,
+                              compute_s=c))
+            for m, r, c in zip(self.machines, self.ranks, comp)))
+
+
+@dataclass(frozen=True)
 class MachineLost:
     machine: str
 
@@ -65,7 +95,8 @@ class Tick:
     pass
 
 
-JobEvent = Union[AgentEvent, AgentEvents, MachineLost, Inject, Cancel, VersionRegistered, AgentBack, Resumed, Tick]
+JobEvent = Union[AgentEvent, AgentEvents, StepReport, MachineLost, Inject, Cancel, VersionRegistered, AgentBack,
+                 Resumed, Tick]
 
 
 class ClusterView(Protocol):

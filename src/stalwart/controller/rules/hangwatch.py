@@ -207,6 +207,41 @@ class HangWatch:
         st.step, st.step_t = step, t
         self._latched = None
 
+    def on_steps(self, ranks: Sequence[int], step: int, t: float) -> None:
+        """`on_step(rank, step, t)` for each rank in turn (one step that many ranks reported at
+        once), with the checks of `step` and `t` made once."""
+        t = _time("t", t)
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative integer (got {step!r})")
+        state, touched = self._state, False
+        for rank in ranks:
+            st = state.get(rank)
+            if st is None or type(rank) is not int or rank < 0:
+                self.on_step(rank, step, t)        # a rank first seen (or malformed): the full path
+                touched = True
+                continue
+            prev, prev_t = st.step, st.step_t
+            if prev is not None and step <= prev:
+                continue
+            if not touched:                         # what `_touch` does for a known rank
+                self._quiet_until = None
+                if self.started_at is None:
+                    self.started_at = t
+                    self._lower = None
+                touched = True
+            if prev_t is not None:
+                if t < prev_t:
+                    raise ValueError(f"rank {rank} reported step {step} at {t}, before its previous "
+                                     f"report at {prev_t}")
+                st.reports += 1
+                self._interval(rank, st.reports, t - prev_t)
+            else:
+                if self.started_at is not None:
+                    self._warmup_max = max(self._warmup_max, t - self.started_at)
+                self._lower = None
+            st.step, st.step_t = step, t
+            self._latched = None
+
     def _interval(self, rank: int, marks: int, interval: float) -> None:
         """One more interval between a rank's progress marks (steps, or collectives without the
         SDK): past the warm-up marks it calibrates the timeout."""

@@ -12,6 +12,7 @@ from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
+from stalwart.controller.job.events import StepReport
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Failures, HotUpdates, Standbys, record
 from stalwart.controller.job.state import BadSteps, ChaosPlan, JobPhase, JobState, PendingStep, RunState
 
@@ -158,6 +159,52 @@ class RunFlow:
                 acc.tokens = ev.tokens
         if len(acc.ranks) == self.ctx.world:
             return self.commit(st, ev.step, run.pending.pop(ev.step), now)
+        return []
+
+    def on_steps(self, st: JobState, rep: StepReport, now: float) -> Actions:
+        """One step of many ranks (`StepReport`): what `on_step` does for each in turn, on whole
+        columns. The step commits when its last missing rank reports; the ranks listed after that
+        one would change nothing (their step is committed), so they are not looked at."""
+        run = st.run
+        if run is None or rep.run != st.run_seq or st.phase != JobPhase.RUNNING or rep.step <= run.last_committed:
+            return []
+        ranks = rep.ranks
+        acc = run.pending.get(rep.step)
+        if acc is None:
+            acc = run.pending[rep.step] = PendingStep()
+        before = len(acc.ranks)
+        new = set(ranks)
+        if len(new) != len(ranks) or not acc.ranks.isdisjoint(new):
+            # a rank listed twice or reported already: one by one (the rare case)
+            acts: Actions = []
+            for one in rep.as_agent_events().items:
+                acts += self.on_step(st, one[1], now)   # type: ignore[arg-type]
+            return acts
+        # distinct new ranks: the set grows by one per rank, full at the k-th
+        k = self.ctx.world - before
+        n = k if 0 < k <= len(ranks) else len(ranks)
+        if n < len(ranks):
+            ranks = ranks[:n]
+            new = set(ranks)
+        if n == 0:
+            return []
+        acc.ranks |= new
+        acc.local.update(dict.fromkeys(ranks, rep.local_grad_norm))
+        comp = rep.compute_s[:n] if rep.compute_s is not None else (None,) * n
+        acc.times.update(zip(ranks, zip((rep.dur,) * n, comp)))
+        if run.hang is not None:
+            run.hang.on_steps(ranks, rep.step, now)
+        acc.t = max(acc.t, rep.t)
+        acc.dur = max(acc.dur, rep.dur or 0.0)
+        if acc.loss is None or 0 in new:          # rank 0's metrics win; else the first reported
+            if rep.loss is not None:
+                acc.loss = rep.loss
+            if rep.grad_norm is not None:
+                acc.grad_norm = rep.grad_norm
+            if rep.tokens is not None:
+                acc.tokens = rep.tokens
+        if len(acc.ranks) == self.ctx.world:
+            return self.commit(st, rep.step, run.pending.pop(rep.step), now)
         return []
 
     def commit(self, st: JobState, s: int, acc: PendingStep, now: float) -> Actions:
