@@ -151,12 +151,7 @@ class RunFlow:
         acc.t = max(acc.t, ev.t)
         acc.dur = max(acc.dur, ev.dur or 0.0)
         if ev.rank == 0 or acc.loss is None:      # rank 0's metrics win; else the first reported
-            if ev.loss is not None:
-                acc.loss = ev.loss
-            if ev.grad_norm is not None:
-                acc.grad_norm = ev.grad_norm
-            if ev.tokens is not None:
-                acc.tokens = ev.tokens
+            _take_metrics(acc, ev.loss, ev.grad_norm, ev.tokens)
         if len(acc.ranks) == self.ctx.world:
             return self.commit(st, ev.step, run.pending.pop(ev.step), now)
         return []
@@ -197,12 +192,7 @@ class RunFlow:
         acc.t = max(acc.t, rep.t)
         acc.dur = max(acc.dur, rep.dur or 0.0)
         if acc.loss is None or 0 in new:          # rank 0's metrics win; else the first reported
-            if rep.loss is not None:
-                acc.loss = rep.loss
-            if rep.grad_norm is not None:
-                acc.grad_norm = rep.grad_norm
-            if rep.tokens is not None:
-                acc.tokens = rep.tokens
+            _take_metrics(acc, rep.loss, rep.grad_norm, rep.tokens)
         if len(acc.ranks) == self.ctx.world:
             return self.commit(st, rep.step, run.pending.pop(rep.step), now)
         return []
@@ -379,3 +369,12 @@ class RunFlow:
                 return (s1 - s0) / (t1 - t0)
         return None
 
+
+def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
+    """A report's training metrics into the step it belongs to (those it carries)."""
+    if loss is not None:
+        acc.loss = loss
+    if grad_norm is not None:
+        acc.grad_norm = grad_norm
+    if tokens is not None:
+        acc.tokens = tokens
