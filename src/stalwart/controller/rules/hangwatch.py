@@ -167,11 +167,15 @@ class HangWatch:
         self.ranks = tuple(sorted(self._state))
 
     # ------------------------------------------------------------------ events
-    def _touch(self, rank: int, t: float) -> _RankState:
+    def _woken(self, t: float) -> None:
+        """Progress was seen at `t`: a quiet period ends, and the first progress starts the clock."""
         self._quiet_until = None
         if self.started_at is None:
             self.started_at = t
             self._lower = None
+
+    def _touch(self, rank: int, t: float) -> _RankState:
+        self._woken(t)
         st = self._state.get(rank)
         if st is None:
             st = self._state[rank] = _RankState()
@@ -192,7 +196,10 @@ class HangWatch:
         st = self._state.get(rank)
         if st is not None and st.step is not None and step <= st.step:
             return
-        st = self._touch(rank, t)
+        self._advance(rank, self._touch(rank, t), step, t)
+
+    def _advance(self, rank: int, st: _RankState, step: int, t: float) -> None:
+        """A known rank's new step `step` at `t` (progress: checked by the caller)."""
         if st.step_t is not None and t < st.step_t:
             raise ValueError(f"rank {rank} reported step {step} at {t}, before its previous "
                              f"report at {st.step_t}")
@@ -220,27 +227,12 @@ class HangWatch:
                 self.on_step(rank, step, t)        # a rank first seen (or malformed): the full path
                 touched = True
                 continue
-            prev, prev_t = st.step, st.step_t
-            if prev is not None and step <= prev:
+            if st.step is not None and step <= st.step:
                 continue
-            if not touched:                         # what `_touch` does for a known rank
-                self._quiet_until = None
-                if self.started_at is None:
-                    self.started_at = t
-                    self._lower = None
+            if not touched:                         # what `_touch` does for a known rank, once
+                self._woken(t)
                 touched = True
-            if prev_t is not None:
-                if t < prev_t:
-                    raise ValueError(f"rank {rank} reported step {step} at {t}, before its previous "
-                                     f"report at {prev_t}")
-                st.reports += 1
-                self._interval(rank, st.reports, t - prev_t)
-            else:
-                if self.started_at is not None:
-                    self._warmup_max = max(self._warmup_max, t - self.started_at)
-                self._lower = None
-            st.step, st.step_t = step, t
-            self._latched = None
+            self._advance(rank, st, step, t)
 
     def _interval(self, rank: int, marks: int, interval: float) -> None:
         """One more interval between a rank's progress marks (steps, or collectives without the
