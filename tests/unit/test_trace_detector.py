@@ -172,3 +172,60 @@ def test_the_agent_forwards_each_trace_operation_once(tmp_path):
     assert [o.seq for o in pw._new_ops(0, {"pid": 43, "trace": [op + [1]]})] == [1]   # a new process
     ev = p.decode_event(p.encode(p.Activity(run=1, traces={0: pw._new_ops(1, summary)}, t=1.0)))
     assert isinstance(ev, p.Activity) and ev.traces[0][1] == p.TraceOp("gloo:all_reduce", "7", "dp", None, 160, 5.0, 2)
+
+
+# -- stalls: a rank stuck before the collective its peers wait in ------------------------------
+def _stall_window(fault: Fault) -> tuple[dict, dict[int, int]]:
+    """The empty window after a stall, and each rank's newest collective id."""
+    last: dict[int, int] = {}
+    for _, r, op in synth(RANKS, 20, seed=1, fault=fault):
+        last[r] = op.seq
+    return {}, last
+
+
+def test_a_stuck_rank_is_named_in_a_stall_unless_it_computes_or_most_are_behind():
+    from stalwart.analyzer.traces import stall_laggards
+    empty, last = _stall_window(Fault("stuck", rank=3, at=12, op=2))
+    assert stall_laggards(empty, last, [], PEERS) == {3: 1}
+    assert stall_laggards(empty, last, [3], PEERS) == {}           # it computes: an evaluation, not a hang
+    assert stall_laggards(empty, last, [], [[0, 1], [2, 3, 4, 5, 6, 7]]) == {3: 1}
+    behind = {r: (9 if r < 5 else 10) for r in range(RANKS)}        # five of eight behind: no culprit
+    assert stall_laggards(empty, behind, [], PEERS) == {}
+    busy = to_windows(synth(RANKS, 20, seed=1), 10.0)[0]             # the group entered collectives
+    assert stall_laggards(busy, last, [], PEERS) == {}
+    _, healthy = _stall_window(None)                                   # the run's end: everyone level
+    assert stall_laggards(empty, healthy, [], PEERS) == {}
+
+
+def stall(h: Harness, seconds: float, fault: Fault, active: tuple[int, ...] = ()) -> list:
+    """Traces up to a stall (`fault` of kind stuck), then `seconds` with no collective and no step;
+    each second one activity event per machine (`active`: ranks that still compute)."""
+    ops = synth(h.world, fault.at + 1, seed=3, fault=fault, durations=False, t0=h.now)
+    out: list = []
+    for m in list(h.st.slots):
+        mine = {r: [op for _, rr, op in ops if rr == r] for r in range(h.world) if h.machine_of(r) == m}
+        out += h.agent(m, p.Activity(run=h.st.run_seq, traces=mine, t=h.now))
+    end = h.now + seconds
+    while h.now < end:
+        out += h.advance(1.0)
+        for m in list(h.st.slots):
+            mine_active = sorted(r for r in active if h.machine_of(r) == m)
+            out += h.agent(m, p.Activity(run=h.st.run_seq, ranks=mine_active, t=h.now))
+    return out
+
+
+def test_the_core_names_a_stuck_machine_in_a_stall_and_leaves_it_to_the_hang_detector():
+    h = started(trace_evict=True, hang_timeout_floor_s=60.0)
+    feed(h, 9)
+    acts = stall(h, 4, Fault("stuck", rank=1, at=40, op=3))
+    [alert] = records(acts, "trace_suspect")
+    assert alert["machines"] == ["m1"] and alert["ranks"] == [1] and alert["stall"]
+    assert "gloo:broadcast@tp never entered" in alert["collectives"][0], alert
+    assert not of(acts, a.OpenIncident)              # a stall's alert never evicts
+
+
+def test_a_rank_computing_through_a_stall_is_not_named():
+    h = started(hang_timeout_floor_s=60.0)
+    feed(h, 9)
+    acts = stall(h, 4, Fault("stuck", rank=1, at=40, op=3), active=(1,))
+    assert not records(acts, "trace_suspect")

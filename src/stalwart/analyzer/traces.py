@@ -16,6 +16,14 @@ run the same sequence):
   (a reordered sequence).
 
 A job that slows down alike on every rank (a busy host, a slower data set) changes none of them.
+
+A window in which a peer group entered no collective at all (a stall: too few operations for
+features) is judged by a rule instead (`stall_laggards`): a rank whose newest collective is older
+than its peers' newest, and that used no CPU outside a collective in the window, is stuck before the
+collective its peers wait in (a hung stage, a stopped or frozen process, a rank blocked on I/O). A
+rank that computes through the stall (a long evaluation on rank 0) is not; nor is a majority of the
+group (then the odd ones are those ahead, not a culprit).
+
 `DensityModel` learns, per feature, the median and a robust spread of these values over the job's
 first healthy windows (every rank, every window), and the largest score seen then; a window's
 score is its largest standardized deviation, and a rank whose score passes the threshold names the
@@ -105,6 +113,26 @@ def window_features(windows: dict[int, RankWindow], peers: Sequence[Sequence[int
                     f[f"d:{t}"] = x - med_d[t]
             f[ORDER] = 0.5 * sum(abs(hist[r].get(t, 0.0) - med_h[t]) for t in all_t)
             out[r] = f
+    return out
+
+
+def stall_laggards(windows: dict[int, RankWindow], last_seq: dict[int, int], active: Iterable[int],
+                   peers: Sequence[Sequence[int]]) -> dict[int, int]:
+    """Ranks stuck outside the collective their peers wait in (module docstring), each with how many
+    collectives it is behind the newest of its group. A group is judged only when none of its ranks
+    entered a collective in the window and at least two have entered one in the run; the recorders'
+    ids (`TraceOp.seq`) count each process's collectives, so ranks that run the same sequence
+    (`peers`) are compared by them."""
+    moving = set(active)
+    out: dict[int, int] = {}
+    for group in peers:
+        known = [r for r in group if r in last_seq]
+        if len(known) < 2 or any(sum(windows[r].count.values()) for r in group if r in windows):
+            continue
+        top = max(last_seq[r] for r in known)
+        behind = [r for r in known if last_seq[r] < top and r not in moving]
+        if behind and 2 * len(behind) <= len(known):
+            out.update({r: top - last_seq[r] for r in behind})
     return out
 
 
@@ -202,9 +230,28 @@ class TraceWatch:
     streak: dict[int, int] = field(default_factory=dict)
     last_alert: dict[str, float] = field(default_factory=dict)      # machine -> when it was named
     windows_seen: int = 0
+    busy_windows: int = 0                     # windows of this run with features (steady training)
+    last_seq: dict[int, int] = field(default_factory=dict)       # rank -> its newest collective's id
+    last_key: dict[int, str] = field(default_factory=dict)       # ... and key
+    active: set[int] = field(default_factory=set)                # ranks that computed in this window
+    stall_streak: dict[int, int] = field(default_factory=dict)
 
-    def add(self, rank: int, key: str, group: str, dur_ms: float | None, gap_ms: float | None) -> None:
+    def add(self, rank: int, key: str, group: str, dur_ms: float | None, gap_ms: float | None,
+            seq: int | None = None) -> None:
         self.current.setdefault(rank, RankWindow()).add(key, group, dur_ms, gap_ms)
+        if seq is not None:            # a rank's operations arrive in order
+            self.last_seq[rank], self.last_key[rank] = seq, key
+
+    def computed(self, ranks: Iterable[int]) -> None:
+        """Ranks that used CPU outside a collective in this window (the agents' activity)."""
+        self.active.update(ranks)
+
+    def stalls(self) -> dict[int, int]:
+        """The open window's stuck ranks (`stall_laggards`), before it is closed; none until the run
+        trained steadily for a window."""
+        if not self.busy_windows:
+            return {}
+        return stall_laggards(self.current, self.last_seq, self.active, self.peers)
 
     def start(self, now: float, warmup_s: float) -> None:
         """The first trace of a run: windows start now; a model not fitted yet learns from
@@ -216,9 +263,13 @@ class TraceWatch:
     def close(self, now: float) -> dict[int, dict[str, float]]:
         """Close the window: every rank's features."""
         closed, self.current = self.current, {}
+        self.active = set()
         self.window_end = now + self.window_s
         self.windows_seen += 1
-        return window_features(closed, self.peers)
+        feats = window_features(closed, self.peers)
+        if feats:
+            self.busy_windows += 1
+        return feats
 
     def learn(self, feats: dict[int, dict[str, float]]) -> None:
         """Keep a healthy window's values: per feature every stride-th, the stride doubling (and

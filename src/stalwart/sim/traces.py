@@ -12,7 +12,9 @@ durations): as on a real job. Faults (on rank `rank` from step `at` on):
 - ``missing``       it skips op `op`;
 - ``reordered``     it runs ops `op` and `op + 1` in the other order;
 - ``uniform``       every rank computes and communicates `factor` times slower (a loaded host: no
-                    fault of any one rank).
+                    fault of any one rank);
+- ``stuck``         it never enters op `op` of step `at` (a hung stage, a stopped process): its
+                    peers enter it and wait there, so nobody enters anything after.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from stalwart.analyzer.traces import RankWindow, op_key
 from stalwart.protocol import TraceOp
 
-FAULTS = ("slow-compute", "slow-op", "missing", "reordered", "uniform")
+FAULTS = ("slow-compute", "slow-op", "missing", "reordered", "uniform", "stuck")
 DEFAULT_OPS = (("gloo:all_reduce", "dp", 0.004, 0.002), ("gloo:all_reduce", "dp", 0.003, 0.002),
                ("gloo:all_reduce", "dp", 0.002, 0.001), ("gloo:broadcast", "tp", 0.001, 0.0005),
                ("gloo:all_gather", "tp", 0.001, 0.0005), ("gloo:barrier", "default_pg", 0.0, 0.0002))
@@ -55,6 +57,17 @@ def synth(ranks: int, steps: int, seed: int = 0, fault: Fault | None = None, noi
             o[fault.op], o[fault.op + 1] = o[fault.op + 1], o[fault.op]
         # ops run in each rank's order; a collective ends when its last participant entered
         for pos in range(len(ops)):
+            if faulty and fault is not None and fault.kind == "stuck" and pos == fault.op:
+                for r in range(ranks):
+                    if r != fault.rank:
+                        seq[r] += 1
+                        e = t[r] + ops[order[r][pos]][2]
+                        kind, group = ops[order[r][pos]][0], ops[order[r][pos]][1]
+                        out.append((e, r, TraceOp(kind=kind, group=f"{group}-{r % 2}", desc=group, dur_ms=None,
+                                                  nbytes=None, gap_ms=round((e - last_entry[r]) * 1e3, 3),
+                                                  seq=seq[r])))
+                out.sort(key=lambda x: x[0])
+                return out
             entries: dict[int, tuple[float, int]] = {}
             for r in range(ranks):
                 i = order[r][pos]

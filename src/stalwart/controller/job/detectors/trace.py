@@ -13,6 +13,12 @@ is slowed (its recent steps slower than the healthy pace by the fail-slow drop),
 named are at most half the job and standbys are ready for them;
 otherwise it only alerts, at most once per TRACE_REALERT_S per machine (an alert that may evict is
 raised whenever the rank stays abnormal).
+
+A stall (a window in which a peer group entered no collective) is judged without the model: a rank
+stuck before the collective its peers wait in, using no CPU, for TRACE_STREAK windows in a row is
+named the same way (`analyzer.traces.stall_laggards`). That alert never evicts: no step finishes in
+a stall, so nothing says the job is slowed rather than paused; the hang detector decides, and the
+alert has named the machine seconds before its timeout.
 """
 from __future__ import annotations
 
@@ -54,26 +60,64 @@ class TraceDetector(BaseDetector):
 
     def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:
         tw = st.signals.traces
-        if not isinstance(ev, protocol.Activity) or tw is None or not ev.traces or ev.run != st.run_seq \
+        if not isinstance(ev, protocol.Activity) or tw is None or ev.run != st.run_seq \
                 or st.phase != JobPhase.RUNNING:
+            return []
+        if not ev.traces:
+            tw.computed(r for r in ev.ranks if 0 <= r < self.ctx.world)
             return []
         if not tw.window_end:
             tw.start(now, warmup_s=2 * tw.window_s)
         world = self.ctx.world
+        tw.computed(r for r in ev.ranks if 0 <= r < world)
         for rank, ops in ev.traces.items():
             if 0 <= rank < world:
                 for op in ops:
-                    tw.add(rank, op_key(op.kind, op.desc), op.group, op.dur_ms, op.gap_ms)
+                    tw.add(rank, op_key(op.kind, op.desc), op.group, op.dur_ms, op.gap_ms, op.seq)
         return []
 
     def tick(self, st: JobState, now: float) -> Actions:
         tw = st.signals.traces
         if tw is None or not tw.window_end or now < tw.window_end:
             return []
+        stalled = tw.stalls()
         feats = tw.close(now)
+        acts = self._stalls(st, tw, stalled, now)
         if tw.model is None:
-            return self._train(st, tw, feats, now)
-        return self._judge(st, tw, feats, now)
+            return acts + self._train(st, tw, feats, now)
+        return acts + self._judge(st, tw, feats, now)
+
+    def _stalls(self, st: JobState, tw: TraceWatch, stalled: dict[int, int], now: float) -> Actions:
+        """Name the ranks stuck in a stall TRACE_STREAK windows in a row (an alert only)."""
+        for r in [r for r in tw.stall_streak if r not in stalled]:
+            del tw.stall_streak[r]
+        for r in stalled:
+            tw.stall_streak[r] = tw.stall_streak.get(r, 0) + 1
+        ranks = sorted(r for r in stalled if tw.stall_streak[r] >= TRACE_STREAK)
+        if not ranks:
+            return []
+        topo = self.ctx.topo
+        machines = [st.slots[i] for i in topo.machines_of(ranks)]
+        if not [m for m in machines if now - tw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]:
+            return []
+        for m in machines:
+            tw.last_alert[m] = now
+        waited = sorted({tw.last_key[r] for g in self.peer_groups() if set(g) & set(ranks)
+                         for r in g if r not in stalled and r in tw.last_key})
+        collectives = [f"{k} never entered (its peers wait in it)" for k in waited]
+        reason = (f"rank(s) {ranks} on {', '.join(machines)} stopped before the collective their peers wait in "
+                  f"({', '.join(waited) or 'unknown'}) and used no CPU for {min(tw.stall_streak[r] for r in ranks)} "
+                  f"windows of {tw.window_s:g} s")
+        return [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=ranks,
+                       group=self._group(st, ranks), score=float(max(stalled[r] for r in ranks)),
+                       collectives=collectives, reason=reason, stall=True)]
+
+    def _group(self, st: JobState, ranks: list[int]) -> str:
+        """The parallel group the ranks share, in words."""
+        topo = self.ctx.topo
+        shared = topo.shared_group(ranks)
+        return (f"{shared[0]} group of {', '.join(st.slots[i] for i in shared[1])}" if shared else
+                implicit.describe_group(ranks, topo))
 
     def _train(self, st: JobState, tw: TraceWatch, feats: dict[int, dict[str, float]], now: float) -> Actions:
         if now <= tw.train_until - tw.train_s:
@@ -110,9 +154,7 @@ class TraceDetector(BaseDetector):
             return []
         for m in machines:
             tw.last_alert[m] = now
-        shared = topo.shared_group(ranks)
-        group = (f"{shared[0]} group of {', '.join(st.slots[i] for i in shared[1])}" if shared else
-                 implicit.describe_group(ranks, topo))
+        group = self._group(st, ranks)
         collectives = sorted({w for _, worst in abnormal.values() for w in describe(worst[:3])})
         score = max(s for s, _ in abnormal.values())
         reason = (f"collective traces of rank(s) {ranks} on {', '.join(machines)} left the distribution "
