@@ -167,7 +167,8 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / services.CREDENTIAL_FILE).write_text("sm1.x.y\n")
     args = argparse.Namespace(log_level="WARNING", workdir=str(tmp_path / "w"), machine_id="m0", join_token_file=None,
-                              token_file=None, controller="http://127.0.0.1:9", tls_ca=None, address="127.0.0.1",
+                              token_file=None, controller="http://127.0.0.1:9", tls_ca=None, tls_cert=None,
+                              tls_key=None, address="127.0.0.1",
                               gpus=1, heartbeat=1.0, network_file=None, kmsg=None, controller_file=None, label=[],
                               nic=[], shared_host=True)
     with pytest.raises(Stop):
