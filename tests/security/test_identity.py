@@ -155,6 +155,8 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     from stalwart.cli import services
     monkeypatch.setenv("STALWART_TOKEN", "operator")
     monkeypatch.setenv("STALWART_JOIN_TOKEN", "join")
+    monkeypatch.setenv("STALWART_TLS_CERT", "m0.pem")
+    monkeypatch.setenv("STALWART_TLS_KEY", "m0.key")
     started = {}
 
     class Stop(Exception):
@@ -174,6 +176,7 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     with pytest.raises(Stop):
         services.cmd_agent(args)
     assert "STALWART_TOKEN" not in started and "STALWART_JOIN_TOKEN" not in started and started
+    assert "STALWART_TLS_CERT" not in started and "STALWART_TLS_KEY" not in started
 
 
 @pytest.mark.timeout(30)

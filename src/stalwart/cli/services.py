@@ -12,7 +12,8 @@ import time
 import urllib.parse
 
 from stalwart.backends import statedir
-from stalwart.cli.common import DEFAULT_STATE, UserError, controller_options, labels, state_options, write_atomic
+from stalwart.cli.common import (DEFAULT_STATE, TLS_CERT_ENV, TLS_KEY_ENV, UserError, controller_options, labels,
+                                 state_options, write_atomic)
 from stalwart.security import auth, identity
 from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
@@ -183,8 +184,9 @@ def cmd_agent(a) -> int:
     workdir = a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id)
     urls = controller_urls(a)
     token = agent_credential(a, workdir)
-    # nothing this agent starts (the user's workers, diagnostics) inherits a credential
-    for name in (auth.TOKEN_ENV, JOIN_ENV):
+    # nothing this agent starts (the user's workers, diagnostics) inherits a credential (nor
+    # where its certificate's key is)
+    for name in (auth.TOKEN_ENV, JOIN_ENV, TLS_CERT_ENV, TLS_KEY_ENV):
         os.environ.pop(name, None)
     try:
         client = Client(urls[0], timeout=10, token=token, ca=a.tls_ca, cert=a.tls_cert, key=a.tls_key)
