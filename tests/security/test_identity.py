@@ -155,6 +155,8 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     from stalwart.cli import services
     monkeypatch.setenv("STALWART_TOKEN", "operator")
     monkeypatch.setenv("STALWART_JOIN_TOKEN", "join")
+    monkeypatch.setenv("STALWART_TLS_CERT", "m0.pem")
+    monkeypatch.setenv("STALWART_TLS_KEY", "m0.key")
     started = {}
 
     class Stop(Exception):
@@ -167,12 +169,14 @@ def test_no_operator_token_reaches_an_agent_pod_nor_a_worker(tmp_path, monkeypat
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / services.CREDENTIAL_FILE).write_text("sm1.x.y\n")
     args = argparse.Namespace(log_level="WARNING", workdir=str(tmp_path / "w"), machine_id="m0", join_token_file=None,
-                              token_file=None, controller="http://127.0.0.1:9", tls_ca=None, address="127.0.0.1",
+                              token_file=None, controller="http://127.0.0.1:9", tls_ca=None, tls_cert=None,
+                              tls_key=None, address="127.0.0.1",
                               gpus=1, heartbeat=1.0, network_file=None, kmsg=None, controller_file=None, label=[],
                               nic=[], shared_host=True)
     with pytest.raises(Stop):
         services.cmd_agent(args)
     assert "STALWART_TOKEN" not in started and "STALWART_JOIN_TOKEN" not in started and started
+    assert "STALWART_TLS_CERT" not in started and "STALWART_TLS_KEY" not in started
 
 
 @pytest.mark.timeout(30)

@@ -87,11 +87,17 @@ def closed_port() -> int:
     (["whatif", "--job", "{job}"], EXIT.REFUSED, "compute time"),
     (["stacks", "7", "--job", "{job}"], EXIT.REFUSED, "no incident 7"),
     (["status", "--watch", "--interval", "0.01", "--job", "{job}"], EXIT.JOB_FAILED, ""),
+    (["status", "--controller", "https://127.0.0.1:{closed}", "--tls-cert", "{bad_token}"], EXIT.USAGE,
+     "error: a client certificate and its key go together"),
+    (["controller", "--tls-client-ca", "{bad_token}", "--state-dir", "{tmp}"], EXIT.USAGE,
+     "error: client certificates (--tls-client-ca) need HTTPS"),
+    (["agent", "--controller", "http://127.0.0.1:{closed}", "--machine-id", "m0", "--workdir", "{tmp}",
+      "--tls-cert", "{bad_token}", "--tls-key", "{bad_token}"], EXIT.USAGE, "needs an https:// --controller"),
 ])
 def test_each_kind_of_failure_has_its_exit_code(remote, tmp_path, capsys, argv, code, says):
     bad = tmp_path / "bad-token"
     bad.write_text("wrong\n")
-    argv = [x.format(closed=closed_port(), bad_token=bad, job=remote[2]) for x in argv]
+    argv = [x.format(closed=closed_port(), bad_token=bad, job=remote[2], tmp=tmp_path / "x") for x in argv]
     assert run(argv) == code
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
@@ -223,7 +229,7 @@ def test_one_meaning_per_option():
     assert [cmd for cmd, act in opts["--gpus"] if act.help != argparse.SUPPRESS] == ["sim"]
     assert {cmd for cmd, _ in opts["--gpus-per-machine"]} >= {"agent", "run", "submit", "sim"}
     # every command that talks to a controller takes it and its credentials from the environment
-    for o in ("--controller", "--token-file", "--tls-ca"):
+    for o in ("--controller", "--token-file", "--tls-ca", "--tls-cert", "--tls-key"):
         for cmd, act in opts[o]:
             if cmd != "controller" and not cmd.startswith(("slurm", "k8s")):
                 assert "$STALWART_" in act.help, (o, cmd)

@@ -17,8 +17,9 @@ from stalwart.errors import UserError
 from stalwart.security import auth
 from stalwart.transport.client import Client, ControllerUnreachable
 
-__all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "TLS_CA_ENV", "TOKEN_FILE_ENV",
-           "UserError", "chaos_help", "api_client", "client_options", "controller_options", "controller_url",
+__all__ = ["CONTROLLER_ENV", "DEFAULT_STATE", "EXIT", "EXTRAS", "LOG_LEVELS", "TLS_CA_ENV", "TLS_CERT_ENV",
+           "TLS_KEY_ENV", "TOKEN_FILE_ENV", "UserError", "chaos_help", "api_client", "client_options",
+           "controller_options", "controller_url",
            "job_options", "labels", "log_handler", "log_level", "missing_extra_line", "need_controller",
            "offline_report", "print_json", "report", "setup_logging", "spec_from_args", "state_options",
            "state_store_url", "torchrun_options", "write_atomic"]
@@ -70,6 +71,8 @@ class EXIT:
 CONTROLLER_ENV = "STALWART_CONTROLLER"
 TOKEN_FILE_ENV = "STALWART_TOKEN_FILE"
 TLS_CA_ENV = "STALWART_TLS_CA"
+TLS_CERT_ENV = "STALWART_TLS_CERT"
+TLS_KEY_ENV = "STALWART_TLS_KEY"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -329,6 +332,12 @@ def client_options(p: argparse.ArgumentParser) -> None:
                         f"itself), else <state-dir>/{auth.TOKEN_FILE})")
     p.add_argument("--tls-ca", default=os.environ.get(TLS_CA_ENV) or None,
                    help=f"CA file to verify an https controller's certificate (default: ${TLS_CA_ENV})")
+    p.add_argument("--tls-cert", default=os.environ.get(TLS_CERT_ENV) or None,
+                   help="this client's certificate (PEM; with --tls-key) for a controller that verifies them "
+                        "(--tls-client-ca): it is the credential of a request without a token "
+                        f"(default: ${TLS_CERT_ENV})")
+    p.add_argument("--tls-key", default=os.environ.get(TLS_KEY_ENV) or None,
+                   help=f"the client certificate's private key (PEM; default: ${TLS_KEY_ENV})")
 
 
 def controller_options(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -369,11 +378,13 @@ def controller_url(a) -> str:
 
 def api_client(a, timeout: float) -> Client:
     """A client of the controller of `a` (--controller or the state dir's), with its token
-    (--token-file, $STALWART_TOKEN or the state dir's token file) and --tls-ca."""
+    (--token-file, $STALWART_TOKEN or the state dir's token file; "" when none: a client
+    certificate alone may be the credential), --tls-ca and --tls-cert/--tls-key."""
     try:
         return Client(controller_url(a), timeout=timeout,
-                      token=auth.client_token(getattr(a, "token_file", None), a.state_dir),
-                      ca=getattr(a, "tls_ca", None))
+                      token=auth.client_token(getattr(a, "token_file", None), a.state_dir) or "",
+                      ca=getattr(a, "tls_ca", None), cert=getattr(a, "tls_cert", None),
+                      key=getattr(a, "tls_key", None))
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
 

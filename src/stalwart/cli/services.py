@@ -12,7 +12,8 @@ import time
 import urllib.parse
 
 from stalwart.backends import statedir
-from stalwart.cli.common import DEFAULT_STATE, UserError, controller_options, labels, state_options, write_atomic
+from stalwart.cli.common import (DEFAULT_STATE, TLS_CERT_ENV, TLS_KEY_ENV, UserError, controller_options, labels,
+                                 state_options, write_atomic)
 from stalwart.security import auth, identity
 from stalwart.transport.client import ApiError, Client, ControllerUnreachable
 
@@ -27,9 +28,12 @@ def cmd_controller(a) -> int:
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
     if bool(a.tls_cert) != bool(a.tls_key):
         raise UserError("--tls-cert and --tls-key go together")
+    if (a.tls_client_ca or a.tls_require_client_cert) and not a.tls_cert:
+        raise UserError("client certificates (--tls-client-ca) need HTTPS: give --tls-cert and --tls-key")
     try:
         token = auth.controller_token(a.state_dir, a.token_file)
-        tls = auth.server_tls(a.tls_cert, a.tls_key) if a.tls_cert else None
+        tls = auth.server_tls(a.tls_cert, a.tls_key, a.tls_client_ca, a.tls_require_client_cert) \
+            if a.tls_cert else None
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     token_path = a.token_file or os.path.join(a.state_dir, auth.TOKEN_FILE)
@@ -121,7 +125,17 @@ ENROLL_WAIT_S = 120.0
 
 def agent_credential(a, workdir: str) -> str:
     """The agent's bearer token: its machine's credential (`<workdir>/machine.credential`, got by
-    enrolling with --join-token-file on first start), else --token-file / $STALWART_TOKEN."""
+    enrolling with --join-token-file on first start), else --token-file / $STALWART_TOKEN; ""
+    (none) for an agent with a client certificate (--tls-cert), which is its credential."""
+    if a.tls_cert:
+        if not a.tls_key:
+            raise UserError("--tls-cert and --tls-key go together")
+        if a.join_token_file or os.environ.get(JOIN_ENV, "").strip():
+            raise UserError("an agent with a client certificate (--tls-cert) needs no join token: its "
+                            "certificate names its machine")
+        if not all(u.startswith("https://") for u in controller_urls(a)):
+            raise UserError("a client certificate (--tls-cert) needs an https:// --controller")
+        return ""
     cred = os.path.join(workdir, CREDENTIAL_FILE)
     try:
         if os.path.exists(cred):
@@ -170,11 +184,12 @@ def cmd_agent(a) -> int:
     workdir = a.workdir or os.path.join(DEFAULT_STATE, "machines", a.machine_id)
     urls = controller_urls(a)
     token = agent_credential(a, workdir)
-    # nothing this agent starts (the user's workers, diagnostics) inherits a credential
-    for name in (auth.TOKEN_ENV, JOIN_ENV):
+    # nothing this agent starts (the user's workers, diagnostics) inherits a credential (nor
+    # where its certificate's key is)
+    for name in (auth.TOKEN_ENV, JOIN_ENV, TLS_CERT_ENV, TLS_KEY_ENV):
         os.environ.pop(name, None)
     try:
-        client = Client(urls[0], timeout=10, token=token, ca=a.tls_ca)
+        client = Client(urls[0], timeout=10, token=token, ca=a.tls_ca, cert=a.tls_cert, key=a.tls_key)
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
     try:
@@ -205,6 +220,12 @@ def add_parsers(sub) -> None:
                                         "on first start, mode 0600)")
     c.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
     c.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    c.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: ask clients for a certificate and "
+                   "verify it against this CA; a verified certificate naming a machine, an operator or a reader "
+                   "is a credential (docs/security.md), a token still works for clients without one")
+    c.add_argument("--tls-require-client-cert", action="store_true",
+                   help="with --tls-client-ca: refuse the TLS handshake of a client without a certificate "
+                        "(its tokens no longer reach the API; HTTPS liveness probes need one too)")
     c.add_argument("--state-dir", default=DEFAULT_STATE)
     c.add_argument("--store-host", help="address workers use to reach this host's rendezvous store")
     c.add_argument("--port-file", help="write the bound port here once listening")

@@ -5,8 +5,10 @@ Anyone who can call the API runs code on every machine (a job is a command), so 
 reads or changes a job needs the token. `stalwart controller` creates it on first start (random,
 in `<state-dir>/token`, mode 0600) unless given `--token-file`; agents and the CLI read it from
 `--token-file`, the environment (`STALWART_TOKEN`) or, on the controller's host, the state dir.
-What stays open: `/api/health` (a liveness probe), `/api/openapi.json` and the dashboard's page and static files (they
-hold no data; the page asks the API with the token it was given in the URL's fragment).
+With `--tls-client-ca` a client certificate signed by that CA is a credential too (mutual TLS,
+`identity.from_certificate`). What stays open: `/api/health` (a liveness probe),
+`/api/openapi.json` and the dashboard's page and static files (they hold no data; the page asks
+the API with the token it was given in the URL's fragment).
 """
 from __future__ import annotations
 
@@ -120,19 +122,40 @@ def bearer_ok(header: str | None, token: str) -> tuple[bool, str]:
     return True, ""
 
 
-def server_tls(cert: str, key: str) -> ssl.SSLContext:
+def server_tls(cert: str, key: str, client_ca: str | None = None, require_client_cert: bool = False) -> ssl.SSLContext:
+    """The controller's TLS context. `client_ca`: ask every client for a certificate and verify
+    one it presents against this CA (a certificate from another CA fails the handshake); a
+    verified certificate is a credential (`identity.from_certificate`). A client without one
+    still connects and shows a bearer token, unless `require_client_cert`."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
         raise AuthConfigError(f"cannot load the TLS certificate {cert} / key {key}: {e}") from None
+    if client_ca:
+        try:
+            ctx.load_verify_locations(cafile=client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise AuthConfigError(f"cannot load the client CA file {client_ca}: {e}") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
+    elif require_client_cert:
+        raise AuthConfigError("requiring client certificates needs the CA that signs them (--tls-client-ca)")
     return ctx
 
 
-def client_tls(ca: str | None) -> ssl.SSLContext:
-    """Verify the controller's certificate against `ca` (else the system's authorities)."""
+def client_tls(ca: str | None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    """Verify the controller's certificate against `ca` (else the system's authorities); present
+    `cert` (with its `key`) when the controller asks for a client certificate."""
     try:
-        return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+        ctx = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
     except (OSError, ssl.SSLError) as e:
         raise AuthConfigError(f"cannot load the CA file {ca}: {e}") from None
+    if bool(cert) != bool(key):
+        raise AuthConfigError("a client certificate and its key go together (--tls-cert and --tls-key)")
+    if cert:
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise AuthConfigError(f"cannot load the client certificate {cert} / key {key}: {e}") from None
+    return ctx

@@ -18,6 +18,15 @@ machine id that enrolled once cannot be enrolled again with another join token. 
 user's training processes) hold none of these: the agent keeps its credential in a 0600 file of
 its work directory, never in the environment it gives workers.
 
+A client certificate verified against the controller's `--tls-client-ca` (mutual TLS) is a
+credential of the same scopes, named in the certificate (`from_certificate`): a URI SAN
+`spiffe://<trust-domain>/machine/<id>` is machine <id>'s agent, `spiffe://<trust-domain>/operator`
+an operator, `spiffe://<trust-domain>/reader` a reader; a certificate with no such URI may name
+them in its subject CN instead (`stalwart:machine:<id>`, `stalwart:operator`, `stalwart:reader`).
+Any other certificate (the controller's own, a host's) proves nothing: its holder needs a token.
+A bearer token, when a request carries one, is what is checked; the certificate counts for
+requests that carry none (an agent with a certificate sends no token).
+
 Every token but the operator's is derived from the controller's secret (`<state-dir>/secret`,
 0600; controllers sharing a database share it): HMAC-SHA256, checked in constant time, nothing to
 store but which join tokens were used and which machines enrolled (the store's meta table).
@@ -31,6 +40,8 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
+
+from stalwart.protocol import MACHINE_ID_RE
 
 READER_FILE = "reader.token"
 JOIN_TTL_S = 24 * 3600.0
@@ -112,6 +123,58 @@ def from_header(header: str | None, operator: str | None, secret: bytes) -> tupl
     if scheme.lower() != "bearer" or not value.strip():
         return None, "not a bearer token"
     return identify(value.strip(), operator, secret)
+
+
+SPIFFE = "spiffe://"
+CN_PREFIX = "stalwart:"
+
+
+def _named(name: str) -> Identity | None:
+    """The identity a stalwart name (`machine/<id>`, `operator`, `reader`) stands for."""
+    if name == "operator":
+        return Identity(Scope.OPERATOR)
+    if name == "reader":
+        return Identity(Scope.READER)
+    kind, _, machine = name.partition("/")
+    if kind == "machine" and MACHINE_ID_RE.match(machine):
+        return Identity(Scope.AGENT, machine)
+    return None
+
+
+def from_certificate(peercert: dict | None) -> tuple[Identity | None, str]:
+    """The identity a verified client certificate (`SSLSocket.getpeercert()`'s dict: the TLS
+    layer checked it against the client CA already) names, or (None, why not)."""
+    if not peercert:
+        return None, "no client certificate"
+    found: set[Identity] = set()
+    for kind, value in peercert.get("subjectAltName", ()):
+        if kind == "URI" and value.startswith(SPIFFE):
+            _trust, slash, path = value[len(SPIFFE):].partition("/")
+            ident = _named(path) if slash else None
+            if ident is not None:
+                found.add(ident)
+    if not found:
+        for rdn in peercert.get("subject", ()):
+            for key, value in rdn:
+                if key == "commonName" and value.startswith(CN_PREFIX):
+                    ident = _named(value[len(CN_PREFIX):].replace(":", "/", 1))
+                    if ident is not None:
+                        found.add(ident)
+    if len(found) > 1:
+        return None, "the client certificate names more than one identity"
+    if not found:
+        return None, "the client certificate names no stalwart identity"
+    return found.pop(), ""
+
+
+def from_request(header: str | None, peercert: dict | None, operator: str | None,
+                 secret: bytes) -> tuple[Identity | None, str]:
+    """The identity a request proves: its bearer token when it carries an Authorization header,
+    else its verified client certificate (None when the connection presented none)."""
+    if header or not peercert:
+        return from_header(header, operator, secret)
+    ident, why = from_certificate(peercert)
+    return (ident, "") if ident is not None else (None, f"no token, and {why}")
 
 
 def agent_machine(path: str) -> str | None:

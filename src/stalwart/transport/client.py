@@ -23,17 +23,21 @@ class ApiError(StalwartError, RuntimeError):
 
 
 class Client:
-    """`token`: the controller's bearer token (None: $STALWART_TOKEN when set); `ca`: the CA file
-    that signed an https controller's certificate (None: the system's authorities)."""
+    """`token`: the controller's bearer token (None: $STALWART_TOKEN when set; "": none); `ca`:
+    the CA file that signed an https controller's certificate (None: the system's authorities);
+    `cert`, `key`: this client's certificate for a controller that verifies them (mutual TLS: the
+    certificate is the credential of a request without a token), on every request and on an
+    agent's channel (`agent.link` connects with `tls`); like `ca`, unused for an http controller."""
 
-    def __init__(self, url: str, timeout: float = 10.0, token: str | None = None, ca: str | None = None):
+    def __init__(self, url: str, timeout: float = 10.0, token: str | None = None, ca: str | None = None,
+                 cert: str | None = None, key: str | None = None):
         if "://" not in url:
             url = "http://" + url
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.token = token if token is not None else auth.client_token()
-        self.ca = ca
-        self._tls = auth.client_tls(ca) if self.url.startswith("https://") else None
+        self.ca, self.cert, self.key = ca, cert, key
+        self._tls = auth.client_tls(ca, cert, key) if self.url.startswith("https://") else None
         parts = urllib.parse.urlsplit(self.url)
         self._https, self._host, self._port = parts.scheme == "https", parts.hostname or "", parts.port
         self._base = parts.path
@@ -48,7 +52,7 @@ class Client:
 
     def with_url(self, url: str) -> "Client":
         """The same credentials for a controller that moved."""
-        return Client(url, timeout=self.timeout, token=self.token, ca=self.ca)
+        return Client(url, timeout=self.timeout, token=self.token, ca=self.ca, cert=self.cert, key=self.key)
 
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)

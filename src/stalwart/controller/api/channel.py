@@ -69,8 +69,8 @@ class Channels:
         self.encode = msgspec.msgpack.Encoder().encode
         self.open: dict[str, ChannelConn] = {}
 
-    def _identify(self, header: str | None) -> tuple[identity.Identity | None, str]:
-        return identity.from_header(header, self.token, self.ctl.secret)
+    def _identify(self, header: str | None, peercert: dict | None) -> tuple[identity.Identity | None, str]:
+        return identity.from_request(header, peercert, self.token, self.ctl.secret)
 
     # -- the upgrade --------------------------------------------------------------------------------
     def upgrade(self, transport: asyncio.Transport, head: bytes, rest: bytes) -> None:
@@ -87,7 +87,7 @@ class Channels:
         remote = peer[0] if isinstance(peer, tuple) else str(peer)
         verified = False
         if self.token is not None:
-            ident, why = self._identify(headers.get("authorization"))
+            ident, why = self._identify(headers.get("authorization"), transport.get_extra_info("peercert"))
             if ident is None:          # before anything else: nothing of the request is looked at
                 log.warning("refused GET %s from %s: %s", loggable(lines[0].split(" ")[1]), remote, why)
                 self._refuse(transport, 401, f"unauthorized ({why}): give the controller's token "

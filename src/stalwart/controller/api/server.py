@@ -224,16 +224,22 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+CERT_HINT = " or a client certificate the controller's --tls-client-ca signed"
+
+
 class ApiServer:
     """The API on aiohttp: one event loop in its own thread holds every connection (agents' long
     polls included) with no thread per connection; HTTP/1.1 keep-alive; optional TLS.
 
     `token`: the bearer token every non-public route needs (None: no check, for tests that serve
-    a synthetic state in-process)."""
+    a synthetic state in-process). `tls`: serve HTTPS; when it verifies client certificates
+    (`auth.server_tls(client_ca=...)`), a request without a token is identified by its
+    connection's certificate (`identity.from_request`)."""
 
     def __init__(self, ctl: Controller, host: str, port: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None):
         self.ctl, self.token, self.tls = ctl, token, tls
+        self.mtls = tls is not None and tls.verify_mode != ssl.CERT_NONE      # (client certificates)
         ctl.verify_identities = token is not None
         self.api = Api(ctl)
         self._handlers = {r.handler: (getattr(self.api, r.handler),
@@ -249,8 +255,8 @@ class ApiServer:
         self._ready = threading.Event()
         self._failed: BaseException | None = None
 
-    def _identify(self, header: str | None) -> tuple[identity.Identity | None, str]:
-        return identity.from_header(header, self.token, self.ctl.secret)
+    def _identify(self, header: str | None, peercert: dict | None) -> tuple[identity.Identity | None, str]:
+        return identity.from_request(header, peercert, self.token, self.ctl.secret)
 
     def start(self) -> None:
         # the socket listens already (agents' connections wait in its backlog): taken-over jobs
@@ -332,11 +338,12 @@ class ApiServer:
 
         ident = None
         if self.token is not None and not auth.is_public(path):
-            ident, why = self._identify(request.headers.get("Authorization"))
+            ident, why = self._identify(request.headers.get("Authorization"),
+                                        request.get_extra_info("peercert") if self.mtls else None)
             if ident is None:      # before the body is read: nothing of the request is looked at
                 log.warning("refused %s %s from %s: %s", method, loggable(path), request.remote, why)
                 return reply(401, {"error": f"unauthorized ({why}): give the controller's token "
-                                            f"(--token-file or ${auth.TOKEN_ENV})"},
+                                            f"(--token-file or ${auth.TOKEN_ENV}){CERT_HINT if self.mtls else ''}"},
                              {"WWW-Authenticate": 'Bearer realm="stalwart"'}, close=True)
             machine = identity.agent_machine(path)        # (request.path is decoded already)
             denied = identity.permits(ident, method, path, machine)
