@@ -14,7 +14,7 @@ from stalwart.controller.job.core import JobCore
 from stalwart.controller.cluster.standby import p99_standbys
 from stalwart.controller.rules.restore import Availability
 from stalwart.sim import peers, results
-from stalwart.sim.engine import DAY, Config, Sim
+from stalwart.sim.engine import DAY, T0, Config, Sim
 from stalwart.sim.failures import Fault, Model, trace
 from stalwart.sim.profile import load
 from stalwart.sim.whatif import analyze
@@ -268,3 +268,15 @@ def test_a_slow_machine_nobody_acts_on_is_reported_one_step_at_a_time_only_while
     assert sim.stats["reports"] < reports_while_watching + 50, sim.stats
     r = results.summarize(sim, 0.0)
     assert abs(sum(r["unproductive_s"].values()) + r["productive_s"] - 2 * DAY) < 1.0
+
+
+def test_a_machine_that_died_under_a_job_ended_before_its_eviction_is_replaced():
+    """A machine lost a second before a planned maintenance requeues the job: the job ends before it
+    evicts the machine. The scheduler drains and replaces it anyway; without standbys, a job of the
+    whole pool would otherwise wait for it forever."""
+    faults = [Fault(2 * H, "container", "lost", 2, True, seed=12), Fault(2 * H + 1.0, "planned", "planned", 0, False)]
+    sim = Sim(small(days=0.5), peers.POLICIES["stalwart-no-standby"], load("paper"), Model(), faults, seed=3).run()
+    assert sim.stats["dead_drained"] == 1
+    starts = [e["t"] for seg in sim.segments for e in seg.log if e["kind"] == "run_started"]
+    assert len(sim.segments) >= 2 and starts[-1] > T0 + 2 * H, starts          # the requeued job ran again
+    assert results.summarize(sim, 0.0)["ettr"] > 0.5

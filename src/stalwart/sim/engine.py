@@ -125,7 +125,7 @@ class Sim:
         self.coming = 0               # machines the scheduler is providing
         self.storage_until = T0       # the storage service is out until then
         self.resume_from_memory = False
-        self.stats = {"core_events": 0, "ticks": 0, "reports": 0}
+        self.stats = {"core_events": 0, "ticks": 0, "reports": 0, "dead_drained": 0}
 
     # -- the job ----------------------------------------------------------------------------------
     def _spec(self) -> JobSpec:
@@ -450,6 +450,8 @@ class Sim:
                 raise TypeError(f"the simulator cannot perform {act!r}")
 
     def assign(self, act: a.AssignMachine) -> None:
+        if act.state == Role.EVICTED and act.machine in self.cluster.out:
+            return                      # drained already, its replacement coming
         self.cluster.assign(act.machine, act.state)
         if act.state == Role.EVICTED:
             self.bad.pop(act.machine, None)
@@ -661,6 +663,14 @@ class Sim:
         self.freeze(self.now)
         for m in act.machines:
             self.cluster.assign(m, "idle")
+        # a machine that died under the job and was not evicted (the job ended first: a planned
+        # maintenance, a failure handed to a person) is drained and replaced by the scheduler like
+        # an evicted one; left idle, it would never come back and a job of the whole pool would
+        # wait for it forever
+        for m in act.machines:
+            if m in self.cluster.dead_at and m not in self.cluster.out:
+                self.stats["dead_drained"] += 1
+                self.assign(a.AssignMachine(machine=m, state=Role.EVICTED))
         seg.end, seg.state, seg.reason = self.now, act.state, act.reason
         self.training = None
         pr = self.profile
