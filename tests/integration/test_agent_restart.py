@@ -55,12 +55,16 @@ def test_a_restarted_agent_adopts_its_workers_without_an_incident(tmp_path):
 @pytest.mark.timeout(150)
 def test_a_restarted_agent_whose_worker_died_reports_it_and_the_run_recovers(tmp_path):
     """One machine, so that nothing but the restarted agent can tell the controller: its report
-    of the rank that ended while it was away is what starts the recovery."""
+    of the rank that ended while it was away is what starts the recovery. The run restarts from
+    the newest copy left: in memory (what the worker committed before it died) or the durable one
+    the killed agent made (reported again by its successor: the first report may have died with
+    it), never from the start."""
     spec = gpt_spec(machines=1, gpus=1, steps=60, policy={"heartbeat_s": 0.5, "missed_beats": 10})
     cluster, job, _ = start(tmp_path, spec)
     workdir = os.path.join(tmp_path, "machines", "m0")
+    durable = tmp_path / "checkpoints" / f"job{job}" / "rank00000.step000000000004.hdr"
     try:
-        assert wait_for(lambda: step(cluster, job) >= 6, timeout=120)
+        assert wait_for(lambda: step(cluster, job) >= 6 and durable.exists(), timeout=120)
         [rank] = adopt.load(workdir).workers
         cluster.agents["m0"].kill()
         cluster.agents["m0"].wait(timeout=10)
@@ -74,6 +78,7 @@ def test_a_restarted_agent_whose_worker_died_reports_it_and_the_run_recovers(tmp
         [inc] = rep["incidents"]
         assert len(rep["runs"]) == 2 and rep["steps_completed"] == 60
         assert inc["machines_evicted"] == [], inc        # a crash, not a lost machine
+        assert rep["runs"][1]["start_step"] >= 5, rep["runs"]     # from step 4 or newer
     finally:
         cluster.stop()
 

@@ -225,12 +225,31 @@ class CkptManager:
             log.info("rank %s step %s was overwritten before its durable copy; step %s made durable "
                      "instead", rank, step, made[2])
             step = made[2]
+        self._report_durable(rank, step, url)
+
+    def _report_durable(self, rank: int, step: int, url: str) -> None:
         raw = memckpt.read_header_bytes(url) if os.path.exists(url) else None
         try:        # (the checksum from where the header has it: a whole parse is tens of KB of JSON)
             checksum = f"{memckpt.header_fields(raw)['checksum']:08x}" if raw else ""
         except memckpt.CorruptShard:
             checksum = ""
         self.emit(p.Ckpt(rank=rank, step=step, tier="durable", location=url, checksum=checksum))
+
+    def announce_durable(self, ranks: list[int]) -> None:
+        """Report the newest durable copy of each of `ranks` (a predecessor's): the agent that made
+        it may have died before its report left, and a restart that finds no copy in memory must
+        not start the job over while one is in durable storage."""
+        store = self.store
+        for rank in ranks:
+            try:
+                newest = store.newest_durable(rank)
+            except OSError as e:
+                log.warning("cannot list the durable copies of rank %s: %s", rank, e)
+                return
+            if newest is None:
+                continue
+            log.info("rank %s: its newest durable copy is step %s (reported again)", rank, newest[0])
+            self._report_durable(rank, *newest)
 
     def inventory(self) -> dict[str, dict[int, list[int]]]:
         """The complete shards this machine holds in memory, by tier (checksums not re-read)."""

@@ -165,6 +165,16 @@ class ShardStore:
         out.sort()
         return out
 
+    def newest_durable(self, rank: int) -> tuple[int, str] | None:
+        """(step, header location) of the rank's newest complete durable copy, or None."""
+        if self._fs is None:
+            return None
+        best = None
+        for r, step, path in self._durable_shards():        # sorted: the newest last
+            if r == rank and self._valid_durable(path, verify=False):
+                best = (step, path)
+        return best
+
     def _durable_header(self, path: str) -> dict | None:
         try:
             hdr = json.loads(self._fs.cat_file(path))

@@ -93,6 +93,7 @@ class Succession:
             if state.machine != self.machine_id:
                 return None
             if state.run is not None:
+                self._take_plan(state)
                 self._report_lost(state, decision.reason)
             # (its checkpoint memory is that job's: the run's restart restores from it)
             return Taken(job=state.job, run=None, start=None)
@@ -103,15 +104,31 @@ class Succession:
             start = msgspec.convert(state.start, p.Start) if state.start is not None else None
         except msgspec.ValidationError as e:     # (another version's record: no spares, no backups)
             log.warning("the adopted run's command is unreadable (%s): no checkpoint plan, no spares", e)
+        self._configure(start)
+        self.ckpt.adopt_run(state.run)
+        self.workers.take(list(decision.adopt), state.run, self.exits_dir)
+        log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
+        return Taken(job=state.job, run=state.run, start=start)
+
+    def _configure(self, start: p.Start | None) -> None:
+        """Take up the run's checkpoint plan: where durable copies go, how often, the backup peer."""
         plan = start.ckpt if start is not None and not start.spec.replay else None
         if plan is not None:
             backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
                 if plan.backup is not None else None
             self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
-        self.ckpt.adopt_run(state.run)
-        self.workers.take(list(decision.adopt), state.run, self.exits_dir)
-        log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
-        return Taken(job=state.job, run=state.run, start=start)
+
+    def _take_plan(self, state: adopt.AgentState) -> None:
+        """A run whose workers died with the agent away: its newest durable copies, which the
+        predecessor may have made without its report leaving, are reported again (the restart
+        restores from memory when memory holds a newer step)."""
+        try:
+            start = msgspec.convert(state.start, p.Start) if state.start is not None else None
+        except msgspec.ValidationError:
+            return
+        self._configure(start)
+        if start is not None and start.ckpt is not None and start.ckpt.durable_dir:
+            self.ckpt.announce_durable(sorted({w.rank for w in state.workers}))
 
     def _report_lost(self, state: adopt.AgentState, reason: str) -> None:
         """The recorded ranks not adopted have ended: one `worker_exit` each (the code the fork
