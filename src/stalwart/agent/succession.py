@@ -107,7 +107,8 @@ class Succession:
         if plan is not None:
             backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
                 if plan.backup is not None else None
-            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
+            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None,
+                                backup_every=plan.backup_every, mem_slots=start.spec.mem_slots)
         self.ckpt.adopt_run(state.run)
         self.workers.take(list(decision.adopt), state.run, self.exits_dir)
         log.info("%s (in %.3fs)", decision.reason, time.monotonic() - t0)
