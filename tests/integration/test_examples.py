@@ -7,6 +7,8 @@ twice (before the fault and again after the restore) must print the same loss tw
 put back the model, the optimizer and the framework's position bit for bit. The job runs on two
 machines of one rank each and one standby: the crash is reattempted on the same machines, the lost
 machine is replaced by the standby, and the machine's rank restores from its backup peer's memory.
+Backups go every step (`--backup-every 1`, not paced by their cost), the pace that bounds a lost
+machine's loss to one step, which the test checks.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _stalwart(*args: str, timeout: float, cwd: str) -> subprocess.CompletedProce
 def _run_example(tmp_path, script: str, timeout: float = 240.0) -> tuple[dict, dict[int, list[str]], str]:
     state = str(tmp_path / "state")
     cmd = ["run", "--state-dir", state, "--fresh", "--machines", "2", "--gpus-per-machine", "1",
-           "--standby", "1", "--steps", str(STEPS), "--ckpt-every", "10"]
+           "--standby", "1", "--steps", str(STEPS), "--ckpt-every", "10", "--backup-every", "1"]
     for c in CHAOS:
         cmd += ["--chaos", c]
     try:

@@ -13,7 +13,8 @@ def tiers(rep, run=-1):
 
 @pytest.mark.timeout(400)
 def test_standby_takes_over_lost_machine_bitwise(tmp_path):
-    spec = dict(machines=2, gpus=2, tp=2, dp=2, steps=40, standby=1)
+    # backups every step (not paced): the lost machine's ranks restore at most one step back
+    spec = dict(machines=2, gpus=2, tp=2, dp=2, steps=40, standby=1, backup_every=1)
     base = run_job(tmp_path / "clean", gpt_spec(**spec))
     rep = run_job(tmp_path / "down", gpt_spec(**spec, chaos=["machine-down@step=20,machine=1"]))
     assert base["state"] == rep["state"] == "succeeded", rep.get("reason")
@@ -29,7 +30,7 @@ def test_standby_takes_over_lost_machine_bitwise(tmp_path):
 @pytest.mark.timeout(400)
 def test_over_evicting_a_pipeline_group_restores_from_backup_peers(tmp_path):
     # pp=2, dp=2 on 4 machines x 1: the PP group of rank 0 is machines m0 and m2; both die at once.
-    rep = run_job(tmp_path, gpt_spec(machines=4, gpus=1, pp=2, dp=2, steps=40, standby=2,
+    rep = run_job(tmp_path, gpt_spec(machines=4, gpus=1, pp=2, dp=2, steps=40, standby=2, backup_every=1,
                                      chaos=["machine-down@step=15,machine=0",
                                             "machine-down@step=15,machine=2"]))
     assert rep["state"] == "succeeded", rep.get("reason")

@@ -448,3 +448,31 @@ def test_a_replay_run_leaves_the_jobs_memory_copies_alone(tmp_shm):
         mgr.prepare_run(p.Start(spec=job, workers=[p.WorkerSlot(rank=0, local_rank=0, group_rank=0)]),
                         events.append)
         assert memckpt.list_shards(mgr.shm_dir, 0) == []
+
+
+@pytest.mark.timeout(60)
+def test_paced_backups_push_the_grid_and_a_stop_flushes_the_newest(tmp_shm):
+    """At a pace of 2 the peer gets steps 1 and 3 of 0-4 (each push's CPU measured); when the
+    workers stop, the deferred step 4 is pushed and waited for, so the holder's inventory has it."""
+    from stalwart.agent.ckpt import CkptManager
+    holder = CkptManager("m8", os.path.join(tmp_shm, "holder"), lambda ev: None)
+    try:
+        key = os.urandom(memckpt.KEY_BYTES)
+        holder.configure(None, every=10, backup=None, key=key)
+        with hand_scanned(tmp_shm) as (mgr, events):
+            mgr.configure(None, every=10, backup={"machine": "m8", "addr": list(holder.peer_addr)},
+                          key=key, backup_every=2, mem_slots=4)
+            with MemCheckpointer(mgr.shm_dir, rank=0, slots=4) as ck:
+                for step in range(5):
+                    ck.snapshot({"w": torch.full((64,), float(step))}, step)
+                    ck.wait()
+                    mgr._scan()
+                    assert mgr.client.flush(10)
+            assert holder.inventory()["backup"] == {0: [1, 3]}
+            assert mgr._lanes[0].cost_s is not None and mgr._lanes[0].cost_s > 0
+            mgr.workers_stopped()
+            assert holder.inventory()["backup"] == {0: [1, 3, 4]}
+            mgr.workers_stopped()                  # nothing deferred any more: nothing pushed again
+            assert mgr.client.flush(10) and holder.inventory()["backup"] == {0: [1, 3, 4]}
+    finally:
+        holder.close()

@@ -471,3 +471,19 @@ def test_a_slots_commit_the_commit_thread_has_not_started_is_done_by_the_snapsho
     assert committed == [0, 1, 2]
     step, path = latest(shm_dir, 0)
     assert step == 2 and torch.equal(load(shm_dir, 0, 2)[1]["w"], state["w"])
+
+
+def test_the_commit_thread_runs_hand_offs_in_order_and_finishes_them_at_shutdown():
+    from stalwart.worker.memckpt import _CommitThread
+    ran: list[int] = []
+    t = _CommitThread("test-commit")
+    futs = [t.submit(ran.append, i) for i in range(5)]
+    skipped = t.submit(ran.append, 99)
+    assert skipped.cancel() or skipped.done()          # (cancelled unless it already ran)
+    failing = t.submit(lambda: 1 / 0)
+    last = t.submit(ran.append, 5)
+    t.shutdown(wait=True)                              # what was handed over runs before it stops
+    assert all(f.done() for f in futs + [failing, last])
+    assert [x for x in ran if x != 99] == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ZeroDivisionError):
+        failing.result()

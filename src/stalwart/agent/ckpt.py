@@ -4,7 +4,9 @@ Workers write their own round-robin slot shards into the machine's shm dir (work
 This manager, off the training processes:
 - notices each new complete own shard, reports it, and streams it to this machine's backup peer
   (a machine that shares none of the rank's parallel groups; chosen by the controller from
-  `topology`) — newest step wins;
+  `topology`) — newest step wins, at the pace `pacing` decides from the push's measured cost
+  (every step unless pushes would take more than a budget of a step's time); the newest step
+  not pushed goes when the workers stop;
 - persists every K-th step to the durable tier (a local dir or any fsspec URL), asynchronously;
 - serves and stores peers' backups (PeerServer);
 - at restore, materializes the shard each rank must start from, trying the tiers the controller
@@ -33,6 +35,7 @@ from typing import Callable
 import msgspec
 
 from stalwart import protocol as p
+from stalwart.agent import pacing
 from stalwart.agent.paths import secure_dir
 from stalwart.agent.peerxfer import PeerClient, PeerServer
 from stalwart.agent.shards import ShardStore
@@ -40,6 +43,7 @@ from stalwart.worker import memckpt
 from stalwart.errors import StalwartError
 
 SCAN_EVERY_S = 1.0      # the fallback scan of the shared memory (announcements do the rest)
+FLUSH_WAIT_S = 1.0      # how long a stop waits for its deferred backups to reach the peer
 # A rank's memory copies (own, a peer's backup) are reported to the controller at most this often
 # (the agent's default; 0 reports every one). The controller plans a restore from what each
 # stopped machine lists in its `stopped` report; these reports keep its view fresh between
@@ -88,6 +92,10 @@ class CkptManager:
         self._cfg_lock = threading.Lock()
         self._backup: dict | None = None        # {"machine": id, "addr": [host, port]}
         self._every = 10
+        self._pace = pacing.AUTO                # backup pace: steps between pushes, AUTO measured
+        self._pace_cap = 1                      # the slowest pace the own memory covers
+        self._lanes: dict[int, pacing.Lane] = {}    # rank -> its backup pacing state
+        self._newest: dict[int, str] = {}       # rank -> the path of its newest own shard
         self._seen: dict[int, int] = {}         # rank -> newest own step handled
         self._run: int | None = None            # the run whose copies are announced
         self._stop = threading.Event()
@@ -95,10 +103,11 @@ class CkptManager:
         self._thread.start()
 
     def configure(self, durable_dir: str | None, every: int, backup: dict | None,
-                  key: bytes | None = None) -> None:
+                  key: bytes | None = None, backup_every: int = pacing.AUTO, mem_slots: int = 3) -> None:
         """Set up for a run: where durable copies go, how often, which peer holds backups, and
         the job's checkpoint key (None: a controller that gives none; connections and shards
-        then go unauthenticated, the agent logs it)."""
+        then go unauthenticated, the agent logs it); the backup pace (`pacing.AUTO`: measured)
+        and the workers' shared-memory slots per rank, which bound it (see `pacing`)."""
         if key is not None and key != self.key:
             memckpt.write_key(memckpt.key_path(self.shm_dir), key)
             self.server.key = self.client.key = key
@@ -113,6 +122,8 @@ class CkptManager:
                 old.close()
             self._every = max(1, int(every))
             self._backup = backup
+            self._pace = max(pacing.AUTO, int(backup_every))
+            self._pace_cap = max(1, int(mem_slots) - 2)
             self._announced.clear()     # a run's first copies are reported at once
             self._held.clear()
             self._limiting = True
@@ -122,6 +133,8 @@ class CkptManager:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         os.makedirs(self.shm_dir, exist_ok=True)
         self._seen.clear()
+        self._lanes.clear()
+        self._newest.clear()
 
     # -- the watcher ------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -162,12 +175,15 @@ class CkptManager:
             step, path = new[-1]
             self._seen[rank] = step
             run = self._run
+            lane = pacing.observe_step(self._lanes.get(rank, pacing.Lane()), step, time.monotonic())
+            push = backup is not None and pacing.due(lane, step, pacing.interval(lane, self._pace, self._pace_cap))
+            self._lanes[rank] = pacing.pushing(lane, step) if push else lane
+            self._newest[rank] = path
         ev = p.Ckpt(run=run, rank=rank, step=step, tier="own", holder=self.machine_id)
         if self._due(ev):
             self.emit(ev)
-        if backup is not None:       # only the newest step goes to the peer
-            fut = self.client.push(tuple(backup["addr"]), rank, step, path, run=run)
-            fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
+        if push and backup is not None:       # only the newest step goes to the peer
+            self._push(backup, rank, step, path, run)
         if not store.durable_dir:
             return
         # every K-th step is made durable, also one that arrived too late to be the newest: the
@@ -199,20 +215,44 @@ class CkptManager:
             return True
 
     def workers_stopped(self) -> None:
-        """The run's workers are gone: send the reports held back, and every report at once until
-        the next run (the controller plans the restore now: a backup still arriving from a peer,
-        newer than this machine's inventory, must not wait a second)."""
+        """The run's workers are gone: push each rank's newest step the pace deferred (what the
+        own memory holds reaches the peer; waited for up to FLUSH_WAIT_S, so the peer's inventory
+        has it), then send the reports held back, and every report at once until the next run
+        (the controller plans the restore now: a backup still arriving from a peer, newer than
+        this machine's inventory, must not wait a second)."""
+        flushes = []
         with self._cfg_lock:
             self._limiting = False
             held, self._held = list(self._held.values()), {}
+            backup, run = self._backup, self._run
+            if backup is not None:
+                for rank, lane in self._lanes.items():
+                    step = pacing.flush(lane)
+                    if step is not None and rank in self._newest:
+                        self._lanes[rank] = pacing.pushing(lane, step)
+                        flushes.append((rank, step, self._newest[rank]))
+        for rank, step, path in flushes:
+            self._push(backup, rank, step, path, run)          # type: ignore[arg-type]
+        if flushes and not self.client.flush(FLUSH_WAIT_S):
+            log.warning("the deferred backups of ranks %s were not stored within %.1fs of the stop",
+                        sorted(r for r, _, _ in flushes), FLUSH_WAIT_S)
         for ev in held:
             self.emit(ev)
+
+    def _push(self, backup: dict, rank: int, step: int, path: str, run: int | None) -> None:
+        fut = self.client.push(tuple(backup["addr"]), rank, step, path, run=run)
+        fut.add_done_callback(lambda f, r=rank, s=step, b=backup, n=run: self._pushed(f, r, s, b, n))
 
     def _pushed(self, fut, rank: int, step: int, backup: dict, run: int | None = None) -> None:
         try:
             fut.result()             # (the holder reports a stored backup: see _stored)
         except Exception as e:
             log.warning("backup of rank %s step %s to %s failed: %s", rank, step, backup["machine"], e)
+            return
+        cpu_s = getattr(fut, "cpu_s", 0.0)
+        if cpu_s > 0:
+            with self._cfg_lock:
+                self._lanes[rank] = pacing.observe_push(self._lanes.get(rank, pacing.Lane()), cpu_s)
 
     def _persisted(self, fut, rank: int, step: int) -> None:
         try:
@@ -295,7 +335,8 @@ class CkptManager:
             backup = {"machine": cmd.ckpt.backup.machine, "addr": list(cmd.ckpt.backup.addr)} \
                 if cmd.ckpt.backup is not None else None
             key = bytes.fromhex(cmd.ckpt.key) if cmd.ckpt.key else None
-            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup, key)
+            self.configure(cmd.ckpt.durable_dir, cmd.ckpt.every, backup, key,
+                           backup_every=cmd.ckpt.backup_every, mem_slots=cmd.spec.mem_slots)
         extra = []
         for w in cmd.workers:
             env = p.rank_env(w)
@@ -337,3 +378,7 @@ class CkptManager:
                     except FileNotFoundError:
                         pass
             self._seen[rank] = step
+            # (the pace's measurements stay; the run's steps count from `step`)
+            lane = self._lanes.get(rank, pacing.Lane())
+            self._lanes[rank] = pacing.Lane(pushed=step, newest=step, step_s=lane.step_s, cost_s=lane.cost_s)
+            self._newest.pop(rank, None)

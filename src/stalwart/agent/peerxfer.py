@@ -315,6 +315,15 @@ class _Lane:
             self.sock = None
 
 
+class PushFuture(Future):
+    """A push's future; `cpu_s`: the CPU seconds its sending took on the lane's thread (0.0 for a
+    push that did not run: superseded, or failed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_s = 0.0
+
+
 class PeerClient:
     """Pushes own shards to backup peers (background, newest step wins) and fetches them back."""
 
@@ -350,14 +359,15 @@ class PeerClient:
 
     # -- push
     def push(self, addr: tuple[str, int], rank: int, step: int, slot_path: str,
-             run: int | None = None) -> Future:
+             run: int | None = None) -> PushFuture:
         """Queue a push of the shard at `slot_path` (rank, step) to the peer at `addr`.
 
         Returns a Future: "sent" once the peer stored and verified it, "superseded" when a newer
         step replaced it in the queue, "stale" when the slot was overwritten before it was copied;
-        it raises PeerError (or OSError) when the peer rejected it or could not be reached.
+        it raises PeerError (or OSError) when the peer rejected it or could not be reached. Its
+        `cpu_s` is the sending's CPU time, set before the result (what backup pacing measures).
         """
-        fut: Future = Future()
+        fut = PushFuture()
         key = (tuple(addr), rank)
         with self._cv:
             if self._closed:
@@ -399,7 +409,10 @@ class PeerClient:
             try:
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(self._send(key[0], key[1], step, path, lane, run))
+                        cpu0 = time.thread_time()
+                        sent = self._send(key[0], key[1], step, path, lane, run)
+                        fut.cpu_s = time.thread_time() - cpu0
+                        fut.set_result(sent)
                     except BaseException as e:    # noqa: BLE001 — handed to the caller's future
                         lane.drop()
                         fut.set_exception(e)

@@ -116,7 +116,8 @@ class Succession:
         if plan is not None:
             backup = {"machine": plan.backup.machine, "addr": list(plan.backup.addr)} \
                 if plan.backup is not None else None
-            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None)
+            self.ckpt.configure(plan.durable_dir, plan.every, backup, bytes.fromhex(plan.key) if plan.key else None,
+                                backup_every=plan.backup_every, mem_slots=start.spec.mem_slots)
 
     def _take_plan(self, state: adopt.AgentState) -> None:
         """A run whose workers died with the agent away: its newest durable copies, which the

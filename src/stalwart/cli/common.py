@@ -140,6 +140,8 @@ def job_options(r: argparse.ArgumentParser) -> None:
         r.add_argument(f"--{k}", type=int)
     r.add_argument("--steps", type=int)
     r.add_argument("--ckpt-every", type=int, help="durable checkpoint every K steps")
+    r.add_argument("--backup-every", help="push in-memory checkpoints to the backup peer every K steps, "
+                                          "or 'auto' (paced by their measured cost; the default)")
     r.add_argument("--standby", help="standby machines: a number or 'auto' (P99 sizing)")
     r.add_argument("--chaos", action="append", help="KIND@step=S,machine=M[,rank=R] (repeatable)")
     r.add_argument("--env", action="append", help="KEY=VALUE for the workers (repeatable)")
@@ -287,6 +289,8 @@ def spec_from_args(a):
         d.pop("dp", None)           # the config's dp was derived from its own shape: derive it again
     if a.standby is not None:
         d["standby"] = a.standby if a.standby == "auto" else int_arg("--standby", a.standby)
+    if getattr(a, "backup_every", None) is not None:
+        d["backup_every"] = a.backup_every if a.backup_every == "auto" else int_arg("--backup-every", a.backup_every)
     if a.chaos:
         d["chaos"] = list(d.get("chaos", [])) + a.chaos
     cmd = list(a.command)

@@ -78,3 +78,4 @@ class CkptPlan(msgspec.Struct, kw_only=True, frozen=True):
     every: int
     backup: Backup | None = None
     key: str | None = None                 # the job's checkpoint key, hex (peer auth, shard MACs)
+    backup_every: int = 0                  # steps between pushes to the backup peer; 0: paced by cost

@@ -256,6 +256,12 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ckpt_every: Annotated[Count, _doc(
         "a durable checkpoint every this many steps; in-memory checkpoints are taken every "
         "step.")] = 10
+    backup_every: Annotated[Count | Literal["auto"], Meta(extra={"must": "be an integer >= 1 or 'auto'"}), _doc(
+        "push a rank's in-memory checkpoint to its backup peer every this many steps, or \"auto\": "
+        "every step unless a push's measured CPU cost (both ends) would exceed 2% of a step's time, "
+        "then every 2, 4, ... steps. At most policy.mem_slots - 2 (slower paces are cut to it): the "
+        "surviving ranks must still hold the backed-up step in memory. A machine loss restores "
+        "every rank to the newest step all of them backed up; the steps after it are lost.")] = "auto"
     command: Annotated[list[str], Meta(min_length=1, extra=_COMMAND_MUST, extra_json_schema={
         "x-or": {"type": "string", "minLength": 1}}), _doc(
         "the training command: a list of strings, or one string split as a shell would.")]

@@ -176,8 +176,9 @@ class Executor:
                 peer = act.slots[self.topo.backup_machine(i)]
                 addr = self._addr(peer)
                 backup = p.Backup(machine=peer, addr=addr) if addr else None
+            pace = self.spec.backup_every
             ckpt = p.CkptPlan(durable_dir=ports.ckpt_dir, every=self.spec.ckpt_every, backup=backup,
-                              key=ports.ckpt_key)
+                              key=ports.ckpt_key, backup_every=0 if pace == "auto" else pace)
             ports.agents.send(m, p.Start(spec=spec, workers=workers, ckpt=ckpt,
                                 wait_warm_s=WARM_WAIT_S if m in act.warm else COLD_WAIT_S))
 
