@@ -1,6 +1,7 @@
 """MemCheckpointer: bit-exact round trip, double buffering, interrupted writes, corruption."""
 from __future__ import annotations
 
+import time
 import copy
 import json
 import os
@@ -487,3 +488,20 @@ def test_the_commit_thread_runs_hand_offs_in_order_and_finishes_them_at_shutdown
     assert [x for x in ran if x != 99] == [0, 1, 2, 3, 4, 5]
     with pytest.raises(ZeroDivisionError):
         failing.result()
+
+
+def test_an_idle_commit_thread_sleeps_until_the_next_hand_off_wakes_it():
+    from stalwart.worker.memckpt import _CommitThread
+    t = _CommitThread("test-commit-idle")
+    try:
+        assert t.submit(lambda: 1).result(timeout=5) == 1
+        deadline = time.monotonic() + 10
+        while not t._asleep and time.monotonic() < deadline:        # after 100 ms without work
+            time.sleep(0.01)
+        assert t._asleep
+        for i in range(20):                                          # each hand-off wakes it
+            assert t.submit(lambda i=i: i).result(timeout=5) == i
+            time.sleep(0.002 * (i % 3) + (0.15 if i % 5 == 0 else 0))
+    finally:
+        t.shutdown(wait=True)
+    assert not t._thread.is_alive()
