@@ -4,7 +4,7 @@ version, an agent back after a controller restart, the restart itself, and the c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import AbstractSet, Any, Iterable, Protocol, Union
 
 from stalwart import protocol
 
@@ -107,6 +107,15 @@ class ClusterView(Protocol):
 
     def last_heard(self, machine: str) -> float | None:
         """When its agent last sent anything."""
+
+    def freshest(self, machines: Iterable[str]) -> float | None:
+        """The latest `last_heard` of `machines` (None: none was ever heard). A whole job's in one
+        call: the stop's silence check asks at every tick, and a view that knows most machines were
+        heard just now answers without looking at each."""
+
+    def unheard_since(self, machines: AbstractSet[str], t: float) -> dict[str, float | None]:
+        """The machines of `machines` not heard after `t` (last heard at or before it, or never:
+        None), with when they were last heard."""
 
     def beat_late_s(self) -> float:
         """The largest heartbeat lateness seen recently on this host (0: beats come on time)."""
