@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
+from stalwart.controller.job.events import StopReport
 from stalwart.sim.cluster import SimCluster
 from stalwart.sim.config import Segment
 from stalwart.sim.failures import Fault, Model
@@ -69,6 +70,7 @@ class World(Protocol):
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
     def agent_event(self, machine: str, ev: p.Event, seg: int) -> None: ...
     def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None: ...
+    def stop_report(self, rep: StopReport, seg: int) -> None: ...
     def report_durable(self, tr: Training) -> None: ...
     def pipeline_slots(self, slot: int) -> list[int]: ...
     def freeze(self, t: float) -> None: ...
@@ -111,8 +113,19 @@ class Agents:
         inv_at = tr.last_done(sim.now) if tr is not None and act.run == tr.run else None
         dt = sim.profile.stop_s
         held = self.held_steps(inv_at)
-        self.send_all(dt, [(m, p.Stopped(run=act.run, inventory=self.inventory(m, held), t=sim.now + dt))
-                           for m in act.machines if sim.cluster.alive(m)])
+        machines = tuple(m for m in act.machines if sim.cluster.alive(m))
+        if not machines:
+            return
+        # every machine's inventory as columns: its own rank's steps and those of the ranks whose
+        # backup peer it is, the same steps for all (nothing from a machine outside the run)
+        slots = [self.slot_of(m) if held is not None else None for m in machines]
+        rep = StopReport(run=act.run, t=sim.now + dt, machines=machines,
+                         own_ranks=tuple(None if i is None else (i,) for i in slots),
+                         backup_ranks=tuple(() if i is None else tuple(sim.backed_up_by[i]) for i in slots),
+                         own=tuple(held[0]) if held is not None else (),
+                         backup=tuple(held[1]) if held is not None else ())
+        seg = sim.seg.index if sim.seg is not None else 0
+        sim.later(dt, sim.stop_report, rep, seg)
 
     def held_steps(self, last: int | None) -> tuple[list[int], list[int]] | None:
         """The steps every machine holds in memory after the run's last step `last`: (own, backup);
@@ -125,15 +138,6 @@ class Agents:
         own = [s for s in range(last - own_keep + 1, last + 1) if s >= tr.start_step]
         back = [s for s in range(last - backup_keep + 1, last + 1) if s >= tr.start_step]
         return own, back
-
-    def inventory(self, machine: str, held: tuple[list[int], list[int]] | None) -> dict[str, dict[int, list[int]]]:
-        """What `machine` holds in memory (`held_steps`): its own ranks' last steps and the
-        backups of the ranks whose backup peer it is (the lists are shared: nobody changes them)."""
-        i = self.slot_of(machine) if held is not None else None
-        if i is None or held is None:
-            return {}
-        own, back = held
-        return {"own": {i: own}, "backup": dict.fromkeys(self.sim.backed_up_by[i], back)}
 
     def trace(self, act: a.TraceStacks) -> None:
         sim = self.sim

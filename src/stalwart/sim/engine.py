@@ -40,7 +40,8 @@ from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import AgentEvent, AgentEvents, JobEvent, MachineLost, StepReport, Tick
+from stalwart.controller.job.events import (AgentEvent, AgentEvents, JobEvent, MachineLost, StepReport, StopReport,
+                                            Tick)
 from stalwart.controller.cluster.standby import p99_standbys
 from stalwart.controller.cluster.roles import Role
 from stalwart.controller.rules.restore import Availability
@@ -248,7 +249,7 @@ class Sim:
         if self.st.terminal:
             return
         self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else \
-            len(ev.ranks) if isinstance(ev, StepReport) else 1
+            len(ev.ranks) if isinstance(ev, StepReport) else len(ev.machines) if isinstance(ev, StopReport) else 1
         acts = self.core.handle(self.st, ev, self.now)
         if acts:
             if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
@@ -269,6 +270,16 @@ class Sim:
         live = tuple((m, ev) for m, ev in items if m not in dead)
         if live:
             self.deliver(AgentEvents(items=live))
+
+    def stop_report(self, rep: StopReport, seg: int) -> None:
+        """Every machine's answer to a stop (`StopReport`), less the machines dead meanwhile."""
+        if self.seg is None or self.seg.index != seg:
+            return
+        dead = self.cluster.dead_at
+        if any(m in dead for m in rep.machines):
+            rep = rep.only(m for m in rep.machines if m not in dead)
+        if rep.machines:
+            self.deliver(rep)
 
     def machine_lost(self, machine: str, seg: int) -> None:
         if self.seg is not None and self.seg.index == seg:

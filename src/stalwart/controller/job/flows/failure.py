@@ -19,6 +19,7 @@ from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
+from stalwart.controller.job.events import StopReport
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Diagnoses, HotUpdates, Replays, Restarts, record
 from stalwart.controller.job.state import (Incident, IncidentPhase, JobPhase, JobState, PastIncident)
 
@@ -351,8 +352,25 @@ class FailureFlow:
     def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
         for tier, held in (ev.inventory or {}).items():
             st.avail.replace_held(machine, tier, {int(r): v for r, v in held.items()})
+        return self._stopped(st, machine, ev.run, now)
+
+    def on_stops(self, st: JobState, rep: StopReport, now: float) -> Actions:
+        """Every machine's answer to a stop (`StopReport`): what `on_stopped` does for each in
+        turn, its inventory taken from the report's columns (the rest once the job ends: none)."""
+        acts: Actions = []
+        avail, own, backup = st.avail, list(rep.own), list(rep.backup)
+        for machine, ranks, backed in zip(rep.machines, rep.own_ranks, rep.backup_ranks):
+            if st.terminal:
+                break
+            if ranks is not None:
+                avail.replace_ranks(machine, "own", ranks, own)
+                avail.replace_ranks(machine, "backup", backed, backup)
+            acts += self._stopped(st, machine, rep.run, now)
+        return acts
+
+    def _stopped(self, st: JobState, machine: str, run: int | None, now: float) -> Actions:
         inc = st.incident
-        if inc is not None and ev.run == st.run_seq:
+        if inc is not None and run == st.run_seq:
             inc.awaiting.discard(machine)
             if st.phase == JobPhase.RECOVERING and not inc.awaiting:
                 return self.check_stopped(st, now)      # the last one: no need to wait for a tick
