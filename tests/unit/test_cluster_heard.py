@@ -4,10 +4,15 @@ cluster answers them from its dead machines alone."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from stalwart import protocol
+from stalwart.controller.cluster.beats import BeatLateness
+from stalwart.controller.cluster.machines import Registry
 from stalwart.controller.rules import policy
+from stalwart.controller.service import MachineView
 from stalwart.sim.cluster import SimCluster
 
 
@@ -54,3 +59,18 @@ def test_the_silence_rule_on_the_machines_named_equals_the_rule_on_every_machine
         heard.update(dict.fromkeys(awaiting - slots))
         assert policy.silent_during_stop(heard, heard, latest, 1.0, late) == want
         assert "gone" in want and "m3" in want and "m12" not in want
+
+
+def test_the_controller_s_view_answers_from_its_registry_machine_by_machine():
+    """The real controller's `MachineView`: registered machines beating at different times, one
+    known from the store but never heard, one unknown."""
+    reg = Registry([{"id": "m9", "state": "active", "job_id": 1, "reason": None}], BeatLateness(1.0))
+    for i, t in enumerate((10.0, 12.0, 15.5, 16.0)):
+        reg.register(f"m{i}", protocol.Registration(address=f"10.0.0.{i}", gpus=8), t)
+    view = MachineView(SimpleNamespace(registry=reg), job_id=1)
+    machines = ["m0", "m1", "m2", "m3", "m9", "nobody"]
+    assert view.freshest(machines) == per_machine_freshest(view, machines) == 16.0
+    assert view.freshest(["m9", "nobody"]) is None
+    for t in (9.0, 12.0, 15.9, 20.0):
+        assert view.unheard_since(set(machines), t) == per_machine_unheard(view, machines, t)
+    assert view.unheard_since(set(machines), 12.0) == {"m0": 10.0, "m1": 12.0, "m9": None, "nobody": None}
