@@ -38,6 +38,13 @@ class FakeCluster:
             return self.heard[machine]
         return None if machine in self.dead else self.clock.now
 
+    def freshest(self, machines):
+        return max((t for t in map(self.last_heard, machines) if t is not None), default=None)
+
+    def unheard_since(self, machines, t):
+        heard = {m: self.last_heard(m) for m in machines}
+        return {m: h for m, h in heard.items() if h is None or h <= t}
+
     def beat_late_s(self) -> float:
         return self.late
 

@@ -6,7 +6,8 @@ from corekit import NAN, Harness, kinds, of, records
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
-from stalwart.controller.job.events import AgentEvents, Cancel, Inject, MachineLost, StepReport, VersionRegistered
+from stalwart.controller.job.events import (AgentEvents, Cancel, Inject, MachineLost, StepReport, StopReport,
+                                            VersionRegistered)
 from stalwart.controller.job.state import JobPhase, TransitionError
 
 
@@ -767,3 +768,43 @@ def test_one_report_of_a_step_for_all_ranks_decides_as_each_rank_alone():
     assert repr(together) == repr(one) and st_together == st_one
     assert [x["step"] for x in records(one, "step")] == list(range(9))
     assert of(one, a.TraceStacks)                 # the hang was seen, from the same per-rank times
+
+
+def test_one_report_of_a_stop_for_all_machines_decides_as_each_machine_alone():
+    """StopReport (every machine's answer to a stop, inventories as columns) gives the actions and
+    the state, restore availability included, of the same `Stopped` events handled one machine at a
+    time: copies reported while running, a stop answered in two parts (a machine with an empty
+    inventory among them) whose last answer localizes the crash, and the restart from memory."""
+    def drive(together: bool) -> tuple[list[a.Action], str]:
+        h = started(Harness(machines=4, gpus=2, standby=1))
+        out: list[a.Action] = []
+        for _ in range(5):
+            out += h.step()
+        h.ckpt(1)
+        h.ckpt(2)
+        h.now += 1.0
+        out += h.agent("m1", p.WorkerExit(run=1, rank=2, code=1, log_tail="RuntimeError: CUDA error: "
+                                          "unspecified launch failure"))
+        slots = list(h.st.slots)
+
+        def send(machines: list[str], empty: set[str] = frozenset()) -> None:
+            idx = [slots.index(m) for m in machines]
+            rep = StopReport(run=1, t=h.now, machines=tuple(machines),
+                             own_ranks=tuple(None if m in empty else (2 * i, 2 * i + 1) for m, i in zip(machines, idx)),
+                             backup_ranks=tuple(() if m in empty else (2 * ((i + 1) % 4), 2 * ((i + 1) % 4) + 1)
+                                                for m, i in zip(machines, idx)),
+                             own=(3, 4), backup=(4,))
+            if together:
+                out.extend(h.event(rep))
+            else:
+                for m, ev in rep.as_agent_events().items:
+                    out.extend(h.agent(m, ev))
+        send(slots[2:], empty={slots[3]})
+        out.extend(h.tick(0.5))
+        send(slots[:2])
+        out.extend(h.tick(2.0))
+        return out, S.dumps(h.st)
+    one, st_one = drive(False)
+    together, st_together = drive(True)
+    assert repr(together) == repr(one) and st_together == st_one
+    assert [x.restore_step for x in of(one, a.StartRun)][-1] == 4        # from the stop's inventories

@@ -259,7 +259,7 @@ def test_a_slow_machine_nobody_acts_on_is_reported_one_step_at_a_time_only_while
     detectors) for a bounded watch, then in stretches, with the same accounting either way."""
     faults = [Fault(2 * H, "mfu_decline", "slow", 1, True, seed=21)]
     sim = Sim(small(days=2.0), peers.POLICIES["nvrx-like"], load("paper"), Model(), faults, seed=3).run()
-    assert sim.slow_machines, "nvrx-like does not act on a slowdown"
+    assert sim.pace.slow, "nvrx-like does not act on a slowdown"
     pol = sim.spec.policy
     watch = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
                  + pol.failslow_rounds * pol.failslow_period_s) + 600.0

@@ -114,7 +114,7 @@ def test_new_event_kinds_take_the_same_decisions_in_the_simulator_and_the_contro
               Fault(6.5 * H, "planned", "planned", 0, False, seed=36)]
     sim, log = recorded_sim(faults, "byterobust", model, Config(gpus=128, pp=4, days=0.3))
     acts = [x for *_, got in log for x in got]
-    assert set(sim.injected) >= {"storage", "user_code", "switch", "planned"}
+    assert set(sim.injection.injected) >= {"storage", "user_code", "switch", "planned"}
     assert of(acts, a.RunChecks)
     assert len(sim.segments) >= 3, "the user fault and the planned interruption end submissions"
     assert any(i["fault"] == "restart_failure" for i in sim.incidents), sim.incidents

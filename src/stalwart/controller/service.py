@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import AbstractSet, Callable, Iterable
 
 import msgspec
 
@@ -87,6 +87,13 @@ class MachineView:
 
     def last_heard(self, machine: str) -> float | None:
         return self.ctl.registry.last_heard(machine)
+
+    def freshest(self, machines: Iterable[str]) -> float | None:
+        return max((t for t in map(self.last_heard, machines) if t is not None), default=None)
+
+    def unheard_since(self, machines: AbstractSet[str], t: float) -> dict[str, float | None]:
+        heard = {m: self.last_heard(m) for m in machines}
+        return {m: h for m, h in heard.items() if h is None or h <= t}
 
     def beat_late_s(self) -> float:
         return self.ctl.registry.late_s(clock.now())

@@ -18,9 +18,11 @@ from typing import Any, Callable, Protocol
 from stalwart import protocol as p
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
+from stalwart.controller.job.events import StopReport
 from stalwart.sim.cluster import SimCluster
 from stalwart.sim.config import Segment
 from stalwart.sim.failures import Fault, Model
+from stalwart.sim.injection import Injection
 from stalwart.sim.peers import Platform
 from stalwart.sim.training import Training
 
@@ -62,17 +64,15 @@ class World(Protocol):
     seg: Segment | None           # the current submission: answers to an older one are dropped
     training: Training | None
     backed_up_by: list[list[int]]
-    bad: dict[str, Fault]         # the truth: the faulty machines
-    bugs: dict[int, str | None]   # code version -> the bug it carries
+    injection: Injection          # the truth: the faulty machines, the code versions' bugs
     stuck: bool
 
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
     def agent_event(self, machine: str, ev: p.Event, seg: int) -> None: ...
     def agent_events(self, items: list[tuple[str, p.Event]], seg: int) -> None: ...
+    def stop_report(self, rep: StopReport, seg: int) -> None: ...
     def report_durable(self, tr: Training) -> None: ...
-    def active_faults(self) -> list[tuple[Fault, list[str]]]: ...
     def pipeline_slots(self, slot: int) -> list[int]: ...
-    def draw(self, f: Fault) -> float: ...
     def freeze(self, t: float) -> None: ...
     def machine_dies(self, machine: str) -> None: ...
     def slowed(self, machine: str) -> None: ...
@@ -113,8 +113,19 @@ class Agents:
         inv_at = tr.last_done(sim.now) if tr is not None and act.run == tr.run else None
         dt = sim.profile.stop_s
         held = self.held_steps(inv_at)
-        self.send_all(dt, [(m, p.Stopped(run=act.run, inventory=self.inventory(m, held), t=sim.now + dt))
-                           for m in act.machines if sim.cluster.alive(m)])
+        machines = tuple(m for m in act.machines if sim.cluster.alive(m))
+        if not machines:
+            return
+        # every machine's inventory as columns: its own rank's steps and those of the ranks whose
+        # backup peer it is, the same steps for all (nothing from a machine outside the run)
+        slots = [self.slot_of(m) if held is not None else None for m in machines]
+        rep = StopReport(run=act.run, t=sim.now + dt, machines=machines,
+                         own_ranks=tuple(None if i is None else (i,) for i in slots),
+                         backup_ranks=tuple(() if i is None else tuple(sim.backed_up_by[i]) for i in slots),
+                         own=tuple(held[0]) if held is not None else (),
+                         backup=tuple(held[1]) if held is not None else ())
+        seg = sim.seg.index if sim.seg is not None else 0
+        sim.later(dt, sim.stop_report, rep, seg)
 
     def held_steps(self, last: int | None) -> tuple[list[int], list[int]] | None:
         """The steps every machine holds in memory after the run's last step `last`: (own, backup);
@@ -127,15 +138,6 @@ class Agents:
         own = [s for s in range(last - own_keep + 1, last + 1) if s >= tr.start_step]
         back = [s for s in range(last - backup_keep + 1, last + 1) if s >= tr.start_step]
         return own, back
-
-    def inventory(self, machine: str, held: tuple[list[int], list[int]] | None) -> dict[str, dict[int, list[int]]]:
-        """What `machine` holds in memory (`held_steps`): its own ranks' last steps and the
-        backups of the ranks whose backup peer it is (the lists are shared: nobody changes them)."""
-        i = self.slot_of(machine) if held is not None else None
-        if i is None or held is None:
-            return {}
-        own, back = held
-        return {"own": {i: own}, "backup": dict.fromkeys(self.sim.backed_up_by[i], back)}
 
     def trace(self, act: a.TraceStacks) -> None:
         sim = self.sim
@@ -152,7 +154,7 @@ class Agents:
             return []
         fn = "all_reduce"
         tr = sim.training
-        for f, where in sim.active_faults():
+        for f, where in sim.injection.active_faults():
             if f.kind == "hang" and f.persistent:
                 if machine in where:
                     fn = "all_gather"
@@ -201,7 +203,7 @@ class Agents:
     def caught(self, machine: str, checks: list[str]) -> str | None:
         """Which check a faulty machine fails, if it is caught (each fault draws its own luck)."""
         sim = self.sim
-        f = sim.bad.get(machine)
+        f = sim.injection.bad.get(machine)
         if sim.platform.checks == "none":
             return None
         if f is None:         # a healthy machine fails a check now and then (a flaky test, a busy link)
@@ -212,9 +214,9 @@ class Agents:
         recall = sim.model.recall.get(f.kind)
         if f.kind == "nan":
             r = sim.profile.align_recall if recall is None else recall
-            return "align" if "align" in checks and sim.draw(f) < r else None
+            return "align" if "align" in checks and sim.injection.draw(f) < r else None
         r = sim.profile.checks_recall if recall is None else recall
-        if (f.hard and recall is None) or sim.draw(f) < r:
+        if (f.hard and recall is None) or sim.injection.draw(f) < r:
             return "inter" if f.kind == "network" and "inter" in checks else "selftest"
         return None
 
@@ -223,20 +225,20 @@ class Agents:
         or a hang that never finishes); else every rank finishes its steps."""
         sim = self.sim
         dt = sim.profile.replay_phase_s
-        bug = sim.bugs.get(sim.training.version) if sim.training is not None and sim.training.version is not None \
-            else None
+        tr = sim.training
+        bug = sim.injection.bugs.get(tr.version) if tr is not None and tr.version is not None else None
         if bug:                 # the code itself fails: in every group
             if bug == "nan":
                 self.send(dt, act.machines[0], p.Step(run=act.run, rank=0, step=0, t=sim.now + dt, loss=float("nan")))
             elif bug == "exception":
                 self.send(dt, act.machines[0], p.WorkerExit(run=act.run, rank=0, code=1, t=sim.now + dt))
             return
-        faulty = [m for m in act.machines if m in sim.bad]
+        faulty = [m for m in act.machines if m in sim.injection.bad]
         if not faulty:
             for r, m in enumerate(act.machines):
                 self.send(dt, m, p.Done(run=act.run, rank=r, t=sim.now + dt))
             return
-        f = sim.bad[faulty[0]]
+        f = sim.injection.bad[faulty[0]]
         r = act.machines.index(faulty[0])
         if f.kind == "nan":
             self.send(dt, faulty[0], p.Step(run=act.run, rank=r, step=0, t=sim.now + dt, loss=float("nan")))
@@ -318,7 +320,7 @@ class Agents:
 
     def _again(self, f: Fault, machine: str, run: int | None, n: int) -> None:
         tr = self.sim.training
-        if self.sim.bad.get(machine) is f and tr is not None and tr.run == run and machine in tr.slots \
+        if self.sim.injection.bad.get(machine) is f and tr is not None and tr.run == run and machine in tr.slots \
                 and tr.stepping is False:
             self.alerts(f, machine, run, n)
 

@@ -12,6 +12,7 @@ more (Arnold measured up to 70% less send/recv bandwidth across minipods).
 from __future__ import annotations
 
 import random
+from typing import AbstractSet, Iterable
 
 MACHINES_PER_SWITCH = 4
 SWITCHES_PER_POD = 32
@@ -70,6 +71,23 @@ class SimCluster:
 
     def last_heard(self, machine: str) -> float | None:
         return self.dead_at.get(machine, self.now)
+
+    def freshest(self, machines: Iterable[str]) -> float | None:
+        """Any live machine was heard just now (simulated agents beat without fail): the scan stops
+        at the first one."""
+        latest = None
+        for m in machines:
+            dead = self.dead_at.get(m)
+            if dead is None:
+                return self.now
+            latest = dead if latest is None else max(latest, dead)
+        return latest
+
+    def unheard_since(self, machines: AbstractSet[str], t: float) -> dict[str, float | None]:
+        """Only a dead machine falls silent: the few dead ones are looked at, not every machine."""
+        if t >= self.now:
+            return {m: h for m in machines if (h := self.dead_at.get(m, self.now)) <= t}
+        return {m: at for m, at in self.dead_at.items() if at <= t and m in machines}
 
     def beat_late_s(self) -> float:
         return 0.0          # simulated heartbeats are never late

@@ -37,20 +37,21 @@ import random
 from typing import Any, Callable
 
 from stalwart import protocol as p
-from stalwart.controller.cluster import placement
 from stalwart.controller.job import actions as a
 from stalwart.controller.job import state as S
 from stalwart.controller.job.core import JobCore
-from stalwart.controller.job.events import (AgentEvent, AgentEvents, Cancel, JobEvent, MachineLost, StepReport, Tick,
-                                            VersionRegistered)
+from stalwart.controller.job.events import (AgentEvent, AgentEvents, JobEvent, MachineLost, StepReport, StopReport,
+                                            Tick)
 from stalwart.controller.cluster.standby import p99_standbys
 from stalwart.controller.cluster.roles import Role
 from stalwart.controller.rules.restore import Availability
 from stalwart.sim.agents import Agents
-from stalwart.sim.cluster import PENALTY, SimCluster, job_labels
+from stalwart.sim.cluster import SimCluster
 from stalwart.sim.config import Config, Segment
 from stalwart.sim.durations import Durations
 from stalwart.sim.failures import Fault, Model
+from stalwart.sim.injection import Injection
+from stalwart.sim.pace import Pace
 from stalwart.sim.peers import Platform
 from stalwart.sim.profile import Profile
 from stalwart.sim.training import Training
@@ -59,14 +60,14 @@ from stalwart.spec import JobSpec
 T0 = 1_000_000.0          # the core's clock at the simulation's start
 DAY = 86400.0
 PRE_STEPS = 22            # steps reported one by one before a hang or a slowdown (the hang watch keeps 20)
-MEM_KEEP = 3              # steps kept one by one at the end of a stretch (restores from memory land there)
 HANG_FLOOR_S = 30.0       # the uncalibrated hang timeout (10x this) outlasts a restart at this scale
 SLOW_WATCH_EXTRA_S = 600.0  # beyond the slowdown detectors' own windows (see `watching_slow`)
 GC_EVERY = 200_000          # allocations between the cyclic collector's young collections (see `run`)
-IMMEDIATE = ("slow", "network")     # faults (besides dead hardware) that show again as soon as a run starts
 
 
 class Sim:
+    t0 = T0
+
     def __init__(self, cfg: Config, platform: Platform, profile: Profile, model: Model, faults: list[Fault],
                  seed: int):
         cfg.check()
@@ -89,6 +90,11 @@ class Sim:
         self.cluster = SimCluster(cfg.machines, cfg.pp, self.dp, free=self.standbys, seed=seed,
                                   show_labels=platform.topology)
         self.agents = Agents(self)
+        self.injection = Injection(self, self.agents, model, lambda m: self.cluster.true_labels(m).get("switch"),
+                                   platform.hot_update, lambda: self.profile.storage_outage_s, self.rng)
+        self.pace = Pace(cfg, self.dp, self.ckpt_every, seed, model.slowdown,
+                         lambda: self.profile.memckpt_overhead if platform.memory_ckpt else 0.0,
+                         self.cluster.true_labels, self.pipeline_slots)
         self.core: JobCore | None = None
         self.st: S.JobState | None = None
         self.seg: Segment | None = None
@@ -96,34 +102,21 @@ class Sim:
         self.gaps: list[tuple[float, float, str]] = []
         self.training: Training | None = None
         self.last_slots: list[str] | None = None
-        self.penalty: dict[int, float] = {}
-        self.bad: dict[str, Fault] = {}
-        self.shown: dict[int, list[str]] = {}       # id(fault) -> machines it shows on in this run
-        self.slow_machines: set[str] = set()
         self.slow_since = 0.0         # when the current run's first machine turned slow
         pol = self.spec.policy        # how long the slowdown detectors may take (see `watching_slow`)
         self.slow_watch_s = 2 * (pol.similarity_window_s + pol.similarity_continuity_s
                                  + pol.failslow_rounds * pol.failslow_period_s) + SLOW_WATCH_EXTRA_S
         self.stuck = False
         self.warm_at: dict[str, float] = {}
-        self.version = 1
-        self.bugs: dict[int, str | None] = {}
-        self.pending_updates: list[Fault] = []
         self.last_change = T0
         self.busy_until = T0
         self.next_tick = math.inf
         self.dirty = False           # the core acted: its timers may want a tick sooner
-        self.blame: Fault | None = None
         self.open_symptom: str | None = None
         self.incidents: list[dict] = []
         self._inc: dict[tuple[int, int], dict] = {}
-        self.injected: dict[str, int] = {}
-        self.max_step = -1
-        self.rngs: dict[int, random.Random] = {}
         self._pipes: dict[int, list[int]] = {}
-        self._penalties: dict[tuple[int, str], float] = {}
         self.coming = 0               # machines the scheduler is providing
-        self.storage_until = T0       # the storage service is out until then
         self.resume_from_memory = False
         self.stats = {"core_events": 0, "ticks": 0, "reports": 0, "dead_drained": 0}
 
@@ -182,7 +175,7 @@ class Sim:
 
     def _run(self) -> "Sim":
         for f in self.faults:
-            self.later(f.t, self.inject, f)
+            self.later(f.t, self.injection.inject, f)
             if f.freezes:
                 self.prewindow(T0 + f.t, f.kind != "slow")
         self.later(0.0, self.submit, 0)
@@ -232,17 +225,16 @@ class Sim:
         st = S.JobState(job_id=seg.index, created_at=self.now,
                         avail=Availability(memory={"own": max(2, self.spec.policy.mem_slots - 1), "backup": 2}))
         if self.platform.hot_update:
-            st.versions = [self.version_row(self.version, "stable", "lazy")]
-            st.version_id, st.code_path = self.version, f"/sim/code/v{self.version}"
+            version = self.injection.version
+            st.versions = [self.version_row(version, "stable", "lazy")]
+            st.version_id, st.code_path = version, f"/sim/code/v{version}"
         else:
             st.versioning_off, st.code_path = "hot update is off in this policy", self.spec.code_dir
         self.st, self.core = st, JobCore(self.spec, self.cluster)
         self.training, self.last_slots = None, None
         self.last_change = self.now
         self.deliver(Tick())
-        for f in self.pending_updates:
-            self.register(f)
-        self.pending_updates = []
+        self.injection.submitted()
         self.schedule_tick()
 
     # -- delivering to the core ------------------------------------------------------------------
@@ -257,7 +249,7 @@ class Sim:
         if self.st.terminal:
             return
         self.stats["core_events"] += len(ev.items) if isinstance(ev, AgentEvents) else \
-            len(ev.ranks) if isinstance(ev, StepReport) else 1
+            len(ev.ranks) if isinstance(ev, StepReport) else len(ev.machines) if isinstance(ev, StopReport) else 1
         acts = self.core.handle(self.st, ev, self.now)
         if acts:
             if not all(isinstance(x, a.Record) and x.kind in ("step", "rank_times") for x in acts):
@@ -279,6 +271,16 @@ class Sim:
         if live:
             self.deliver(AgentEvents(items=live))
 
+    def stop_report(self, rep: StopReport, seg: int) -> None:
+        """Every machine's answer to a stop (`StopReport`), less the machines dead meanwhile."""
+        if self.seg is None or self.seg.index != seg:
+            return
+        dead = self.cluster.dead_at
+        if any(m in dead for m in rep.machines):
+            rep = rep.only(m for m in rep.machines if m not in dead)
+        if rep.machines:
+            self.deliver(rep)
+
     def machine_lost(self, machine: str, seg: int) -> None:
         if self.seg is not None and self.seg.index == seg:
             self.deliver(MachineLost(machine=machine))
@@ -298,17 +300,17 @@ class Sim:
 
     def slowed(self, machine: str) -> None:
         """`machine` computes slowly from now on (until it is evicted or the run ends)."""
-        if not self.slow_machines:
+        if not self.pace.slow:
             self.slow_since = self.now
-        self.slow_machines.add(machine)
-        self.repace()
+        self.pace.slow.add(machine)
+        self.pace.repace(self.training, self.now)
 
     def watching_slow(self) -> bool:
         """A slow machine's steps are reported one by one (with per-rank compute times) for as long
         as the core's slowdown detectors could still act on them: the peer watch's window and
         continuity and the fail-slow rounds, twice over. A policy whose detectors are off (or that
         let it pass) then sees stretches again, as for any quiet training."""
-        return bool(self.slow_machines) and self.now < self.slow_since + self.slow_watch_s
+        return bool(self.pace.slow) and self.now < self.slow_since + self.slow_watch_s
 
     def schedule_tick(self) -> None:
         if self.st is None or self.st.terminal or self.quiet():
@@ -342,13 +344,13 @@ class Sim:
         k = tr.last_done(self.now)
         if k <= tr.reported:
             return
-        self.max_step = max(self.max_step, k)
-        self._stretch(tr, tr.reported + 1, k - 1)
+        self.pace.max_step = max(self.pace.max_step, k)
+        self.pace.stretch(tr, tr.reported + 1, k - 1, seg.log)
         t_k = tr.done_at(k)
         dur = t_k - tr.done_at(k - 1)
         nan = tr.nan_from is not None and t_k >= tr.nan_from
         loss = math.nan if nan else 2.0
-        comp = self.compute_times(tr, dur)
+        comp = self.pace.compute_times(tr, dur)
         tr.reported = k
         tr.reports += 1
         self.stats["reports"] += 1
@@ -357,47 +359,12 @@ class Sim:
                                 loss=loss, grad_norm=loss, local_grad_norm=1.0))
 
     def report_durable(self, tr: Training) -> None:
-        """The newest durable checkpoints of a stopped run (one, two without memory copies), as its
-        agents reported them when written: a restore is the only decision that reads them."""
+        """The newest durable checkpoints of a stopped run, as its agents reported them when
+        written (`Pace.durable_reports`): a restore is the only decision that reads them."""
         if self.st is None or self.st.terminal or self.st.run_seq != tr.run:
             return
-        k = tr.last_done(self.now)
-        d0 = k - (k + 1) % self.ckpt_every          # the newest durable checkpoint (after step d0)
-        newest = [d for d in (d0, d0 - self.ckpt_every)[:1 if self.platform.memory_ckpt else 2]
-                  if d > tr.durable_reported and d >= tr.start_step - 1]
-        for d in reversed(newest):
-            t_d, where = tr.done_at(d), f"durable/{d}"
-            self._handle(AgentEvents(items=tuple(
-                (m, p.Ckpt(run=tr.run, rank=i, step=d, tier="durable", location=where, t=t_d))
-                for i, m in enumerate(tr.slots))))
-        if newest:
-            tr.durable_reported = newest[0]
-
-    def _stretch(self, tr: Training, lo: int, hi: int) -> None:
-        """Log records for steps lo..hi, which the core was not told of one by one."""
-        if hi < lo or self.seg is None:
-            return
-        ends = {hi} | set(range(max(lo, hi - MEM_KEEP + 1), hi + 1))
-        first = lo + (self.ckpt_every - 1 - lo % self.ckpt_every) % self.ckpt_every
-        ends |= set(range(first, hi + 1, self.ckpt_every))
-        prev = lo - 1
-        for e in sorted(ends):
-            t0, t1 = tr.done_at(prev), tr.done_at(e)
-            self.seg.log.append({"t": t1, "kind": "step", "data": {
-                "run": tr.run, "step": e, "dur": t1 - t0, "steps": e - prev, "sim": "stretch"}})
-            prev = e
-
-    def compute_times(self, tr: Training, dur: float) -> list[float] | None:
-        """Per-rank compute seconds: reported while a machine is slow (evidence) and in what-if mode."""
-        if not (self.slow_machines or self.cfg.compute_times):
-            return None
-        rng = random.Random(hash((self.seed, tr.run, tr.reported)))
-        base = dur / (self.model.slowdown if self.slow_machines else 1.0) * 0.6
-        out = []
-        for i, m in enumerate(tr.slots):
-            c = base * (1.15 if i // self.dp == self.cfg.pp - 1 else 1.0) * rng.lognormvariate(0.0, 0.02)
-            out.append(c * (self.model.slowdown if m in self.slow_machines else 1.0))
-        return out
+        for ev in self.pace.durable_reports(tr, self.now, self.platform.memory_ckpt):
+            self._handle(ev)
 
     # -- actions ----------------------------------------------------------------------------------
     def perform(self, acts: list[a.Action]) -> None:
@@ -411,7 +378,7 @@ class Sim:
                        "segment": seg.index, "seq": act.seq, "symptom": act.symptom, "category": act.category,
                        "detected_at": act.detected_at - T0, "mechanism": None, "evicted": 0,
                        "fault": "update" if act.symptom == "hot_update" else
-                       (self.blame.category if self.blame is not None else "none")}
+                       (blame.category if (blame := self.injection.blame) is not None else "none")}
                 self._inc[(seg.index, act.seq)] = inc
                 self.incidents.append(inc)
                 self.open_symptom = act.symptom
@@ -454,8 +421,8 @@ class Sim:
             return                      # drained already, its replacement coming
         self.cluster.assign(act.machine, act.state)
         if act.state == Role.EVICTED:
-            self.bad.pop(act.machine, None)
-            self.slow_machines.discard(act.machine)
+            self.injection.bad.pop(act.machine, None)
+            self.pace.slow.discard(act.machine)
             self.coming += 1            # the scheduler replaces a drained machine
             self.later(self.provision_delay(), self.provision)
 
@@ -485,14 +452,14 @@ class Sim:
         return self._pipes[slot]
 
     def start_run(self, act: a.StartRun) -> None:
-        pr, plat = self.profile, self.platform
+        pr, plat, inj = self.profile, self.platform, self.injection
         first = self.last_slots is None
         planned, self.open_symptom = self.open_symptom == "hot_update", None
         if plat.restart == "requeue" and not first:
             fo = pr.requeue_s
             for m in act.slots:                  # the scheduler gives the job healthy machines again
-                if m in self.bad and self.bad[m].hard:
-                    del self.bad[m]
+                if m in inj.bad and inj.bad[m].hard:
+                    del inj.bad[m]
         else:
             fo = pr.hot_update_s if planned else pr.restart_s if plat.restart == "warm" else pr.peer_restart_s
             durable = any(c and c[0].tier == "durable" for c in act.restore.values()) or \
@@ -504,156 +471,32 @@ class Sim:
         new = 0
         for i, m in enumerate(act.slots):
             if first or self.last_slots[i] != m:        # type: ignore[index]
-                self.penalty[i] = self.slot_penalty(i, m)
+                self.pace.seat(i, m)
                 if not first:
                     new += 1
                     fo = max(fo, self.warm_at.get(m, self.now) - self.now + pr.restart_s)
         if new > self.warm_standbys:     # the shortfall beyond the warm pool is rescheduled: pods built
             fo = max(fo, pr.provision_s + pr.restart_s)
         fo += pr.warmup_s                    # to the first full-speed step (communicators, data, compilation)
-        if self.storage_until > self.now:    # workers cannot load their data until storage is back
-            fo = max(fo, self.storage_until - self.now + pr.restart_s)
+        if inj.storage_until > self.now:    # workers cannot load their data until storage is back
+            fo = max(fo, inj.storage_until - self.now + pr.restart_s)
         self.last_slots = list(act.slots)
         start = act.restore_step + 1 if act.restore_step >= 0 else (self.seg.resume_step if self.seg else 0)
-        version = act.version if act.version is not None else self.version
-        self.slow_machines = set()
+        version = act.version if act.version is not None else inj.version
+        self.pace.slow = set()
         self.stuck = False
-        self.shown = {}
         tr = Training(run=act.run, slots=list(act.slots), start_step=start, begins=self.now + fo,
-                      pace=self.pace(act.slots), version=version, seg=self.seg.index if self.seg else 0)
+                      pace=self.pace.of(act.slots), version=version, seg=self.seg.index if self.seg else 0)
         self.training = tr
-        for m in act.slots:
-            f = self.bad.get(m)
-            if f is not None:
-                delay = 1.0 if f.hard or f.kind in IMMEDIATE else self.draw_exp(f, self.model.recur_mean_s)
-                self.later(fo + delay, self.recur, f, m, tr)
-                if f.freezes:
-                    self.prewindow(self.now + fo + delay, f.kind != "slow")
-        bug = self.bugs.get(version)
-        if bug:                  # a faulty version fails in its first step
-            self.later(fo + 0.5 * tr.pace, self._bug, bug, version, tr)
-        elif not first and self.model.restart_fail_share and self.rng.random() < self.model.restart_fail_share:
-            # the restart itself fails (a rendezvous or NCCL set-up error on some machine)
-            slot = self.rng.randrange(len(act.slots))
-            self.later(fo + 0.5 * tr.pace, self.recur, Fault(self.now - T0, "restart_failure", "crash", slot, False,
-                                                            seed=self.rng.getrandbits(32)), act.slots[slot], tr)
-
-    def slot_penalty(self, slot: int, machine: str) -> float:
-        """The step-time penalty of `machine` in `slot` (its distance from the slot's pipeline);
-        a machine's labels never change, so each pair is computed once."""
-        key = (slot, machine)
-        got = self._penalties.get(key)
-        if got is None:
-            home = [job_labels(j, self.cfg.pp, self.dp) for j in self.pipeline_slots(slot)]
-            got = self._penalties[key] = PENALTY[placement.distance(self.cluster.true_labels(machine), home)]
-        return got
-
-    def pace(self, slots: list[str]) -> float:
-        p_ = self.cfg.step_s * (1 + (self.profile.memckpt_overhead if self.platform.memory_ckpt else 0.0))
-        p_ *= 1 + max((self.penalty.get(i, 0.0) for i in range(len(slots))), default=0.0)
-        if any(m in self.slow_machines for m in slots):
-            p_ *= self.model.slowdown
-        return p_
-
-    def repace(self) -> None:
-        tr = self.training
-        if tr is not None:
-            tr.set_pace(self.now, self.pace(tr.slots))
+        inj.run_started(tr, fo, first)
 
     def freeze(self, t: float) -> None:
-        tr = self.training
-        if tr is not None:
-            self.max_step = max(self.max_step, tr.last_done(t))
-            tr.freeze(t)
+        self.pace.freeze(self.training, t)
 
-    # -- faults -----------------------------------------------------------------------------------
-    def draw(self, f: Fault) -> float:
-        return self.rngs.setdefault(f.seed, random.Random(f.seed)).random()
-
-    def draw_exp(self, f: Fault, mean: float) -> float:
-        return -mean * math.log(1.0 - self.draw(f))
-
-    def active_faults(self) -> list[tuple[Fault, list[str]]]:
-        by_id = {id(f): f for f in self.bad.values()}
-        return [(by_id[k], ms) for k, ms in self.shown.items() if k in by_id]
-
-    def inject(self, f: Fault) -> None:
-        self.injected[f.category] = self.injected.get(f.category, 0) + 1
-        if f.kind == "update":
-            self.update(f)
-            return
-        if f.kind == "planned":
-            if self.st is not None and not self.st.terminal:
-                self.deliver(Cancel(reason="planned maintenance"))
-            return
-        if f.kind == "storage":
-            self.storage_until = max(self.storage_until, self.now + float(self.profile.storage_outage_s))
-        tr = self.training
-        if f.kind == "user":          # the running code version fails (a data-dependent bug)
-            self.bugs[self.version] = "exception"
-            if tr is not None:
-                self._bug("exception", self.version, tr, "user_code")
-            return
-        slots = tr.slots if tr is not None else self.last_slots
-        if not slots:
-            return
-        if f.switch is not None:
-            under = set(f.switch)
-            machines = [m for m in slots if self.cluster.true_labels(m).get("switch") in under]
-            if not machines:
-                return
-        else:
-            machines = [slots[f.slot]]
-        if f.persistent:
-            for m in machines:
-                self.bad[m] = f
-        if tr is None or not tr.stepping or tr.begins > self.now or self.st is None \
-                or self.st.phase != S.JobPhase.RUNNING:
-            return                                  # shows when its machine next runs (if persistent)
-        self.show(f, machines)
-
-    def show(self, f: Fault, machines: list[str]) -> None:
-        self.flush()
-        self.blame = f
-        self.shown[id(f)] = machines
-        self.agents.manifest(f, machines)
+    def changed(self) -> None:
+        """Something happened that the core will act on: ticks come close together again."""
         self.last_change = self.now
         self.schedule_tick()
-
-    def recur(self, f: Fault, machine: str, run: Training) -> None:
-        tr = self.training
-        if (f.persistent and self.bad.get(machine) is not f) or tr is not run or not tr.stepping \
-                or machine not in tr.slots or self.st is None or self.st.phase != S.JobPhase.RUNNING:
-            return
-        self.show(f, [machine])
-
-    def _bug(self, kind: str, version: int, run: Training, category: str = "update") -> None:
-        tr = self.training
-        if tr is None or tr is not run or not tr.stepping or self.bugs.get(version) != kind or self.st is None \
-                or self.st.phase != S.JobPhase.RUNNING:
-            return
-        self.flush()
-        self.blame = Fault(self.now - T0, category, "update", 0, False, bug=kind)
-        self.agents.bug(kind, version)
-        self.last_change = self.now
-        self.schedule_tick()
-
-    def update(self, f: Fault) -> None:
-        """A code/data adjustment: a new version for a hot update, or a requeue without it."""
-        if self.seg is None or self.st is None or self.st.terminal:
-            self.pending_updates.append(f)
-            return
-        self.register(f)
-
-    def register(self, f: Fault) -> None:
-        self.version += 1
-        self.bugs[self.version] = f.bug
-        if self.platform.hot_update:
-            mode = "urgent" if f.urgent else "lazy"
-            self.deliver(VersionRegistered(row=self.version_row(self.version, "urgent" if f.urgent else "pending",
-                                                                mode)))
-        else:
-            self.deliver(Cancel(reason=f"requeue for code version {self.version}"))
 
     # -- the end of a submission --------------------------------------------------------------------
     def finish(self, act: a.FinishJob) -> None:
@@ -673,8 +516,8 @@ class Sim:
                 self.assign(a.AssignMachine(machine=m, state=Role.EVICTED))
         seg.end, seg.state, seg.reason = self.now, act.state, act.reason
         self.training = None
-        pr = self.profile
-        last = self.max_step
+        pr, inj = self.profile, self.injection
+        last = self.pace.max_step
         durable = last - (last + 1) % self.ckpt_every
         self.resume_from_memory = False
         if act.state == "cancelled":          # a planned requeue: a checkpoint is written at the stop
@@ -685,13 +528,13 @@ class Sim:
             reason = act.reason or ""
             human = "standby machine(s) ready" not in reason
             if human:         # someone finds the bad machines and the bad code, then resubmits
-                sdc = any(f.kind == "nan" for f in self.bad.values())
-                user = bool(self.bugs.get(self.version) or (running is not None and self.bugs.get(running)))
+                sdc = any(f.kind == "nan" for f in inj.bad.values())
+                user = bool(inj.bugs.get(inj.version) or (running is not None and inj.bugs.get(running)))
                 delay = (pr.manual_sdc_s if sdc else pr.user_fix_s if user else pr.manual_s) + pr.requeue_s
-                drain = [m for m in act.machines if m in self.bad]
-                for v in (self.version, running):      # the person fixes the code that failed
+                drain = [m for m in act.machines if m in inj.bad]
+                for v in (inj.version, running):      # the person fixes the code that failed
                     if v is not None:
-                        self.bugs[v] = None
+                        inj.bugs[v] = None
             else:             # the scheduler drains what the job wanted evicted and requeues it
                 delay = pr.requeue_s
                 inc = self.incidents[-1] if self.incidents else {}

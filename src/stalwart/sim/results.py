@@ -105,10 +105,11 @@ def summarize(sim: Sim, runtime_s: float) -> dict[str, Any]:
     return {
         "policy": sim.platform.name, "seed": sim.seed, "ettr": productive / wall, "productive_s": productive,
         "wall_s": wall, "unproductive_s": buckets, "incidents": len(sim.incidents),
-        "faults": dict(sim.injected), "by_category_mechanism": {f"{f}/{m}": n for (f, m), n in sorted(mech.items())},
+        "faults": dict(sim.injection.injected),
+        "by_category_mechanism": {f"{f}/{m}": n for (f, m), n in sorted(mech.items())},
         "mechanisms": dict(Counter(i["mechanism"] or "open" for i in sim.incidents)),
         "evicted": sum(i.get("evicted", 0) for i in sim.incidents), "submissions": len(sim.segments),
-        "throughput": (sim.max_step + 1) * sim.cfg.step_s / wall,
+        "throughput": (sim.pace.max_step + 1) * sim.cfg.step_s / wall,
         "window_ettr_min": min(window) if window else None,
         "window_1h_min": percentiles(minutes),
         "series_hours": {"cumulative": cumulative, "window": window},

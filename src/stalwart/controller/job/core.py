@@ -12,7 +12,7 @@ import logging
 
 from stalwart import protocol as p
 from stalwart.controller.job.events import (AgentBack, AgentEvent, AgentEvents, Cancel, ClusterView, Inject, JobEvent,
-                                            MachineLost, Resumed, StepReport, Tick, VersionRegistered)
+                                            MachineLost, Resumed, StepReport, StopReport, Tick, VersionRegistered)
 from stalwart.controller.job.flows.base import Actions, Ctx
 from stalwart.controller.job.flows.diagnosis import DiagnosisFlow
 from stalwart.controller.job.flows.failure import FailureFlow
@@ -64,6 +64,8 @@ class JobCore:
             if st.phase == JobPhase.REPLAYING:      # a replay group's steps: each rank in turn
                 return self.on_agents(st, ev.as_agent_events().items, now)
             return self.run.on_steps(st, ev, now)
+        if isinstance(ev, StopReport):
+            return self.failure.on_stops(st, ev, now)
         if isinstance(ev, MachineLost):
             return self.failure.on_machine_lost(st, ev.machine, now)
         if isinstance(ev, Inject):

@@ -4,7 +4,7 @@ version, an agent back after a controller restart, the restart itself, and the c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import AbstractSet, Any, Iterable, Protocol, Union
 
 from stalwart import protocol
 
@@ -54,6 +54,45 @@ class StepReport:
 
 
 @dataclass(frozen=True)
+class StopReport:
+    """Every listed machine's answer to one stop (`protocol.Stopped`), at one instant, with the
+    memory inventories as whole-job columns: machine `machines[i]` holds steps `own` of the ranks
+    `own_ranks[i]` and steps `backup` of the ranks `backup_ranks[i]`; `own_ranks[i]` None: an
+    empty inventory (memory holds nothing). The core handles it exactly as one `AgentEvent`
+    carrying a `protocol.Stopped` per machine, in the listed order, would be handled
+    (`as_agent_events` gives those), without a message and a dispatch per machine. The simulator
+    sends it; real agents send one `Stopped` each (their inventories differ machine by machine)."""
+    run: int | None
+    t: float
+    machines: tuple[str, ...]
+    own_ranks: tuple[tuple[int, ...] | None, ...]
+    backup_ranks: tuple[tuple[int, ...], ...]
+    own: tuple[int, ...] = ()
+    backup: tuple[int, ...] = ()
+
+    def inventory(self, i: int) -> dict[str, dict[int, list[int]]]:
+        """Machine `machines[i]`'s inventory as its `protocol.Stopped` carries it."""
+        ranks = self.own_ranks[i]
+        if ranks is None:
+            return {}
+        return {"own": {r: list(self.own) for r in ranks},
+                "backup": {r: list(self.backup) for r in self.backup_ranks[i]}}
+
+    def as_agent_events(self) -> AgentEvents:
+        return AgentEvents(items=tuple(
+            (m, protocol.Stopped(run=self.run, inventory=self.inventory(i), t=self.t))
+            for i, m in enumerate(self.machines)))
+
+    def only(self, keep: Iterable[str]) -> "StopReport":
+        """The same report from the machines in `keep` alone, in the same order."""
+        ks = set(keep)
+        idx = [i for i, m in enumerate(self.machines) if m in ks]
+        return StopReport(run=self.run, t=self.t, machines=tuple(self.machines[i] for i in idx),
+                          own_ranks=tuple(self.own_ranks[i] for i in idx),
+                          backup_ranks=tuple(self.backup_ranks[i] for i in idx), own=self.own, backup=self.backup)
+
+
+@dataclass(frozen=True)
 class MachineLost:
     machine: str
 
@@ -95,8 +134,8 @@ class Tick:
     pass
 
 
-JobEvent = Union[AgentEvent, AgentEvents, StepReport, MachineLost, Inject, Cancel, VersionRegistered, AgentBack,
-                 Resumed, Tick]
+JobEvent = Union[AgentEvent, AgentEvents, StepReport, StopReport, MachineLost, Inject, Cancel, VersionRegistered,
+                 AgentBack, Resumed, Tick]
 
 
 class ClusterView(Protocol):
@@ -107,6 +146,15 @@ class ClusterView(Protocol):
 
     def last_heard(self, machine: str) -> float | None:
         """When its agent last sent anything."""
+
+    def freshest(self, machines: Iterable[str]) -> float | None:
+        """The latest `last_heard` of `machines` (None: none was ever heard). A whole job's in one
+        call: the stop's silence check asks at every tick, and a view that knows most machines were
+        heard just now answers without looking at each."""
+
+    def unheard_since(self, machines: AbstractSet[str], t: float) -> dict[str, float | None]:
+        """The machines of `machines` not heard after `t` (last heard at or before it, or never:
+        None), with when they were last heard."""
 
     def beat_late_s(self) -> float:
         """The largest heartbeat lateness seen recently on this host (0: beats come on time)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import AbstractSet, Iterable
+from typing import AbstractSet, Iterable, Sequence
 
 TIERS = ("own", "backup", "durable")
 
@@ -79,6 +79,13 @@ class Availability:
         for rank, steps in steps_by_rank.items():
             if steps:
                 self._put(int(rank), tier, [int(s) for s in steps], machine)
+
+    def replace_ranks(self, machine: str, tier: str, ranks: Iterable[int], steps: Sequence[int]) -> None:
+        """`replace_held` where every rank holds the same steps (a whole-job stop report's column)."""
+        self._forget(machine, (tier,))
+        if steps:
+            for rank in ranks:
+                self._put(rank, tier, steps, machine)
 
     def forget_after(self, step: int) -> None:
         """A run starts after `step`: the memory copies of later steps are the stopped run's (its

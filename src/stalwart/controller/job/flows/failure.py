@@ -19,6 +19,7 @@ from stalwart.controller.rules.policy import Mechanism
 from stalwart.controller.cluster.roles import Role
 from stalwart.controller.job.actions import (AssignMachine, FinishJob, OpenIncident, StopWorkers,
                                              TraceStacks, UpdateIncident, UpdateRun)
+from stalwart.controller.job.events import StopReport
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Diagnoses, HotUpdates, Replays, Restarts, record
 from stalwart.controller.job.state import (Incident, IncidentPhase, JobPhase, JobState, PastIncident)
 
@@ -29,6 +30,7 @@ CONTROL_PLANE = "control_plane"     # a run the controller's restart cut short
 # second network alert): localize no earlier than this after detection. Probes run every second.
 EVIDENCE_SETTLE_S = 1.5
 STOP_GRACE_EXTRA_S = 10.0    # machines that neither stop nor fall silent within this are lost
+SILENCE_MARGIN_S = 1e-3      # the machines asked about beyond the silence limit (the rule decides)
 # A network condition that still stands (a NIC down) while the job makes no step for this many of
 # its step times (and at least NET_STALL_MIN_S) is failing the job: its incident opens then, not
 # at the hang timeout. One occurrence that heals while the job trains on costs nothing (a flap's
@@ -128,15 +130,21 @@ class FailureFlow:
         # that is no machine's fault; a dead machine falls behind the live ones
         # (only the machines still awaited are judged: their times alone are kept, the freshest
         # time is any slot's)
+        # (a machine awaited outside the slots is never heard). The cluster names the machines not
+        # heard for about the silence limit; the rule then judges those exactly.
         heard: dict[str, float | None] = {}
         latest = now
+        late = 0.0
         if inc.awaiting:
-            last_heard, slots = self.ctx.cluster.last_heard, set(st.slots)
-            latest = max((t for t in map(last_heard, st.slots) if t is not None), default=now)
-            heard = {m: last_heard(m) for m in inc.awaiting if m in slots}
+            cluster, slots = self.ctx.cluster, set(st.slots)
+            freshest = cluster.freshest(st.slots)
+            latest = now if freshest is None else freshest
+            late = cluster.beat_late_s()
+            near = latest - policy.silence_limit(p.heartbeat_s, late) + SILENCE_MARGIN_S
+            heard = cluster.unheard_since(inc.awaiting & slots, near)
+            heard.update(dict.fromkeys(inc.awaiting - slots))
         noted: Actions = []
-        late = self.ctx.cluster.beat_late_s() if inc.awaiting else 0.0
-        for m in policy.silent_during_stop(inc.awaiting, heard, latest, p.heartbeat_s, late):
+        for m in policy.silent_during_stop(heard, heard, latest, p.heartbeat_s, late):
             inc.awaiting.discard(m)
             inc.lost.add(m)
             seen = heard.get(m)
@@ -344,8 +352,25 @@ class FailureFlow:
     def on_stopped(self, st: JobState, machine: str, ev: protocol.Stopped, now: float) -> Actions:
         for tier, held in (ev.inventory or {}).items():
             st.avail.replace_held(machine, tier, {int(r): v for r, v in held.items()})
+        return self._stopped(st, machine, ev.run, now)
+
+    def on_stops(self, st: JobState, rep: StopReport, now: float) -> Actions:
+        """Every machine's answer to a stop (`StopReport`): what `on_stopped` does for each in
+        turn, its inventory taken from the report's columns (the rest once the job ends: none)."""
+        acts: Actions = []
+        avail, own, backup = st.avail, list(rep.own), list(rep.backup)
+        for machine, ranks, backed in zip(rep.machines, rep.own_ranks, rep.backup_ranks):
+            if st.terminal:
+                break
+            if ranks is not None:
+                avail.replace_ranks(machine, "own", ranks, own)
+                avail.replace_ranks(machine, "backup", backed, backup)
+            acts += self._stopped(st, machine, rep.run, now)
+        return acts
+
+    def _stopped(self, st: JobState, machine: str, run: int | None, now: float) -> Actions:
         inc = st.incident
-        if inc is not None and ev.run == st.run_seq:
+        if inc is not None and run == st.run_seq:
             inc.awaiting.discard(machine)
             if st.phase == JobPhase.RECOVERING and not inc.awaiting:
                 return self.check_stopped(st, now)      # the last one: no need to wait for a tick
