@@ -111,7 +111,8 @@ def test_duration_pattern_is_the_parser(text):
 # A spec as the controller stores it (JobSpec.to_dict, as json.dumps writes it in the jobs table).
 STORED = (
     '{"name": "llm-7b", "machines": 4, "gpus_per_machine": 2, "tp": 2, "pp": 1, "dp": 4, "cp": 1, "ep": 1, '
-    '"steps": 100, "ckpt_every": 10, "backup_every": "auto", "command": ["python", "train.py", "--lr", "1e-3"], "standby": "auto", '
+    '"steps": 100, "ckpt_every": 10, "backup_every": "auto", "command": ["python", "train.py", "--lr", "1e-3"], '
+    '"standby": "auto", '
     '"chaos": ["crash@step=60,machine=1"], "code_dir": "/srv/code", "workdir": "/srv/run", '
     '"env": {"OMP_NUM_THREADS": "4"}, "policy": {"heartbeat_s": 0.5, "missed_beats": 5, '
     '"max_restarts_without_progress": 3, "network_alert_count": 2, "network_alert_window_s": 300.0, '
