@@ -4,15 +4,12 @@ machine that did not prove its identity is never drained or cordoned by the cont
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import urllib.request
 
-import aiohttp
-import msgspec
 import pytest
-from liveapi import live_api
+from liveapi import channel_refuses_other_machine, live_api, status_of
 
 from stalwart.security import identity
 from stalwart.transport.client import ApiError, Client
@@ -25,14 +22,6 @@ REG = {"address": "127.0.0.1", "gpus": 1}
 def api(tmp_path):
     with live_api(tmp_path, tmp_path, TOKEN) as out:
         yield out
-
-
-def _status(client: Client, method: str, path: str, body: dict | None = None) -> int:
-    try:
-        client.request(method, path, body)
-        return 200
-    except ApiError as e:
-        return e.status
 
 
 def _enroll(url: str, machine: str, join: str) -> str:
@@ -49,15 +38,15 @@ def test_an_agent_speaking_for_another_machine_is_refused(api):
     assert "m1" in ctl.verified
     for path, body in (("/api/agents/m2/register", REG), ("/api/agents/m2/heartbeat", {}),
                        ("/api/agents/m2/events", {"events": []})):
-        assert _status(m1, "POST", path, body) == 403
-    assert _status(m1, "GET", "/api/agents/m2/commands") == 403
+        assert status_of(m1, "POST", path, body) == 403
+    assert status_of(m1, "GET", "/api/agents/m2/commands") == 403
     assert "m2" not in {m["id"] for m in op.get("/api/machines")["machines"]}
     # nor is a machine's credential an operator's or a reader's
-    assert _status(m1, "GET", "/api/machines") == 403
-    assert _status(m1, "POST", "/api/jobs", {"spec": {}}) == 403
+    assert status_of(m1, "GET", "/api/machines") == 403
+    assert status_of(m1, "POST", "/api/jobs", {"spec": {}}) == 403
     # a forged credential (the machine id changed, the MAC kept) proves nothing
     forged = "sm1." + identity._b64("m2") + "." + cred.rsplit(".", 1)[1]
-    assert _status(Client(url, token=forged), "POST", "/api/agents/m2/register", REG) == 401
+    assert status_of(Client(url, token=forged), "POST", "/api/agents/m2/register", REG) == 401
 
 
 @pytest.mark.timeout(60)
@@ -65,17 +54,8 @@ def test_the_channel_refuses_another_machines_credential(api):
     ctl, url = api
     cred = _enroll(url, "m1", Client(url, token=TOKEN).post("/api/join-tokens", {"machine": "m1"})["token"])
 
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
-                await s.ws_connect(url + "/api/agents/m2/channel", headers={"Authorization": f"Bearer {cred}"})
-            refused = e.value.status
-            async with s.ws_connect(url + "/api/agents/m1/channel",
-                                    headers={"Authorization": f"Bearer {cred}"}) as ws:
-                await ws.send_bytes(msgspec.msgpack.encode({"type": "register", "seq": 1, "reg": REG}))
-                answer = msgspec.msgpack.decode(await ws.receive_bytes(timeout=10))
-        return refused, answer
-    refused, answer = asyncio.run(asyncio.wait_for(main(), 30))
+    refused, answer = channel_refuses_other_machine(url, "m1", "m2", REG,
+                                                    headers={"Authorization": f"Bearer {cred}"})
     assert refused == 403 and answer["type"] == "registered"
     assert "m1" in ctl.verified and "m2" not in ctl.verified
 
@@ -98,10 +78,10 @@ def test_a_join_token_enrolls_once_and_never_takes_over_an_enrolled_machine(api)
         _enroll(url, "m8", bound)
     assert e.value.status == 403
     # a join token is good for nothing else
-    assert _status(Client(url, token=other), "POST", "/api/agents/m9/register", REG) == 403
-    assert _status(Client(url, token=other), "GET", "/api/machines") == 403
+    assert status_of(Client(url, token=other), "POST", "/api/agents/m9/register", REG) == 403
+    assert status_of(Client(url, token=other), "GET", "/api/machines") == 403
     expired = identity.join_token(ctl.secret, "m9", ttl_s=-1)
-    assert _status(Client(url, token=expired), "POST", "/api/agents/m9/enroll", {}) == 401
+    assert status_of(Client(url, token=expired), "POST", "/api/agents/m9/enroll", {}) == 401
 
 
 @pytest.mark.timeout(60)
@@ -112,10 +92,10 @@ def test_the_reader_token_only_reads(api):
     req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {reader.token}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200 and b"stalwart" in r.read()
-    assert _status(reader, "POST", "/api/jobs", {"spec": {}}) == 403
-    assert _status(reader, "POST", "/api/join-tokens", {}) == 403
-    assert _status(reader, "POST", "/api/agents/m1/register", REG) == 403
-    assert _status(reader, "GET", "/api/agents/m1/commands") == 403
+    assert status_of(reader, "POST", "/api/jobs", {"spec": {}}) == 403
+    assert status_of(reader, "POST", "/api/join-tokens", {}) == 403
+    assert status_of(reader, "POST", "/api/agents/m1/register", REG) == 403
+    assert status_of(reader, "GET", "/api/agents/m1/commands") == 403
 
 
 @pytest.mark.timeout(60)

@@ -5,7 +5,6 @@ certificate from another CA, or none where one is required, gets no TLS connecti
 The certificates are made with the openssl commands docs/security.md gives (EC keys: fast)."""
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import socket
@@ -14,11 +13,9 @@ import subprocess
 import sys
 import urllib.request
 
-import aiohttp
-import msgspec
 import pytest
 from jobrun import wait_for
-from liveapi import live_api
+from liveapi import channel_refuses_other_machine, live_api, status_of
 
 from stalwart.agent.workers import kill_tree
 from stalwart.security import auth
@@ -79,14 +76,6 @@ def _client(url: str, pki, who: str | None, token: str = "") -> Client:
     return Client(url, timeout=10, token=token, ca=pki["ca"][0], cert=cert, key=key)
 
 
-def _status(client: Client, method: str, path: str, body: dict | None = None) -> int:
-    try:
-        client.request(method, path, body)
-        return 200
-    except ApiError as e:
-        return e.status
-
-
 @pytest.mark.timeout(60)
 def test_a_machine_certificate_speaks_for_its_machine_alone(tmp_path, pki):
     with _serve(tmp_path, pki) as (ctl, url):
@@ -96,20 +85,20 @@ def test_a_machine_certificate_speaks_for_its_machine_alone(tmp_path, pki):
         assert "m1" in ctl.verified                     # a verified identity: drain/cordon may act on it
         for path, body in (("/api/agents/m2/register", REG), ("/api/agents/m2/heartbeat", {}),
                            ("/api/agents/m2/enroll", {})):
-            assert _status(m1, "POST", path, body) == 403
-        assert _status(m1, "GET", "/api/machines") == 403         # nor an operator's or a reader's
-        assert _status(m1, "POST", "/api/jobs", {"spec": SPEC}) == 403
+            assert status_of(m1, "POST", path, body) == 403
+        assert status_of(m1, "GET", "/api/machines") == 403         # nor an operator's or a reader's
+        assert status_of(m1, "POST", "/api/jobs", {"spec": SPEC}) == 403
         # a CN names a machine too; a certificate naming nobody needs a token
         assert _client(url, pki, "m2").post("/api/agents/m2/register", REG)["ok"]
         with pytest.raises(ApiError, match="names no stalwart identity") as e:
             _client(url, pki, "host").post("/api/agents/m1/register", REG)
         assert e.value.status == 401
         # a token, when sent, is what is checked
-        assert _status(_client(url, pki, "m1", token="wrong"), "POST", "/api/agents/m1/heartbeat", {}) == 401
+        assert status_of(_client(url, pki, "m1", token="wrong"), "POST", "/api/agents/m1/heartbeat", {}) == 401
         assert _client(url, pki, "host", token=TOKEN).get("/api/machines")["machines"]
         # no certificate: tokens work as without mutual TLS
         assert _client(url, pki, None, token=TOKEN).get("/api/machines")["machines"]
-        assert _status(_client(url, pki, None), "GET", "/api/machines") == 401
+        assert status_of(_client(url, pki, None), "GET", "/api/machines") == 401
         assert {m["id"] for m in ctl.machines()} == {"m1", "m2"}
 
 
@@ -117,17 +106,7 @@ def test_a_machine_certificate_speaks_for_its_machine_alone(tmp_path, pki):
 def test_the_channel_takes_a_machine_certificate_for_its_machine_only(tmp_path, pki):
     with _serve(tmp_path, pki) as (ctl, url):
         ctx = auth.client_tls(pki["ca"][0], *pki["m1"])
-
-        async def main():
-            async with aiohttp.ClientSession() as s:
-                with pytest.raises(aiohttp.WSServerHandshakeError) as e:
-                    await s.ws_connect(url + "/api/agents/m2/channel", ssl=ctx)
-                refused = e.value.status
-                async with s.ws_connect(url + "/api/agents/m1/channel", ssl=ctx) as ws:
-                    await ws.send_bytes(msgspec.msgpack.encode({"type": "register", "seq": 1, "reg": REG}))
-                    answer = msgspec.msgpack.decode(await ws.receive_bytes(timeout=10))
-            return refused, answer
-        refused, answer = asyncio.run(asyncio.wait_for(main(), 30))
+        refused, answer = channel_refuses_other_machine(url, "m1", "m2", REG, ssl=ctx)
         assert refused == 403 and answer["type"] == "registered"
         assert "m1" in ctl.verified and "m2" not in ctl.verified
 
@@ -139,10 +118,10 @@ def test_an_operator_certificate_submits_and_cancels_a_reader_certificate_only_r
         job = op.post("/api/jobs", {"spec": SPEC})["job"]
         assert reader.get(f"/api/jobs/{job}")["job_id"] == job
         assert isinstance(reader.get("/api/machines")["machines"], list)
-        assert _status(reader, "POST", "/api/jobs", {"spec": SPEC}) == 403
-        assert _status(reader, "POST", f"/api/jobs/{job}/cancel", {"reason": "no"}) == 403
-        assert _status(reader, "POST", "/api/join-tokens", {}) == 403
-        assert _status(reader, "POST", "/api/agents/m1/register", REG) == 403
+        assert status_of(reader, "POST", "/api/jobs", {"spec": SPEC}) == 403
+        assert status_of(reader, "POST", f"/api/jobs/{job}/cancel", {"reason": "no"}) == 403
+        assert status_of(reader, "POST", "/api/join-tokens", {}) == 403
+        assert status_of(reader, "POST", "/api/agents/m1/register", REG) == 403
         assert op.post(f"/api/jobs/{job}/cancel", {"reason": "operator's certificate"})["ok"]
         assert wait_for(lambda: reader.get(f"/api/jobs/{job}")["state"] == "cancelled", timeout=20)
         assert ctl.store.latest_job()["id"] == job                        # the reader made none
