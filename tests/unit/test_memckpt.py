@@ -475,9 +475,9 @@ def test_a_slots_commit_the_commit_thread_has_not_started_is_done_by_the_snapsho
 
 
 def test_the_commit_thread_runs_hand_offs_in_order_and_finishes_them_at_shutdown():
-    from stalwart.worker.memckpt import _CommitThread
+    from stalwart.worker.commits import CommitThread
     ran: list[int] = []
-    t = _CommitThread("test-commit")
+    t = CommitThread("test-commit")
     futs = [t.submit(ran.append, i) for i in range(5)]
     skipped = t.submit(ran.append, 99)
     assert skipped.cancel() or skipped.done()          # (cancelled unless it already ran)
@@ -491,8 +491,8 @@ def test_the_commit_thread_runs_hand_offs_in_order_and_finishes_them_at_shutdown
 
 
 def test_an_idle_commit_thread_sleeps_until_the_next_hand_off_wakes_it():
-    from stalwart.worker.memckpt import _CommitThread
-    t = _CommitThread("test-commit-idle")
+    from stalwart.worker.commits import CommitThread
+    t = CommitThread("test-commit-idle")
     try:
         assert t.submit(lambda: 1).result(timeout=5) == 1
         deadline = time.monotonic() + 10

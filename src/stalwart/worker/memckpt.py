@@ -13,12 +13,10 @@ import json
 import os
 import pickle
 import threading
-import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from stalwart.worker.threadprio import background_thread
+from stalwart.worker.commits import CommitThread
 from stalwart.worker.shardfmt import (  # noqa: F401  (the format's helpers, re-exported)
     ALIGN, FORMAT, HASH, KEY_BYTES, MAC, CorruptShard, ForgedShard, NoSpace, _encode_header, base_of, check_free,
     checksum,
@@ -233,80 +231,6 @@ class _Slot:
         self.pairs: list[int] = []         # the indices of those with any bytes
 
 
-COMMIT_POLL_S = 0.004     # how often the commit thread looks for snapshots to commit
-COMMIT_IDLE_POLLS = 25    # empty looks (100 ms) before it sleeps until a hand-off wakes it
-
-
-class _CommitThread:
-    """One background thread at nice 19 that runs the commits in order; `submit` returns a Future.
-
-    The training thread hands a commit over by appending it to a deque, and the commit thread
-    looks every COMMIT_POLL_S: the hand-off wakes no thread. Waking the sleeping nice-19 thread
-    at every save (a ThreadPoolExecutor's `submit`, or a queue's `put`) cost the training thread
-    0.5-0.7 ms a save on the loaded 2-core host (the DCP adapter's saves: 1.3 ms of blocking);
-    the poll costs a commit at most COMMIT_POLL_S of delay, and a save whose slot's previous
-    commit has not started does that commit itself (`snapshot`). After COMMIT_IDLE_POLLS empty
-    looks (no save for 100 ms: a job whose steps are that long, or one that snapshots now and
-    then) the thread sleeps until the next hand-off wakes it: an idle worker is not woken 250
-    times a second, and a wake-up per save is small beside a step that long.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._items: deque = deque()
-        self._stopping = False
-        self._asleep = False
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        # at the interpreter's exit, the snapshots handed over are committed first (what a
-        # ThreadPoolExecutor's exit hook does for its work items)
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(self.shutdown)
-
-    def submit(self, fn: Callable, *args: Any) -> Future:
-        fut: Future = Future()
-        self._items.append((fut, fn, args))
-        if self._asleep:
-            self._wake.set()
-        return fut
-
-    def _run(self) -> None:
-        background_thread()
-        idle = 0
-        while True:
-            if self._items:
-                idle = 0
-            while self._items:
-                fut, fn, args = self._items.popleft()
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:     # noqa: BLE001 — handed to the snapshot's future
-                    fut.set_exception(e)
-            if self._stopping:
-                return
-            idle += 1
-            if idle < COMMIT_IDLE_POLLS:
-                time.sleep(COMMIT_POLL_S)
-                continue
-            # asleep first, then one more look: a hand-off after that look sees the flag and wakes it
-            self._asleep = True
-            if not self._items and not self._stopping:
-                self._wake.wait()
-            self._asleep = False
-            self._wake.clear()
-            idle = 0
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Run what was submitted, then stop the thread (joined when `wait`)."""
-        self._stopping = True
-        self._wake.set()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join()
-
-
 class MemCheckpointer:
     """Snapshots one rank's state into `slots` preallocated shared-memory slots, round-robin
     (two: double buffering; more keep more recent steps in memory).
@@ -340,7 +264,7 @@ class MemCheckpointer:
         self.mac_key = mac_key if mac_key is not None else read_key(key_path(dir))
         self._layout_json = json.dumps(self.layout, separators=(",", ":"))
         self._slots = [_Slot(slot_base(dir, rank, k)) for k in range(slots)]
-        self._pool = _CommitThread(f"stalwart-memckpt-r{rank}")
+        self._pool = CommitThread(f"stalwart-memckpt-r{rank}")
         # (overlapped copies: at the training thread's priority, which waits for them in `fence`;
         # a nice-19 thread there would wait behind every other runnable thread of a busy host)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stalwart-memckpt-copy-r{rank}") \
