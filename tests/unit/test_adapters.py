@@ -233,7 +233,9 @@ def test_warm_standby_waits_at_the_adapter_for_its_ranks(tmp_path, monkeypatch):
     t = threading.Thread(target=agent, daemon=True)
     t.start()
     for k in ("RANK", Env.RUN, Env.RESTORE_PATH, Env.SHM_DIR):
-        monkeypatch.delenv(k, raising=False)
+        # set, then removed: monkeypatch then restores each as it was, also what the activation sets
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setenv(Env.STANDBY, "1")
     monkeypatch.setenv(Env.AGENT_SOCK, path)
     monkeypatch.setattr(standby, "_link", None)
