@@ -279,17 +279,14 @@ class CkptManager:
         """Report the newest durable copy of each of `ranks` (a predecessor's): the agent that made
         it may have died before its report left, and a restart that finds no copy in memory must
         not start the job over while one is in durable storage."""
-        store = self.store
-        for rank in ranks:
-            try:
-                newest = store.newest_durable(rank)
-            except OSError as e:
-                log.warning("cannot list the durable copies of rank %s: %s", rank, e)
-                return
-            if newest is None:
-                continue
-            log.info("rank %s: its newest durable copy is step %s (reported again)", rank, newest[0])
-            self._report_durable(rank, *newest)
+        try:
+            newest = self.store.newest_durable(ranks)
+        except OSError as e:
+            log.warning("cannot list the durable copies of ranks %s: %s", ranks, e)
+            return
+        for rank, (step, url) in sorted(newest.items()):
+            log.info("rank %s: its newest durable copy is step %s (reported again)", rank, step)
+            self._report_durable(rank, step, url)
 
     def inventory(self) -> dict[str, dict[int, list[int]]]:
         """The complete shards this machine holds in memory, by tier (checksums not re-read)."""

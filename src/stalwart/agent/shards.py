@@ -165,14 +165,15 @@ class ShardStore:
         out.sort()
         return out
 
-    def newest_durable(self, rank: int) -> tuple[int, str] | None:
-        """(step, header location) of the rank's newest complete durable copy, or None."""
+    def newest_durable(self, ranks: Iterable[int]) -> dict[int, tuple[int, str]]:
+        """rank -> (step, header location) of its newest complete durable copy, for those of
+        `ranks` that have one (the durable store listed once)."""
+        wanted, best = set(ranks), {}
         if self._fs is None:
-            return None
-        best = None
+            return best
         for r, step, path in self._durable_shards():        # sorted: the newest last
-            if r == rank and self._valid_durable(path, verify=False):
-                best = (step, path)
+            if r in wanted and self._valid_durable(path, verify=False):
+                best[r] = (step, path)
         return best
 
     def _durable_header(self, path: str) -> dict | None:
