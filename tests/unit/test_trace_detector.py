@@ -193,6 +193,10 @@ def test_a_stuck_rank_is_named_in_a_stall_unless_it_computes_or_most_are_behind(
     assert stall_laggards(empty, behind, [], PEERS) == {}
     busy = to_windows(synth(RANKS, 20, seed=1), 10.0)[0]             # the group entered collectives
     assert stall_laggards(busy, last, [], PEERS) == {}
+    same = {r: "gloo:all_reduce@dp" for r in range(RANKS)}             # behind by a constant, waiting
+    assert stall_laggards(empty, last, [], PEERS, same) == {}          # in the same collective
+    other = {**same, 3: "gloo:broadcast@tp"}
+    assert stall_laggards(empty, last, [], PEERS, other) == {3: 1}
     _, healthy = _stall_window(None)                                   # the run's end: everyone level
     assert stall_laggards(empty, healthy, [], PEERS) == {}
 

@@ -117,12 +117,14 @@ def window_features(windows: dict[int, RankWindow], peers: Sequence[Sequence[int
 
 
 def stall_laggards(windows: dict[int, RankWindow], last_seq: dict[int, int], active: Iterable[int],
-                   peers: Sequence[Sequence[int]]) -> dict[int, int]:
+                   peers: Sequence[Sequence[int]], last_key: dict[int, str] | None = None) -> dict[int, int]:
     """Ranks stuck outside the collective their peers wait in (module docstring), each with how many
     collectives it is behind the newest of its group. A group is judged only when none of its ranks
     entered a collective in the window and at least two have entered one in the run; the recorders'
     ids (`TraceOp.seq`) count each process's collectives, so ranks that run the same sequence
-    (`peers`) are compared by them."""
+    (`peers`) are compared by them. The ids of two ranks can differ by a constant (a rank that
+    runs a collective more than its peers), so with `last_key` a rank whose newest collective is
+    the one its peers wait in (it waits there too) is never named."""
     moving = set(active)
     out: dict[int, int] = {}
     for group in peers:
@@ -130,7 +132,9 @@ def stall_laggards(windows: dict[int, RankWindow], last_seq: dict[int, int], act
         if len(known) < 2 or any(sum(windows[r].count.values()) for r in group if r in windows):
             continue
         top = max(last_seq[r] for r in known)
-        behind = [r for r in known if last_seq[r] < top and r not in moving]
+        waited = {last_key[r] for r in known if last_seq[r] == top and r in last_key} if last_key else set()
+        behind = [r for r in known if last_seq[r] < top and r not in moving
+                  and not (last_key and last_key.get(r) in waited)]
         if behind and 2 * len(behind) <= len(known):
             out.update({r: top - last_seq[r] for r in behind})
     return out
@@ -251,7 +255,7 @@ class TraceWatch:
         trained steadily for a window."""
         if not self.busy_windows:
             return {}
-        return stall_laggards(self.current, self.last_seq, self.active, self.peers)
+        return stall_laggards(self.current, self.last_seq, self.active, self.peers, self.last_key)
 
     def start(self, now: float, warmup_s: float) -> None:
         """The first trace of a run: windows start now; a model not fitted yet learns from
