@@ -63,13 +63,12 @@ class TraceDetector(BaseDetector):
         if not isinstance(ev, protocol.Activity) or tw is None or ev.run != st.run_seq \
                 or st.phase != JobPhase.RUNNING:
             return []
+        world = self.ctx.world
+        tw.computed(r for r in ev.ranks if 0 <= r < world)
         if not ev.traces:
-            tw.computed(r for r in ev.ranks if 0 <= r < self.ctx.world)
             return []
         if not tw.window_end:
             tw.start(now, warmup_s=2 * tw.window_s)
-        world = self.ctx.world
-        tw.computed(r for r in ev.ranks if 0 <= r < world)
         for rank, ops in ev.traces.items():
             if 0 <= rank < world:
                 for op in ops:
