@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from jobrun import gpt_spec, run_job, wait_for
+from jobrun import events, gpt_spec, run_job, wait_for
 from stalwart.backends.local import LocalCluster
 from stalwart.spec import JobSpec
 
@@ -91,3 +91,21 @@ def test_sigstopped_rank_of_a_plain_script_is_found_and_named_by_the_flight_reco
     assert group["op"] == "gloo:all_reduce" and group["waiting"] == [0] and group["laggards"] == [1], group
     assert "never entered gloo:all_reduce" in inc["cause"]
     print(f"timeout {hang['timeout_s']:.1f} s, found after {found:.1f} s: {inc['cause']}")
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_never_exits_after_the_training_ends_the_job_as_succeeded(tmp_path):
+    """Rank 1 trains to the end, leaves its process group and then never exits (as a worker
+    deadlocked in torch's teardown); rank 0 exits 0. The job ends as succeeded at the hang timeout,
+    without an incident or a restart, and rank 1's worker is stopped."""
+    cmd = [sys.executable, PLAIN, "--steps", "12", "--step-s", "0.2", "--eval-every", "0", "--stuck-at-exit", "1"]
+    spec = gpt_spec(machines=2, gpus=1, steps=12, command=cmd,
+                    policy={"heartbeat_s": 0.5, "missed_beats": 4, "hang_timeout_floor_s": 1.0})
+    rep = run_job(tmp_path, spec, timeout=200)
+    assert rep["state"] == "succeeded", rep.get("reason")
+    assert rep["incidents"] == [], [(i["symptom"], i["cause"]) for i in rep["incidents"]]
+    assert "rank(s) [1] on m1 stuck" in (rep.get("reason") or ""), rep.get("reason")
+    (ev,) = events(tmp_path, "exit_hang")
+    assert ev["ranks"] == [1] and ev["done"] == [0]
+    with open(os.path.join(tmp_path, "machines", "m1", "logs", "run1_rank1.out")) as f:
+        assert "rank 1 stuck at exit" in f.read()

@@ -191,3 +191,17 @@ def test_nan_culprits_are_local_norms_mapped_to_machines():
     assert nan_culprits({0: 1.0}) == []
     with pytest.raises(ValueError):
         nan_culprits({0: None})
+
+
+def test_a_finished_rank_is_never_stalled_and_the_others_count_their_activity_from_then():
+    w = HangWatch(Policy(hang_timeout_floor_s=2.0, hang_warmup_steps=2), ranks=range(3), started_at=0.0)
+    for k in range(1, 8):
+        for r in range(3):
+            w.on_step(r, k, k * 0.1)
+    assert w.calibrated
+    w.on_done(0)
+    w.on_done(0)                            # (twice is once)
+    w.on_activity(1, 2.5)                   # rank 1 computes on after the end of the steps
+    v = w.check(3.5)
+    assert v is not None and sorted(v.stalled) == [2]
+    assert w.done() == [0]

@@ -272,6 +272,52 @@ def test_hang_traces_stacks_then_evicts_the_stopped_worker_machine():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
 
 
+def test_a_rank_stuck_after_the_others_finished_ends_the_job_as_succeeded_not_a_restart():
+    """Three ranks exited 0 and the fourth stopped making progress: the training is over and rank
+    3 is stuck on its way out (torch's process-group teardown can deadlock). The job ends as
+    succeeded, rank 3's worker is stopped, and a record names it; no incident, no restart."""
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
+    h.steps(10)
+    for r in (0, 1, 2):
+        h.agent(h.machine_of(r), p.WorkerExit(run=1, rank=r, code=0, t=h.now))
+    assert h.st.phase == JobPhase.RUNNING
+    acts = h.advance(3.0)
+    assert of(acts, a.TraceStacks) == [] and of(acts, a.OpenIncident) == []
+    assert h.st.phase == JobPhase.SUCCEEDED
+    (rec,) = records(acts, "exit_hang")
+    assert (rec["ranks"], rec["machines"], rec["done"]) == ([3], ["m1"], [0, 1, 2])
+    assert "m1" in of(acts, a.StopWorkers)[0].machines
+    assert "rank(s) [3] on m1 stuck" in of(acts, a.FinishJob)[0].reason
+
+
+def test_after_some_ranks_finished_one_still_working_is_waited_for_then_the_stuck_one_ends():
+    """Once a rank exited 0 no step comes any more: a rank still computing (its own last save) is
+    active, not stalled, and the job waits for it; only then is the stuck one judged."""
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
+    h.steps(10)
+    for r in (0, 1):
+        h.agent(h.machine_of(r), p.WorkerExit(run=1, rank=r, code=0, t=h.now))
+    acts = []
+    for _ in range(25):                     # rank 2 keeps computing, rank 3 does not
+        acts += h.advance(0.2) + h.agent("m1", p.Activity(run=1, ranks=[2]))
+    assert h.st.phase == JobPhase.RUNNING and of(acts, a.TraceStacks) == []
+    h.agent("m1", p.WorkerExit(run=1, rank=2, code=0, t=h.now))
+    acts = h.advance(0.4)
+    assert h.st.phase == JobPhase.SUCCEEDED
+    assert [r["ranks"] for r in records(acts, "exit_hang")] == [[3]]
+
+
+def test_with_no_rank_finished_a_rank_computing_without_steps_is_still_a_hang():
+    """The rule above starts only once a rank finished: before that, a calibrated timer counts
+    steps only (a rank spinning in a stuck collective burns CPU)."""
+    h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
+    h.steps(10)
+    acts = []
+    for _ in range(15):
+        acts += h.advance(0.2) + h.agent("m1", p.Activity(run=1, ranks=[2, 3]))
+    assert h.st.phase == JobPhase.TRACING and of(acts, a.TraceStacks)
+
+
 def test_nan_with_a_named_rank_evicts_its_machine():
     h = started(Harness())
     h.steps(5)

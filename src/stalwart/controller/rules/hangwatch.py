@@ -115,6 +115,7 @@ class _RankState:
     coll: int | None = None          # collectives entered (ranks without the SDK)
     coll_t: float | None = None
     coll_marks: int = 0
+    done: bool = False               # its worker exited 0: never stalled again
 
 
 @dataclass
@@ -142,6 +143,7 @@ class HangWatch:
     _calibrated: bool = field(default=False, init=False, repr=False)
     _latched: HangVerdict | None = field(default=None, init=False, repr=False)
     _resumed_at: float | None = field(default=None, init=False, repr=False)
+    _ending: bool = field(default=False, init=False, repr=False)     # some rank finished
     # a lower bound of every rank's last progress (None: unknown), so that a check within the
     # floor timeout of it needs no look at every rank (a controller ticks 5 times a second)
     _lower: float | None = field(default=None, init=False, repr=False)
@@ -277,6 +279,21 @@ class HangWatch:
             if st.step is None or not self._calibrated:
                 self._latched = None
 
+    def on_done(self, rank: int) -> None:
+        """Rank ``rank``'s worker finished (exit 0): it makes no more progress and is never stalled;
+        the ranks still running are judged on their own."""
+        st = self._state.get(_rank(rank))
+        if st is None or st.done:
+            return
+        st.done = True
+        self._ending = True
+        self._latched = None
+        self._lower = self._quiet_until = None
+
+    def done(self) -> list[int]:
+        """The ranks whose worker finished."""
+        return sorted(r for r, st in self._state.items() if st.done)
+
     def resume(self, t: float) -> None:
         """Nobody could watch the ranks until `t` (the controller was away): count `t` as every
         rank's last progress, without touching the step history reports keep arriving for."""
@@ -313,7 +330,8 @@ class HangWatch:
             # a rank calibrated on its collectives is judged on the calibrated timeout
             return (max(times) if times else None), current if self._calibrated and st.coll is not None \
                 else warmup
-        if not self._calibrated:
+        if not self._calibrated or self._ending:
+            # (once some rank finished, no more steps come: what the others still do is activity)
             times = [x for x in (st.step_t, st.activity_t, self._resumed_at) if x is not None]
             return max(times), current
         times = [x for x in (st.step_t, self._resumed_at) if x is not None]
@@ -336,12 +354,14 @@ class HangWatch:
         stalled: dict[int, float] = {}
         timeouts = []
         warmup, current = self.warmup_timeout(), self.timeout()
-        progress = {rank: self._progress(st, warmup, current) for rank, st in self._state.items()}
+        progress = {rank: self._progress(st, warmup, current) for rank, st in self._state.items() if not st.done}
         # step-less ranks are judged together (see the module docstring): the newest progress of any
         shared = max((last for r, (last, _) in progress.items()
                       if last is not None and self._state[r].step is None), default=None)
         lower = due = math.inf
         for rank, st in self._state.items():
+            if st.done:
+                continue
             last, limit = progress[rank]
             if st.step is None and shared is not None:
                 last = shared

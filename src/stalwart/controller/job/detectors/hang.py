@@ -1,15 +1,31 @@
 """Hangs: no progress past the calibrated timeout (`hangwatch`), then every machine's stacks and
-flight-recorder summaries single out the stuck machine (`controller.implicit`)."""
+flight-recorder summaries single out the stuck machine (`controller.implicit`).
+
+A hang after the training ended is no failure to recover from: when every rank still running is
+stalled and the others exited 0, the script finished on those and the stalled ones are stuck
+leaving it (while some still show activity, they are left to finish first). No collective can complete any more with a peer that exited, so there is nothing left
+to train; restarting would redo whatever the script's last snapshot did not hold. The job ends as
+succeeded, the stuck workers are stopped, and an ``exit_hang`` record names them. The case is
+common: a gloo process group destroyed while the script's last references to it go (the model
+returned from ``main``) joins its worker threads holding the interpreter lock, and a worker thread
+releasing a tensor needs that lock, so the process never exits (torch's deadlock; under torchrun
+the job would wait forever).
+"""
 from __future__ import annotations
+
+import logging
 
 from stalwart import protocol
 from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record, save_data
 from stalwart.controller.job.state import JobPhase, JobState
+from stalwart.controller.rules.hangwatch import HangVerdict
 
 ABNORMAL_STATES = ("stopped", "disk-sleep", "tracing-stop")  # a worker stuck by the machine itself
 TRACE_TIMEOUT_S = 10.0          # how long to wait for every machine's stacks
+
+log = logging.getLogger(__name__)
 
 
 class HangDetector(BaseDetector):
@@ -22,6 +38,11 @@ class HangDetector(BaseDetector):
         verdict = run.hang.check(now)
         if verdict is None:
             return []
+        done = run.hang.done()
+        if done:
+            if len(done) + len(verdict.stalled) == self.ctx.world:
+                return self._exit_hang(st, done, verdict, now)
+            return []       # some ranks still work on their way out: judged when they are done
         acts = self.incidents.open(st, "hang", now, trace=True)
         if st.incident is not None:
             st.incident.reason = verdict.reason
@@ -29,6 +50,18 @@ class HangDetector(BaseDetector):
                                         "stalled_since": verdict.stalled_since,
                                         "stalled_ranks": sorted(verdict.stalled)}
         return acts
+
+    def _exit_hang(self, st: JobState, done: list[int], verdict: HangVerdict, now: float) -> Actions:
+        """Every rank still running is stalled and the others exited 0: the training is over."""
+        ranks = sorted(verdict.stalled)
+        machines = [st.slots[i] for i in self.ctx.topo.machines_of(ranks)]
+        reason = (f"rank(s) {ranks} on {', '.join(machines)} stuck {now - verdict.stalled_since:.1f} s "
+                  f"(timeout {verdict.timeout_s:.1f} s) after the other {len(done)} finished (exit 0): the "
+                  f"training ended, a hang on the way out; stopped them")
+        log.warning("job %s: %s", st.job_id, reason)
+        acts: Actions = [record("exit_hang", now, run=st.run_seq, ranks=ranks, machines=machines,
+                                done=done, stalled_since=verdict.stalled_since, timeout_s=verdict.timeout_s)]
+        return acts + self.incidents.finish(st, "succeeded", reason, now)
 
     def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:
         inc = st.incident

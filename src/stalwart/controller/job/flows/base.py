@@ -93,7 +93,8 @@ Actions = list[Action]
 
 # -- what one flow may ask of another -----------------------------------------------------------
 class Incidents(Protocol):
-    """The failure flow, as a detector or the hot update sees it: it opens incidents."""
+    """The failure flow, as a detector or the hot update sees it: it opens incidents (and ends a job
+    whose training is over)."""
 
     def open(self, st: JobState, symptom: str, now: float, trace: bool = False) -> Actions:
         """Open an incident and stop the run (with `trace`, capture every machine's stacks first)."""
@@ -101,6 +102,10 @@ class Incidents(Protocol):
 
     def stop_run(self, st: JobState, now: float) -> Actions:
         """Stop the run of the open incident."""
+        ...
+
+    def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
+        """End the job (succeeded, failed or cancelled)."""
         ...
 
 
@@ -113,10 +118,6 @@ class Failures(Incidents, Protocol):
 
     def recover(self, st: JobState, inc: Incident, res: Resolution, now: float) -> Actions:
         """Record how the incident was localized and restart (or fail) accordingly."""
-        ...
-
-    def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
-        """End the job (succeeded, failed or cancelled)."""
         ...
 
     def on_machine_lost(self, st: JobState, machine: str, now: float) -> Actions:

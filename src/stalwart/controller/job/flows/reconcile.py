@@ -131,6 +131,11 @@ class ReconcileFlow:
             why = f"after the controller restart {', '.join(gone)} no longer run all ranks of run {run.seq}"
         else:
             log.info("job %s: run %s kept training through the restart; adopted", st.job_id, run.seq)
+            for reg in reports.values():
+                for r in reg.done_ranks if reg.running_run == run.seq else ():
+                    run.done_ranks.add(r)           # (a rank that finished while nobody listened)
+                    if run.hang is not None:
+                        run.hang.on_done(r)
             return [record("run_adopted", now, run=run.seq, step=st.steps_done)]
         acts = self.failure.open(st, "control_plane", now)
         if st.incident is not None:
