@@ -3,13 +3,14 @@ flight-recorder summaries single out the stuck machine (`controller.implicit`).
 
 A hang after the training ended is no failure to recover from: when every rank still running is
 stalled and the others exited 0, the script finished on those and the stalled ones are stuck
-leaving it (while some still show activity, they are left to finish first). No collective can complete any more with a peer that exited, so there is nothing left
-to train; restarting would redo whatever the script's last snapshot did not hold. The job ends as
-succeeded, the stuck workers are stopped, and an ``exit_hang`` record names them. The case is
-common: a gloo process group destroyed while the script's last references to it go (the model
-returned from ``main``) joins its worker threads holding the interpreter lock, and a worker thread
-releasing a tensor needs that lock, so the process never exits (torch's deadlock; under torchrun
-the job would wait forever).
+leaving it (while some still show activity, they are left to finish first). No collective can
+complete any more with a peer that exited, so there is nothing left to train; restarting would
+redo whatever the script's last snapshot did not hold. The job ends as succeeded, the stuck
+workers are stopped, and an ``exit_hang`` record names them. The case is common: a gloo process
+group destroyed while the script's last references to it go (the model returned from ``main``)
+joins its worker threads holding the interpreter lock, and a worker thread releasing a tensor
+needs that lock, so the process never exits (torch's deadlock; under torchrun the job would wait
+forever).
 """
 from __future__ import annotations
 
