@@ -278,10 +278,14 @@ def test_a_rank_stuck_after_the_others_finished_ends_the_job_as_succeeded_not_a_
     succeeded, rank 3's worker is stopped, and a record names it; no incident, no restart."""
     h = started(Harness(policy={"hang_timeout_floor_s": 2.0}))
     h.steps(10)
+    for s in (10, 11):              # the last two steps: rank 3's reports never come
+        for r in (0, 1, 2):
+            h.agent(h.machine_of(r), p.Step(run=1, rank=r, step=s, t=h.now, dur=0.1, loss=1.0))
     for r in (0, 1, 2):
         h.agent(h.machine_of(r), p.WorkerExit(run=1, rank=r, code=0, t=h.now))
-    assert h.st.phase == JobPhase.RUNNING
+    assert h.st.phase == JobPhase.RUNNING and h.st.steps_done == 10
     acts = h.advance(3.0)
+    assert [x["step"] for x in records(acts, "step")] == [10, 11] and h.st.steps_done == 12
     assert of(acts, a.TraceStacks) == [] and of(acts, a.OpenIncident) == []
     assert h.st.phase == JobPhase.SUCCEEDED
     (rec,) = records(acts, "exit_hang")

@@ -6,11 +6,12 @@ stalled and the others exited 0, the script finished on those and the stalled on
 leaving it (while some still show activity, they are left to finish first). No collective can
 complete any more with a peer that exited, so there is nothing left to train; restarting would
 redo whatever the script's last snapshot did not hold. The job ends as succeeded, the stuck
-workers are stopped, and an ``exit_hang`` record names them. The case is common: a gloo process
-group destroyed while the script's last references to it go (the model returned from ``main``)
-joins its worker threads holding the interpreter lock, and a worker thread releasing a tensor
-needs that lock, so the process never exits (torch's deadlock; under torchrun the job would wait
-forever).
+workers are stopped, and an ``exit_hang`` record names them; the steps every finished rank
+reported are committed for them too (their own last reports may never come). The case is
+common: a gloo process group destroyed while the script's last references to it go (the model
+returned from ``main``) joins its worker threads holding the interpreter lock, and a worker
+thread releasing a tensor needs that lock, so the process never exits (torch's deadlock; under
+torchrun the job would wait forever).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class HangDetector(BaseDetector):
         log.warning("job %s: %s", st.job_id, reason)
         acts: Actions = [record("exit_hang", now, run=st.run_seq, ranks=ranks, machines=machines,
                                 done=done, stalled_since=verdict.stalled_since, timeout_s=verdict.timeout_s)]
-        return acts + self.incidents.finish(st, "succeeded", reason, now)
+        return acts + self.incidents.finish_stuck(st, ranks, reason, now)
 
     def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:
         inc = st.incident

@@ -104,8 +104,10 @@ class Incidents(Protocol):
         """Stop the run of the open incident."""
         ...
 
-    def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
-        """End the job (succeeded, failed or cancelled)."""
+    def finish_stuck(self, st: JobState, ranks: list[int], reason: str, now: float) -> Actions:
+        """The training ended, but `ranks` are stuck on their way out while the others finished:
+        commit the steps their finished peers reported (no collective completes without them) and
+        end the job as succeeded."""
         ...
 
 
@@ -118,6 +120,10 @@ class Failures(Incidents, Protocol):
 
     def recover(self, st: JobState, inc: Incident, res: Resolution, now: float) -> Actions:
         """Record how the incident was localized and restart (or fail) accordingly."""
+        ...
+
+    def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
+        """End the job (succeeded, failed or cancelled)."""
         ...
 
     def on_machine_lost(self, st: JobState, machine: str, now: float) -> Actions:
@@ -134,6 +140,10 @@ class Restarts(Protocol):
 
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
+        ...
+
+    def fill_steps(self, st: JobState, ranks: list[int], now: float) -> Actions:
+        """Commit, in order, the pending steps every finished rank reported, for `ranks` too."""
         ...
 
 

@@ -264,6 +264,12 @@ class FailureFlow:
         return acts
 
     # -- the end --------------------------------------------------------------------------------
+    def finish_stuck(self, st: JobState, ranks: list[int], reason: str, now: float) -> Actions:
+        acts = self.run.fill_steps(st, ranks, now)
+        if st.phase != JobPhase.RUNNING:        # a filled step was an anomaly: its incident decides
+            return acts
+        return acts + self.finish(st, "succeeded", reason, now)
+
     def finish(self, st: JobState, state: str, reason: str | None, now: float) -> Actions:
         if st.terminal:
             return []

@@ -197,6 +197,27 @@ class RunFlow:
             return self.commit(st, rep.step, run.pending.pop(rep.step), now)
         return []
 
+    def fill_steps(self, st: JobState, ranks: list[int], now: float) -> Actions:
+        """The training ended with `ranks` stuck on their way out (their last reports may never
+        come: a process deadlocked holding the interpreter lock writes nothing). A step every
+        finished rank reported needed every rank's collectives, so it is theirs too: committed,
+        in order, up to the first one a finished rank did not report."""
+        run = st.run
+        if run is None or not run.done_ranks:
+            return []
+        acts: Actions = []
+        for s in sorted(run.pending):
+            acc = run.pending[s]
+            if s <= run.last_committed or not run.done_ranks <= acc.ranks:
+                break
+            acc.ranks |= set(ranks)
+            if len(acc.ranks) < self.ctx.world:
+                break
+            acts += self.commit(st, s, run.pending.pop(s), now)
+            if st.phase != JobPhase.RUNNING:
+                break
+        return acts
+
     def commit(self, st: JobState, s: int, acc: PendingStep, now: float) -> Actions:
         assert st.run is not None
         acts: Actions = [self._step_record(st, s, acc)]
