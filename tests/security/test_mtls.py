@@ -187,3 +187,46 @@ def test_an_agent_and_the_cli_with_certificates_and_no_token(tmp_path, pki):
         finally:
             kill_tree(agent.pid)
             agent.wait(10)
+
+
+def _crl(d, out: str, revoke: str | None = None) -> None:
+    """The CA's revocation list at `out` (written whole, then renamed in), `revoke` added first."""
+    if not (d / "ca.cnf").exists():
+        (d / "ca.cnf").write_text("[ca]\ndefault_ca=d\n[d]\ndatabase=index.txt\ncrlnumber=crlnumber\n"
+                                  "default_md=sha256\ndefault_crl_days=1\n")
+        (d / "index.txt").write_text("")
+        (d / "crlnumber").write_text("01\n")
+    ca = ("-config", "ca.cnf", "-keyfile", "ca.key", "-cert", "ca.pem")
+    if revoke:
+        _openssl(d, "ca", *ca, "-revoke", f"{revoke}.pem")
+    _openssl(d, "ca", *ca, "-gencrl", "-out", "crl.tmp")
+    os.replace(d / "crl.tmp", out)
+
+
+@pytest.mark.timeout(60)
+def test_a_revoked_certificate_gets_no_connection_once_the_list_names_it_without_a_restart(tmp_path, pki):
+    d = tmp_path / "ca"
+    d.mkdir()
+    for f in ("ca.pem", "ca.key", "m1.pem", "m2.pem"):
+        shutil.copy(os.path.join(os.path.dirname(pki["ca"][0]), f), d / f)
+    crl = tmp_path / "crl.pem"
+    _crl(d, str(crl))
+    tls = auth.ServerTls(*pki["srv"], client_ca=pki["ca"][0], crl=str(crl))
+    with live_api(tmp_path, tmp_path, TOKEN, tls=tls.context) as (ctl, url):
+        assert _client(url, pki, "m2").post("/api/agents/m2/register", REG)["ok"]
+        _crl(d, str(crl), revoke="m2")
+        with pytest.raises(ControllerUnreachable):
+            _client(url, pki, "m2").post("/api/agents/m2/heartbeat", {})
+        assert tls.reloads == 1
+        assert _client(url, pki, "m1").post("/api/agents/m1/register", REG)["ok"]
+        # a list that does not load (half-written, wrong) keeps the last good one
+        crl.write_text("not a revocation list\n")
+        assert _client(url, pki, "m1").post("/api/agents/m1/heartbeat", {}).get("ok")
+        assert tls.failed and "revocation list" in tls.failed
+        with pytest.raises(ControllerUnreachable):
+            _client(url, pki, "m2").post("/api/agents/m2/heartbeat", {})
+
+
+def test_a_revocation_list_without_a_client_ca_is_refused_with_the_reason(pki):
+    with pytest.raises(auth.AuthConfigError, match="--tls-client-ca"):
+        auth.server_tls(*pki["srv"], crl=pki["ca"][0])

@@ -28,11 +28,11 @@ def cmd_controller(a) -> int:
         raise UserError(f"--listen must be HOST:PORT (got {a.listen!r})")
     if bool(a.tls_cert) != bool(a.tls_key):
         raise UserError("--tls-cert and --tls-key go together")
-    if (a.tls_client_ca or a.tls_require_client_cert) and not a.tls_cert:
+    if (a.tls_client_ca or a.tls_require_client_cert or a.tls_crl) and not a.tls_cert:
         raise UserError("client certificates (--tls-client-ca) need HTTPS: give --tls-cert and --tls-key")
     try:
         token = auth.controller_token(a.state_dir, a.token_file)
-        tls = auth.server_tls(a.tls_cert, a.tls_key, a.tls_client_ca, a.tls_require_client_cert) \
+        tls = auth.server_tls(a.tls_cert, a.tls_key, a.tls_client_ca, a.tls_require_client_cert, a.tls_crl) \
             if a.tls_cert else None
     except auth.AuthConfigError as e:
         raise UserError(str(e)) from None
@@ -223,6 +223,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: ask clients for a certificate and "
                    "verify it against this CA; a verified certificate naming a machine, an operator or a reader "
                    "is a credential (docs/security.md), a token still works for clients without one")
+    c.add_argument("--tls-crl", metavar="PEM", help="with --tls-client-ca: the CA's certificate revocation list; "
+                   "a revoked client certificate gets no connection. The TLS files are read again when they "
+                   "change (renew the list before its next-update time: an expired one refuses every certificate)")
     c.add_argument("--tls-require-client-cert", action="store_true",
                    help="with --tls-client-ca: refuse the TLS handshake of a client without a certificate "
                         "(its tokens no longer reach the API; HTTPS liveness probes need one too)")

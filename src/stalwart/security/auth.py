@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import ssl
@@ -26,6 +27,8 @@ SECRET_FILE = "secret"     # the controller's secret: checkpoint keys and scoped
 TOKEN_ENV = "STALWART_TOKEN"
 PUBLIC_PATHS = ("/", "/api/health", "/api/openapi.json")
 PUBLIC_PREFIXES = ("/static/",)
+
+log = logging.getLogger(__name__)
 
 
 class AuthConfigError(StalwartError, ValueError):
@@ -122,11 +125,8 @@ def bearer_ok(header: str | None, token: str) -> tuple[bool, str]:
     return True, ""
 
 
-def server_tls(cert: str, key: str, client_ca: str | None = None, require_client_cert: bool = False) -> ssl.SSLContext:
-    """The controller's TLS context. `client_ca`: ask every client for a certificate and verify
-    one it presents against this CA (a certificate from another CA fails the handshake); a
-    verified certificate is a credential (`identity.from_certificate`). A client without one
-    still connects and shows a bearer token, unless `require_client_cert`."""
+def _server_context(cert: str, key: str, client_ca: str | None, require_client_cert: bool,
+                    crl: str | None) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -141,7 +141,73 @@ def server_tls(cert: str, key: str, client_ca: str | None = None, require_client
         ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     elif require_client_cert:
         raise AuthConfigError("requiring client certificates needs the CA that signs them (--tls-client-ca)")
+    if crl:
+        if not client_ca:
+            raise AuthConfigError("a revocation list (--tls-crl) is for client certificates: give --tls-client-ca")
+        try:
+            ctx.load_verify_locations(cafile=crl)
+        except (OSError, ssl.SSLError) as e:
+            raise AuthConfigError(f"cannot load the revocation list {crl}: {e}") from None
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     return ctx
+
+
+class ServerTls:
+    """The controller's TLS files, read again when one of them changes: a renewed certificate, a
+    new client CA bundle or a revocation list with one more certificate in it applies to the next
+    handshake, without a restart. Every handshake stats the files (a few microseconds each) and
+    takes the newest context that loaded; a file caught half-written, or wrong, keeps the previous
+    context (logged once per change) rather than refusing everyone."""
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None, require_client_cert: bool = False,
+                 crl: str | None = None):
+        self.args = (cert, key, client_ca, require_client_cert, crl)
+        self.paths = [p for p in (cert, key, client_ca, crl) if p]
+        self.stamp = self._stamp()
+        self.current = _server_context(*self.args)
+        self.context = _server_context(*self.args)      # the one the server holds: it hands over
+        self.context.sni_callback = self._handshake       # (called for every ClientHello, SNI or not)
+        self.reloads = 0
+        self.failed: str | None = None
+
+    def _stamp(self) -> tuple:
+        out = []
+        for p in self.paths:
+            try:
+                st = os.stat(p)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def fresh(self) -> ssl.SSLContext:
+        """The context for a new handshake: reloaded first when a file changed since the last."""
+        stamp = self._stamp()
+        if stamp != self.stamp:
+            self.stamp = stamp
+            try:
+                self.current = _server_context(*self.args)
+                self.reloads += 1
+                self.failed = None
+                log.info("TLS files changed: reloaded (%s)", ", ".join(self.paths))
+            except AuthConfigError as e:
+                self.failed = str(e)
+                log.warning("TLS files changed but do not load, keeping the previous ones: %s", e)
+        return self.current
+
+    def _handshake(self, conn, server_name, ctx) -> None:
+        conn.context = self.fresh()
+
+
+def server_tls(cert: str, key: str, client_ca: str | None = None, require_client_cert: bool = False,
+               crl: str | None = None) -> ssl.SSLContext:
+    """The controller's TLS context. `client_ca`: ask every client for a certificate and verify
+    one it presents against this CA (a certificate from another CA fails the handshake); a
+    verified certificate is a credential (`identity.from_certificate`). A client without one
+    still connects and shows a bearer token, unless `require_client_cert`. `crl`: the CA's
+    revocation list (PEM); a revoked client certificate fails the handshake. The files are read
+    again when they change (`ServerTls`)."""
+    return ServerTls(cert, key, client_ca, require_client_cert, crl).context
 
 
 def client_tls(ca: str | None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
