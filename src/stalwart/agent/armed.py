@@ -17,6 +17,7 @@ import time
 from typing import Callable, Mapping
 
 from stalwart import protocol as p
+from stalwart.agent.keeper import MACHINE_DOWN_CODE
 from stalwart.agent.workers import kill_trees_now
 
 log = logging.getLogger("stalwart.agent")
@@ -85,6 +86,6 @@ class ChaosCommands:
             self.emit(p.ChaosApplied(kind="machine-down", injected_at=time.time()))
             time.sleep(0.05)  # let the sender thread carry the injection time out
             kill_trees_now(list(self.machine_pids()))
-            os._exit(137)
+            os._exit(MACHINE_DOWN_CODE)     # (its keeper, if any, ends with it)
         t = self.apply(cmd)
         self.emit(p.ChaosApplied(kind=cmd["kind"], rank=cmd.get("rank"), injected_at=t))

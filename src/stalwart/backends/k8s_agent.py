@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from stalwart.agent import keeper
 from stalwart.backends.kubernetes import _default_client, node_labels
 
 log = logging.getLogger("stalwart.kubernetes")
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             labels = {"kubernetes.node": node}
     args = agent_argv(a, labels, dict(os.environ))
     sys.stdout.flush()
-    os.execv(args[0], args)
-    return 0     # not reached
+    return keeper.keep(args)        # a dead agent is started again: its workers are adopted, not lost
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 
+from stalwart.agent import keeper
 from stalwart.agent.paths import ckpt_root
 from stalwart.backends.slurm import SlurmBackend, SlurmConfig, SlurmError, node_info
 from stalwart.security import auth, identity
@@ -102,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = agent_argv(cfg, a.first, env, join_token_file(cfg, machine, workdir))
     os.environ.update(cfg.env)
     sys.stdout.flush()
-    os.execv(args[0], args)
-    return 0     # not reached
+    return keeper.keep(args)        # a dead agent is started again: its workers are adopted, not lost
 
 
 if __name__ == "__main__":
