@@ -22,13 +22,22 @@ def step(cluster, job) -> int:
     return (status(cluster, job).get("live") or {}).get("step", 0)
 
 
-@pytest.mark.timeout(150)
-def test_a_restarted_agent_adopts_its_workers_without_an_incident(tmp_path):
+def training(tmp_path):
+    """A two-machine job of 150 steps, past its fifth: (cluster, job, m1's work directory)."""
     spec = gpt_spec(machines=2, gpus=1, dp=2, steps=150, policy={"heartbeat_s": 0.5, "missed_beats": 10})
     cluster, job, _ = start(tmp_path, spec)
-    workdir = os.path.join(tmp_path, "machines", "m1")
     try:
         assert wait_for(lambda: step(cluster, job) >= 5, timeout=120)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, job, os.path.join(tmp_path, "machines", "m1")
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_agent_adopts_its_workers_without_an_incident(tmp_path):
+    cluster, job, workdir = training(tmp_path)
+    try:
         [rank] = adopt.load(workdir).workers
         before = machine(cluster, "m1")["registered_at"]
         t0 = time.monotonic()

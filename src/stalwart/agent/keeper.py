@@ -51,11 +51,6 @@ def subreaper() -> bool:
         return False
 
 
-def _code(status: int) -> int:
-    """A wait status as `subprocess.Popen.returncode` has it: the exit code, or minus the signal."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def next_pause(pause: float, lived_s: float) -> float:
     """The pause before the next start, after an agent that lived `lived_s` seconds and the pause
     before its own start (0: it was the first)."""
@@ -96,7 +91,7 @@ def keep(argv: list[str]) -> int:
             except ChildProcessError:        # (not reached while the agent runs)
                 break
             if pid == agent[0]:
-                code = _code(status)
+                code = os.waitstatus_to_exitcode(status)     # (minus the signal number)
             # else an orphan the dead agent left (its fork server, a check) ended: reaped
         agent[0] = 0
         lived = time.monotonic() - began
