@@ -11,7 +11,8 @@ PYTHONPATH, its environment, its stdout/stderr files, its own session, its nicen
 the server), so a training script cannot tell the difference, except that modules the server
 imported are already loaded.
 
-Run by path (`python forkserver.py`): it imports nothing of stalwart, so the job's own
+Run by path (`python forkserver.py`): it imports nothing of stalwart but its error type (and, to
+bound exec'd children, worker/frhook.py's standard-library `agent_alive`), so the job's own
 interpreter can run it whatever it has installed. Protocol: JSON lines on stdin (requests) and
 stdout (answers); the server is single-threaded (nothing but its preload's idle library threads
 exists when it forks):
