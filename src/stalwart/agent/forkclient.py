@@ -171,7 +171,7 @@ class _Server:
             return None
         if not done.wait(timeout) or not slot[1] or "pid" not in slot[1]:
             if slot[1] and slot[1].get("error"):
-                log.info("fork server: %s", slot[1]["error"])
+                log.info("%s: %s", "exec server" if self.key[0] == "exec" else "fork server", slot[1]["error"])
             return None
         proc = ForkedProcess(int(slot[1]["pid"]))
         with self.lock:

@@ -307,7 +307,8 @@ class Server:
             try:
                 self.exec_child(req, out, err)
             except BaseException as e:       # noqa: BLE001 - told to the server, which answers it
-                os.write(report_w, f"{type(e).__name__}: {e}".encode(errors="replace")[:4000])
+                what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+                os.write(report_w, f"{type(e).__name__}: {what}".encode(errors="replace")[:4000])
             os._exit(127)
         os.close(report_w)
         os.close(out)
@@ -355,7 +356,10 @@ class Server:
             os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
         argv = [str(a) for a in req["argv"]]
-        os.execvpe(argv[0], argv, env)
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:                 # (named as given, not as the last PATH entry tried)
+            raise type(e)(e.errno, e.strerror, argv[0]) from None
 
     def into_child(self, req: dict, out: int, err: int) -> None:
         """In the forked child: leave the server behind and set up the process the worker's
