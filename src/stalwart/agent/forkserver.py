@@ -191,6 +191,10 @@ class Server:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
+            try:                # (a child forked a moment ago may not have its own session yet)
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         deadline = time.time() + 5.0
         while self.children and time.time() < deadline:
             self.reap()
