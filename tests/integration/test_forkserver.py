@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from stalwart.agent.forkclient import ForkServers
@@ -117,12 +119,89 @@ def test_exit_by_signal_and_the_servers_death(forks, tmp_path):
     assert r is not None and r.wait(30) == 0 and read(tmp_path / "o3") == "again\n"
 
 
-def test_what_it_cannot_become_is_left_to_the_caller(forks, tmp_path):
-    assert forks.spawn(["/bin/echo", "hi"], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e")) is None
-    assert forks.spawn([PY, "-X", "dev", "-c", "pass"], env(), str(tmp_path), str(tmp_path / "o"),
-                       str(tmp_path / "e")) is None
+def test_what_it_cannot_become_is_execd_and_left_to_the_caller_only_with_both_off(forks, tmp_path):
+    p = forks.spawn(["/bin/echo", "hi"], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e"))
+    assert p is not None and p.wait(30) == 0 and read(tmp_path / "o") == "hi\n"
+    p = forks.spawn([PY, "-X", "dev", "-c", "import sys; print(sys.flags.dev_mode)"], env(), str(tmp_path),
+                    str(tmp_path / "o2"), str(tmp_path / "e2"))
+    assert p is not None and p.wait(30) == 0 and read(tmp_path / "o2") == "True\n"
+    assert len(forks._execs) == 1 and not forks._servers        # (no preloading server was needed)
     off = ForkServers(str(tmp_path / "off"), enabled=False)
-    assert off.spawn([PY, "-c", "pass"], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e")) is None
+    try:
+        p = off.spawn([PY, "-c", "print('execd')"], env(), str(tmp_path), str(tmp_path / "o3"), str(tmp_path / "e3"))
+        assert p is not None and p.wait(30) == 0 and read(tmp_path / "o3") == "execd\n"
+    finally:
+        off.close()
+    none = ForkServers(str(tmp_path / "none"), enabled=False, exec_enabled=False)
+    assert none.spawn([PY, "-c", "pass"], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e")) is None
+
+
+def test_an_execd_worker_is_the_process_its_command_line_makes(forks, tmp_path):
+    """Not a `python` line the fork server accepts (`env` starts the interpreter): exec'd from the
+    exec server, with its environment, cwd, files, own session, niceness and death signal; a
+    program that cannot run is an error answer, and no child is left."""
+    code = ("import ctypes, json, os, sys; sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); "
+            "print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd(), 'rank': os.environ.get('RANK'), "
+            "'sid': os.getsid(0) == os.getpid(), 'ppid': os.getppid(), 'pdeathsig': sig.value, "
+            "'nice': os.getpriority(os.PRIO_PROCESS, 0), 'stdin': os.read(0, 10).decode()})); "
+            "print('to stderr', file=sys.stderr); sys.exit(5)")
+    nice = 10 if os.geteuid() == 0 else 0
+    p = forks.spawn(["/usr/bin/env", PY, "-c", code, "x"], env(RANK="4"), str(tmp_path), str(tmp_path / "o"),
+                    str(tmp_path / "e"), nice=nice)
+    assert p is not None and p.wait(30) == 5
+    [server] = forks._execs.values()
+    got = json.loads(read(tmp_path / "o"))
+    assert got == {"argv": ["-c", "x"], "cwd": str(tmp_path), "rank": "4", "sid": True, "ppid": server.proc.pid,
+                   "pdeathsig": signal.SIGKILL, "nice": nice, "stdin": ""}
+    assert read(tmp_path / "e") == "to stderr\n"
+    assert forks.spawn(["no-such-program-here"], env(), str(tmp_path), str(tmp_path / "o"), str(tmp_path / "e")) is None
+    assert forks.spawn(["true"], env(), str(tmp_path / "no-such-dir"), str(tmp_path / "o"), str(tmp_path / "e")) is None
+    assert not [c for c in psutil.Process(server.proc.pid).children()]     # (the failed ones reaped)
+
+
+def test_an_orphaned_exec_server_keeps_its_workers_notes_their_exits_and_bounds_them(tmp_path):
+    """Its agent gone (a bare end of its input): the exec'd workers live on and their exits are
+    noted; one that names its agent's work directory is stopped once no agent has held it for its
+    bound (the agent named in `agent.lock` is dead here), as a Python worker's hook would stop it."""
+    fs = ForkServers(str(tmp_path / "logs"), exits_dir=str(tmp_path / "exits"))
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (workdir / "agent.lock").write_text(f"agent pid {dead.pid} (machine m0)\n")
+    go = tmp_path / "go"
+    try:
+        bounded = fs.spawn(["bash", "-c", "while true; do sleep 0.05; done"],
+                           env(STALWART_AGENT_SOCK=str(workdir / "agent.sock"), STALWART_RELINK_S="1"),
+                           str(tmp_path), str(tmp_path / "b.out"), str(tmp_path / "b.err"))
+        free = fs.spawn(["bash", "-c", f"until [ -e {go} ]; do sleep 0.02; done; exit 3"], env(), str(tmp_path),
+                        str(tmp_path / "f.out"), str(tmp_path / "f.err"))
+        assert bounded is not None and free is not None
+        [srv] = fs._execs.values()
+        srv.proc.stdin.close()                    # the agent is gone (no `quit`)
+        assert wait_for(lambda: os.path.exists(tmp_path / "exits" / str(bounded.pid)), timeout=10)
+        assert read(tmp_path / "exits" / str(bounded.pid)) == str(-signal.SIGKILL)
+        assert "the agent has been gone for 1s: this worker stops" in read(tmp_path / "b.err")
+        assert srv.proc.poll() is None and os.path.exists(f"/proc/{free.pid}")     # no bound: lives on
+        go.touch()
+        assert wait_for(lambda: os.path.exists(tmp_path / "exits" / str(free.pid)))
+        assert read(tmp_path / "exits" / str(free.pid)) == "3"
+        assert srv.proc.wait(timeout=10) == 0     # its last worker ended: so does the server
+    finally:
+        go.touch()
+        for s in fs._execs.values():
+            kill_tree(s.proc.pid)
+        fs._execs.clear()
+
+
+def test_the_agents_own_child_when_no_server_can_start_it_says_so(tmp_path, caplog):
+    from stalwart.agent.workers import WorkerSet
+    ws = WorkerSet(str(tmp_path), lambda w: None, ForkServers(str(tmp_path / "l"), enabled=False, exec_enabled=False))
+    with caplog.at_level("WARNING", logger="stalwart.agent"):
+        ws.spawn(["bash", "-c", "exit 0"], [env()], [0], run=1, cwd=str(tmp_path), tag="run1")
+    [w] = ws.workers
+    assert isinstance(w.proc, subprocess.Popen) and w.proc.wait(10) == 0
+    assert f"run1_rank0 (pid {w.proc.pid}) started as the agent's own child" in caplog.text
 
 
 def test_another_import_environment_gets_its_own_server_and_live_workers_stay(forks, tmp_path):

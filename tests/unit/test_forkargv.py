@@ -36,3 +36,31 @@ def test_keys_name_the_interpreter_and_refuse_other_programs(tmp_path):
     key = fs.key_of(["python3", "t.py"], {"PATH": "/usr/bin:/bin"}, ["ip", "netns", "exec", "m0"])
     assert key is not None and key[0].startswith("/") and key[1] == ("ip", "netns", "exec", "m0")
     assert forkclient.ForkServers(str(tmp_path), enabled=False).key_of(["python3", "t.py"], {}, None) is None
+
+
+def test_an_execd_child_is_stopped_once_its_agent_is_gone_for_its_bound():
+    bounded = {11: ("/w1/agent.lock", 5.0, "e11"), 12: ("/w1/agent.lock", 9.0, "e12"),
+               21: ("/w2/agent.lock", 1.0, "e21")}
+    since: dict[str, float] = {}
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": False, "/w2/agent.lock": True}, since, 100.0) == []
+    assert since == {"/w1/agent.lock": 100.0}
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": False, "/w2/agent.lock": True}, since, 104.9) == []
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": False, "/w2/agent.lock": True}, since, 105.0) == [11]
+    # a successor came: the count starts over when it is gone too
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": True, "/w2/agent.lock": True}, since, 106.0) == []
+    assert since == {}
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": False, "/w2/agent.lock": False}, since, 107.0) == []
+    assert forkserver.overdue(bounded, {"/w1/agent.lock": False, "/w2/agent.lock": False}, since, 116.0) == [11, 12, 21]
+
+
+def test_the_fork_server_switch_leaves_exec_mode_on(tmp_path, monkeypatch):
+    """STALWART_FORK_SERVER=0 (fork-safety of a job's imports) turns off the preloading server only:
+    exec'ing a program forks nothing of the job's. STALWART_EXEC_SERVER=0 turns exec mode off."""
+    monkeypatch.setenv("STALWART_FORK_SERVER", "0")
+    fs = forkclient.ForkServers(str(tmp_path))
+    assert not fs.enabled and fs.exec_enabled
+    monkeypatch.setenv("STALWART_EXEC_SERVER", "0")
+    assert not forkclient.ForkServers(str(tmp_path)).exec_enabled
+    monkeypatch.delenv("STALWART_FORK_SERVER")
+    fs = forkclient.ForkServers(str(tmp_path))
+    assert fs.enabled and not fs.exec_enabled

@@ -2,10 +2,10 @@
 
 An agent that dies (a crash, an OOM kill, a supervisor's restart) leaves its run's workers
 training: they outlive it for a bound (their link to the agent waits for it to come back, see
-worker/link.py; the fork server that forked them keeps them and notes their exits). The agent
-writes what it runs to `<workdir>/workers.json` (the machine, the job, the run, and each worker's
-pid, rank, start time and log files) every time that changes. The next agent on the same work
-directory reads it and decides here, purely, what it adopts:
+worker/link.py; the fork or exec server that started them keeps them and notes their exits). The
+agent writes what it runs to `<workdir>/workers.json` (the machine, the job, the run, and each
+worker's pid, rank, start time and log files) every time that changes. The next agent on the same
+work directory reads it and decides here, purely, what it adopts:
 
 - everything, when every recorded worker is still the same live process (pid *and* kernel start
   time, read from /proc: a recycled pid is never adopted) and the file is this machine's;
@@ -37,7 +37,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     start_ticks: int            # /proc/PID/stat field 22: when the process started (clock ticks since boot)
     out_path: str
     err_path: str
-    forked: bool = False        # forked by the fork server (which notes its exit code: see forkserver.py)
+    forked: bool = False        # started by a fork or exec server (which notes its exit code: see forkserver.py)
 
 
 class AgentState(msgspec.Struct, frozen=True):
@@ -145,7 +145,7 @@ UNKNOWN_EXIT = -9       # an adopted worker whose exit code nobody noted (report
 
 
 class AdoptedProcess(ForkedProcess):
-    """A worker started by an earlier agent, its exit noted by the fork server that forked it
+    """A worker started by an earlier agent, its exit noted by the fork or exec server that started it
     (`<exits_dir>/<pid>`, see forkserver.py). Waits with a pidfd: not a child of this process."""
 
     def __init__(self, pid: int, exits_dir: str):

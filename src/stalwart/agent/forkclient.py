@@ -1,5 +1,5 @@
-"""The agent's side of its machine's fork server (`agent/forkserver.py`): start it, ask it for
-workers, learn when they end.
+"""The agent's side of its machine's fork servers (`agent/forkserver.py`): start them, ask them
+for workers, learn when they end.
 
 A worker whose command line the server can become (`python [-u] -m MOD ...`, `python SCRIPT ...`,
 `python -c CODE ...` with the server's own interpreter) is forked from it: no `import torch` of
@@ -7,9 +7,16 @@ its own. A server is kept per *key*: the interpreter, the exec prefix (the machi
 namespace) and the environment variables that a library reads once, at import (everything but the
 per-run and per-rank ones below): a worker whose key differs gets a new server, so a forked worker
 is the same process a started one would have been. A server ends once no worker of its own is
-left and another key was asked for (ending a server ends the workers it forked). Anything the server cannot
-do (another program, an unknown interpreter option, a server that failed to start or died) makes
-`spawn` return None: the caller starts that worker the usual way.
+left and another key was asked for (ending a server ends the workers it forked).
+
+Anything the preloading server cannot do (another program, an unknown interpreter option, a
+server that failed to start or died, all of it with STALWART_FORK_SERVER=0) goes to the machine's
+exec server: the same server file with nothing preloaded, run by the agent's interpreter, one per
+exec prefix and kept for the agent's life, which forks and execs the command (see forkserver.py's
+"Exec mode": why, and how such a worker is bounded once its agent is gone). Its workers outlive
+the agent and are adopted just as forked ones. Only when no server can start at all (or with
+STALWART_EXEC_SERVER=0) does `spawn` return None: the caller then starts the worker as its own
+child, which dies with it.
 
 `ForkedProcess` stands in for `subprocess.Popen` where the agent watches a worker: `pid`,
 `returncode`, `poll()`, `wait(timeout)`, and `exited()` (ended, reaped or not).
@@ -22,6 +29,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -32,7 +40,8 @@ log = logging.getLogger("stalwart.agent")
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 READY_TIMEOUT_S = 120.0      # the server's preload (import torch) on a loaded machine
 SPAWN_TIMEOUT_S = 30.0       # a fork, once the server is ready
-DISABLE_ENV = "STALWART_FORK_SERVER"      # "0": never fork workers (start each the usual way)
+DISABLE_ENV = "STALWART_FORK_SERVER"      # "0": no preloading server (workers are exec'd, see EXEC_DISABLE_ENV)
+EXEC_DISABLE_ENV = "STALWART_EXEC_SERVER"  # "0": no exec server (what is not forked is the agent's own child)
 PRELOAD_ENV = "STALWART_FORK_PRELOAD"     # the modules a server imports (forkserver.PRELOAD_ENV)
 EXITS_ENV = "STALWART_FORK_EXITS"         # where a server outliving its agent notes exits (forkserver.EXITS_ENV)
 
@@ -60,7 +69,7 @@ def import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 class ForkedProcess:
-    """A worker forked by a fork server (the server is its parent and reports its end)."""
+    """A worker forked (or exec'd) by a fork server (the server is its parent and reports its end)."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -162,7 +171,7 @@ class _Server:
             return None
         if not done.wait(timeout) or not slot[1] or "pid" not in slot[1]:
             if slot[1] and slot[1].get("error"):
-                log.info("fork server: %s", slot[1]["error"])
+                log.info("%s: %s", "exec server" if self.key[0] == "exec" else "fork server", slot[1]["error"])
             return None
         proc = ForkedProcess(int(slot[1]["pid"]))
         with self.lock:
@@ -195,11 +204,14 @@ class _Server:
 
 
 class ForkServers:
-    """The machine's fork server(s): one per key, the newest kept (see the module's doc)."""
+    """The machine's fork server(s): one per key, the newest kept, and an exec server per exec
+    prefix (see the module's doc)."""
 
     def __init__(self, log_dir: str, preexec: Callable[[], None] | None = None, enabled: bool | None = None,
-                 hide_paths: tuple[str, ...] = (), exits_dir: str | None = None):
-        """`preexec`: run in the server's process before exec (its death signal, say); `exits_dir`:
+                 hide_paths: tuple[str, ...] = (), exits_dir: str | None = None, exec_enabled: bool | None = None):
+        """`enabled`: the preloading servers (default: unless STALWART_FORK_SERVER=0);
+        `exec_enabled`: the exec servers (default: unless STALWART_EXEC_SERVER=0);
+        `preexec`: run in the server's process before exec (its death signal, say); `exits_dir`:
         the servers outlive this process while workers they forked run, noting their exits there
         (forkserver.py, for a successor that adopts them);
         `hide_paths`: PYTHONPATH entries the server itself must not have (a start-up hook that is
@@ -209,8 +221,10 @@ class ForkServers:
         self.exits_dir = exits_dir
         self.hide_paths = {os.path.abspath(p) for p in hide_paths}
         self.enabled = os.environ.get(DISABLE_ENV, "1") != "0" if enabled is None else enabled
+        self.exec_enabled = os.environ.get(EXEC_DISABLE_ENV, "1") != "0" if exec_enabled is None else exec_enabled
         self._lock = threading.Lock()
         self._servers: dict[tuple, _Server] = {}
+        self._execs: dict[tuple, _Server] = {}         # exec prefix -> its exec server
         self._starts: queue.Queue = queue.Queue()
         self._starter: threading.Thread | None = None
         self._starter_lock = threading.Lock()
@@ -306,7 +320,15 @@ class ForkServers:
 
     def spawn(self, command: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str,
               prefix: list[str] | None = None, nice: int = 0) -> ForkedProcess | None:
-        """Fork a worker, or None when it must be started the usual way."""
+        """Fork a worker, else exec it from the exec server; None when no server could start it
+        (the caller starts it as its own child)."""
+        proc = self._fork(command, env, cwd, stdout, stderr, prefix, nice)
+        if proc is None:
+            proc = self._exec(command, env, cwd, stdout, stderr, prefix, nice)
+        return proc
+
+    def _fork(self, command: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str,
+              prefix: list[str] | None, nice: int) -> ForkedProcess | None:
         srv = self._server_for(command, env, prefix, cwd)
         if srv is None:
             return None
@@ -318,20 +340,63 @@ class ForkServers:
         proc = srv.spawn({"argv": list(command), "env": env, "cwd": cwd or os.getcwd(), "stdout": stdout,
                           "stderr": stderr, "nice": nice, "title": title}, SPAWN_TIMEOUT_S)
         if proc is None:
-            log.info("fork server could not fork %s: starting it the usual way", command[:3])
+            log.info("fork server could not fork %s: it is exec'd instead", command[:3])
         elif time.time() - t0 > 1.0:
             log.info("fork server: first worker after %.1fs (preload %.1fs)", time.time() - t0,
                      srv.info.get("preload_s", -1))
         return proc
 
+    def _exec(self, command: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str,
+              prefix: list[str] | None, nice: int) -> ForkedProcess | None:
+        if not self.exec_enabled or not command:
+            return None
+        key = tuple(prefix or ())
+        with self._lock:
+            srv = self._execs.get(key)
+            if srv is None or srv.dead.is_set():
+                srv = self._start_exec(key, prefix)
+                if srv is None:
+                    self._execs.pop(key, None)
+                else:
+                    self._execs[key] = srv
+        if srv is None:
+            return None
+        proc = srv.spawn({"exec": True, "argv": list(command), "env": env, "cwd": cwd or os.getcwd(),
+                          "stdout": stdout, "stderr": stderr, "nice": nice}, SPAWN_TIMEOUT_S)
+        if proc is None:
+            log.info("exec server could not start %s", command[:3])
+        return proc
+
+    def _start_exec(self, key: tuple, prefix: list[str] | None) -> _Server | None:
+        """The machine's exec server: this file's server with nothing preloaded, run by the agent's
+        own interpreter (which has stalwart: the server imports its errors) behind `prefix`."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        server_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        server_env[PRELOAD_ENV] = ""
+        if self.exits_dir:
+            server_env[EXITS_ENV] = self.exits_dir
+        path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and os.path.abspath(p) not in self.hide_paths]
+        path.append(os.path.dirname(os.path.dirname(os.path.dirname(SERVER))))    # (where stalwart is)
+        server_env["PYTHONPATH"] = os.pathsep.join(path)
+        argv = list(prefix or []) + [sys.executable, SERVER]
+        try:
+            return self._in_starter(lambda: _Server(("exec",) + key, argv, server_env, self.log_dir,
+                                                    os.path.join(self.log_dir, "execserver.log"), self.preexec))
+        except OSError as e:
+            log.warning("exec server did not start (%s): workers start as the agent's own children", e)
+            return None
+
     def server_pids(self) -> list[int]:
         with self._lock:
-            return [s.proc.pid for s in self._servers.values() if not s.dead.is_set()]
+            return [s.proc.pid for s in list(self._servers.values()) + list(self._execs.values())
+                    if not s.dead.is_set()]
 
     def close(self) -> None:
         """End every server (and so every worker they forked)."""
         with self._lock:
-            servers, self._servers = list(self._servers.values()), {}
+            servers = list(self._servers.values()) + list(self._execs.values())
+            self._servers, self._execs = {}, {}
         for srv in servers:
             srv.close()
 

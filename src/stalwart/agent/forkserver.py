@@ -11,7 +11,8 @@ PYTHONPATH, its environment, its stdout/stderr files, its own session, its nicen
 the server), so a training script cannot tell the difference, except that modules the server
 imported are already loaded.
 
-Run by path (`python forkserver.py`): it imports nothing of stalwart, so the job's own
+Run by path (`python forkserver.py`): it imports nothing of stalwart but its error type (and, to
+bound exec'd children, worker/frhook.py's standard-library `agent_alive`), so the job's own
 interpreter can run it whatever it has installed. Protocol: JSON lines on stdin (requests) and
 stdout (answers); the server is single-threaded (nothing but its preload's idle library threads
 exists when it forks):
@@ -20,6 +21,9 @@ exists when it forks):
 * ``{"op": "spawn", "id": N, "argv": [python, ...], "env": {...}, "cwd": D, "stdout": F,
   "stderr": F, "nice": K, "title": T}`` -> ``{"id": N, "pid": P}`` or ``{"id": N, "error": "..."}``
   (`title`: the command line the child shows, default its argv)
+* the same with ``"exec": true`` and any program as `argv`: the child `execve`s it (found on the
+  request's PATH, relative to its cwd) instead of becoming a Python `__main__`; the answer comes once
+  the exec succeeded, else it is an error (``"FileNotFoundError: ..."``) and no child is left
 * whenever a child ends: ``{"exit": P, "code": C}`` (C as `subprocess.Popen.returncode`: the exit
   status, or minus the signal number)
 
@@ -28,6 +32,25 @@ it means the agent died: with STALWART_FORK_EXITS set (a directory), the server 
 children run, for the agent's successor to adopt them (agent/adopt.py), and writes each one's
 exit code to `<that directory>/<pid>`; without it, the children are killed as on `quit`. The
 client side is `agent/forkclient.py`.
+
+Exec mode: a worker whose command is not a `python` line this server can become (`bash train.sh`,
+a compiled launcher, `python -X ...`, any command while the preloading server is off) still needs
+a parent that outlives its agent and notes its exit, or an agent restart costs the job an
+incident. Started by the agent itself it would be the agent's child: it must die with the agent
+(its exit code would be nobody's to read) or outlive it as an orphan whose end nobody sees. So the
+agent runs a second server of this same file per machine (per exec prefix), with an empty preload
+(STALWART_FORK_PRELOAD="") and the agent's own interpreter, and sends it ``"exec": true``
+requests. Not the torch-preloading one: that one is keyed by the job's interpreter and import
+environment, which a `bash` command has none of; it ends when a worker of another key is asked
+for; and a `bash` job would pay its torch import (seconds, ~300 MiB) for nothing. The empty one
+starts in tens of milliseconds. Its children are set up as a forked worker is (environment, cwd,
+log files, own session, niceness, death signal to the server; the signals Python ignores back to
+their defaults, as `subprocess` does), and it reports and notes their exits the same way, so a
+successor adopts them as it adopts forked ones. A Python worker's start-up hook bounds how long it
+outlives its agent (worker/frhook.py); an exec'd program has no such hook, so an orphaned server
+does it for them: once the agent named in the work directory's `agent.lock` (the directory of the
+child's STALWART_AGENT_SOCK) has been gone for the child's STALWART_RELINK_S seconds, it kills the
+child's session and says so in the child's stderr file.
 """
 from __future__ import annotations
 
@@ -89,6 +112,21 @@ def _preload(names: list[str]) -> tuple[list[str], dict[str, str]]:
     return done, failed
 
 
+def overdue(bounded: dict[int, tuple[str, float, str]], alive: dict[str, bool], gone_since: dict[str, float],
+            now: float) -> list[int]:
+    """The exec'd children to stop now: those whose agent (`bounded`: child -> its agent's lock
+    file, bound, stderr file; `alive`: lock file -> is its agent alive now) has been gone for at
+    least their bound. `gone_since` (lock file -> when its agent was first seen gone) is brought
+    up to date: an agent seen alive again starts the count over."""
+    for lock, up in alive.items():
+        if up:
+            gone_since.pop(lock, None)
+        else:
+            gone_since.setdefault(lock, now)
+    return sorted(pid for pid, (lock, limit, _) in bounded.items()
+                  if lock in gone_since and now - gone_since[lock] >= limit)
+
+
 def _die_with_parent() -> None:
     try:
         import ctypes
@@ -105,6 +143,8 @@ class Server:
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
         self.buf = b""
+        self.bounded: dict[int, tuple[str, float, str]] = {}    # exec'd child -> (agent.lock, bound, stderr file)
+        self.gone_since: dict[str, float] = {}                  # agent.lock -> when its agent was first seen gone
         # the workers' path is theirs (their cwd or script directory, their PYTHONPATH) plus the
         # interpreter's own entries: the server's PYTHONPATH entries are not passed on
         own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -151,6 +191,10 @@ class Server:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
+            try:                # (a child forked a moment ago may not have its own session yet)
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         deadline = time.time() + 5.0
         while self.children and time.time() < deadline:
             self.reap()
@@ -167,6 +211,7 @@ class Server:
             if pid == 0:
                 return
             self.children.discard(pid)
+            self.bounded.pop(pid, None)
             code = os.waitstatus_to_exitcode(status)
             if exits is None:
                 _out({"exit": pid, "code": code})
@@ -181,19 +226,38 @@ class Server:
 
     def orphaned(self, exits: str) -> None:
         """The agent died: keep the children (a restarted agent adopts them) until every one has
-        ended, noting their exits in `exits`."""
+        ended, noting their exits in `exits`; an exec'd one whose agent stays gone past its bound
+        is stopped (`bound`)."""
         os.makedirs(exits, exist_ok=True)
         self.sel.unregister(0)
         while True:
             self.reap(exits)
             if not self.children:
                 return
+            if self.bounded:
+                self.bound(time.monotonic())
             for key, _ in self.sel.select(timeout=1.0):
                 try:
                     while os.read(self.wake_r, 512):
                         pass
                 except BlockingIOError:
                     pass
+
+    def bound(self, now: float) -> None:
+        """Kill each exec'd child whose agent has been gone for its bound (see the module's doc)."""
+        from stalwart.worker.frhook import agent_alive
+        alive = {lock: agent_alive(lock) for lock in {b[0] for b in self.bounded.values()}}
+        for pid in overdue(self.bounded, alive, self.gone_since, now):
+            _, limit, err_path = self.bounded.pop(pid)
+            try:
+                with open(err_path, "a") as f:
+                    f.write(f"stalwart: the agent has been gone for {limit:.0f}s: this worker stops\n")
+            except OSError:
+                pass
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def request(self, line: bytes) -> dict | None:
         try:
@@ -206,7 +270,11 @@ class Server:
             _out({"id": rid, "error": f"unknown op {req.get('op')!r}"})
             return None
         try:
-            parse_argv(list(req["argv"]))
+            if req.get("exec"):
+                if not req["argv"] or not all(isinstance(a, str) for a in req["argv"]):
+                    raise Unsupported("exec needs an argv of strings")
+            else:
+                parse_argv(list(req["argv"]))
             for k in ("env", "cwd", "stdout", "stderr"):
                 if k not in req:
                     raise Unsupported(f"spawn without {k!r}")
@@ -215,6 +283,9 @@ class Server:
             err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except (Unsupported, OSError, KeyError, TypeError) as e:
             _out({"id": rid, "error": f"{type(e).__name__}: {e}"})
+            return None
+        if req.get("exec"):
+            self.execute(req, rid, out, err)
             return None
         pid = os.fork()
         if pid == 0:
@@ -229,6 +300,70 @@ class Server:
         self.children.add(pid)
         _out({"id": rid, "pid": pid})
         return None
+
+    def execute(self, req: dict, rid: object, out: int, err: int) -> None:
+        """Fork a child that execs the request's program; answer once the exec succeeded (the
+        report pipe is close-on-exec: its end without a word is the success)."""
+        report_r, report_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(report_r)
+            try:
+                self.exec_child(req, out, err)
+            except BaseException as e:       # noqa: BLE001 - told to the server, which answers it
+                what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+                os.write(report_w, f"{type(e).__name__}: {what}".encode(errors="replace")[:4000])
+            os._exit(127)
+        os.close(report_w)
+        os.close(out)
+        os.close(err)
+        why = b""
+        while chunk := os.read(report_r, 4096):
+            why += chunk
+        os.close(report_r)
+        if why:
+            os.waitpid(pid, 0)
+            _out({"id": rid, "error": why.decode(errors="replace")})
+            return
+        self.children.add(pid)
+        env = req["env"]
+        sock, limit = env.get("STALWART_AGENT_SOCK"), env.get("STALWART_RELINK_S")
+        try:
+            if sock and limit and float(limit) > 0:
+                self.bounded[pid] = (os.path.join(os.path.dirname(sock), "agent.lock"), float(limit), req["stderr"])
+        except ValueError:
+            pass
+        _out({"id": rid, "pid": pid})
+
+    def exec_child(self, req: dict, out: int, err: int) -> None:
+        """In the forked child: become the request's program (returns only by raising)."""
+        server_pid = os.getppid()
+        os.setsid()
+        _die_with_parent()
+        if os.getppid() != server_pid:        # the server died before the line above
+            os._exit(70)
+        # handlers end at exec; what Python ignores would stay ignored (as subprocess restores them)
+        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        nice = int(req.get("nice") or 0)
+        if nice:
+            os.nice(nice)
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            except (OSError, AttributeError):
+                pass
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        if req["cwd"]:
+            os.chdir(req["cwd"])
+        env = {str(k): str(v) for k, v in req["env"].items()}
+        argv = [str(a) for a in req["argv"]]
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:                 # (named as given, not as the last PATH entry tried)
+            raise type(e)(e.errno, e.strerror, argv[0]) from None
 
     def into_child(self, req: dict, out: int, err: int) -> None:
         """In the forked child: leave the server behind and set up the process the worker's

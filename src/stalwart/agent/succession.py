@@ -132,8 +132,8 @@ class Succession:
             self.ckpt.announce_durable(sorted({w.rank for w in state.workers}))
 
     def _report_lost(self, state: adopt.AgentState, reason: str) -> None:
-        """The recorded ranks not adopted have ended: one `worker_exit` each (the code the fork
-        server noted, else killed), so the controller recovers the run as from a crash."""
+        """The recorded ranks not adopted have ended: one `worker_exit` each (the code their fork or
+        exec server noted, else killed), so the controller recovers the run as from a crash."""
         for w in state.workers:
             try:
                 with open(os.path.join(self.exits_dir, str(w.pid))) as f:

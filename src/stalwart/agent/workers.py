@@ -7,6 +7,7 @@ SIGKILL after a short grace — never a 30 s wait.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,13 +21,15 @@ import psutil
 from stalwart.agent.adopt import AdoptedProcess, WorkerRecord
 from stalwart.agent.forkclient import ForkedProcess, ForkServers
 
-# a worker started by the agent, forked by its fork server, or adopted from an earlier agent
+log = logging.getLogger("stalwart.agent")
+
+# a worker started by the agent, forked (or exec'd) by a fork server, or adopted from an earlier agent
 Proc = subprocess.Popen | ForkedProcess | AdoptedProcess
 
 
 def die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies (a worker started without the
-    fork server cannot be adopted by a restarted agent: it goes with its agent). Linux ties this
+    """In the child before exec: get SIGKILL when the parent dies (a worker that no fork or exec
+    server started cannot be adopted by a restarted agent: it goes with its agent). Linux ties this
     to the forking *thread*: spawn only from long-lived threads."""
     try:
         import ctypes
@@ -263,8 +266,8 @@ class WorkerSet:
     """The workers of one machine for the current run (or the warm standbys waiting for one)."""
 
     def __init__(self, log_dir: str, on_exit: Callable[[Worker], None], forks: ForkServers | None = None):
-        """`forks`: the machine's fork server(s), which start the workers they can (see
-        agent/forkclient.py); the others, or all without one, start as new processes."""
+        """`forks`: the machine's fork and exec servers, which start every worker they can (see
+        agent/forkclient.py); the others, or all without them, start as this process's children."""
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.forks = forks
@@ -295,6 +298,9 @@ class WorkerSet:
                         proc = subprocess.Popen((prefix or []) + command, env=env, cwd=cwd, stdout=out,
                                                 stderr=err, stdin=subprocess.DEVNULL,
                                                 start_new_session=True, preexec_fn=pre_exec)
+                    if self.forks is not None:
+                        log.warning("%s (pid %d) started as the agent's own child (no fork or exec server "
+                                    "could start it): it dies with the agent", name, proc.pid)
                 w = Worker(local_rank=i, rank=rank, proc=proc, out_path=out_path, err_path=err_path,
                            run=run)
                 self.workers.append(w)
