@@ -41,10 +41,19 @@ LAZY_KEEP_S = 10.0  # ...until this long after the last (then it sleeps until a 
 log = logging.getLogger("stalwart.worker")
 
 
+def _end_worker() -> None:
+    """The agent is gone for good: the machine is being torn down. Do not train on alone."""
+    os._exit(70)
+
+
 class AgentLink:
-    def __init__(self, path: str | None, on_message: Callable[[ToWorker], None]):
+    def __init__(self, path: str | None, on_message: Callable[[ToWorker], None],
+                 on_gone: Callable[[], None] = _end_worker):
+        """`on_gone`: what the reader does when the agent did not come back within the bound
+        (the worker's process ends; a test records it instead)."""
         self.path = path
         self._on_message = on_message
+        self._on_gone = on_gone
         self._buf: Deque[dict | threading.Event | None] = collections.deque()
         self._cv = threading.Condition()
         self._woken = 0                 # queued items that may not wait (see `send`)
@@ -192,8 +201,7 @@ class AgentLink:
                 if not self._closed.is_set() and self._relink(conn):
                     continue
                 if not self._closed.is_set():
-                    # The agent is gone: the machine is being torn down. Do not train on alone.
-                    os._exit(70)
+                    self._on_gone()
                 return
             try:
                 typed = decode_to_worker(msg)
