@@ -135,6 +135,31 @@ def _die_with_parent() -> None:
         pass
 
 
+def _detach() -> None:
+    """In a forked child: a session of its own, dying with the server (gone already: exit 70)."""
+    server_pid = os.getppid()
+    os.setsid()
+    _die_with_parent()
+    if os.getppid() != server_pid:        # the server died before the line above
+        os._exit(70)
+
+
+def _settle(req: dict, out: int, err: int) -> None:
+    """In a forked child: the request's niceness (and the idle class with it), stdin from
+    /dev/null, stdout and stderr to its files."""
+    nice = int(req.get("nice") or 0)
+    if nice:
+        os.nice(nice)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
 class Server:
     def __init__(self) -> None:
         self.children: set[int] = set()
@@ -337,25 +362,11 @@ class Server:
 
     def exec_child(self, req: dict, out: int, err: int) -> None:
         """In the forked child: become the request's program (returns only by raising)."""
-        server_pid = os.getppid()
-        os.setsid()
-        _die_with_parent()
-        if os.getppid() != server_pid:        # the server died before the line above
-            os._exit(70)
+        _detach()
         # handlers end at exec; what Python ignores would stay ignored (as subprocess restores them)
         for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
-        nice = int(req.get("nice") or 0)
-        if nice:
-            os.nice(nice)
-            try:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            except (OSError, AttributeError):
-                pass
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        for fd, target in ((devnull, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        _settle(req, out, err)
         if req["cwd"]:
             os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
@@ -368,11 +379,7 @@ class Server:
     def into_child(self, req: dict, out: int, err: int) -> None:
         """In the forked child: leave the server behind and set up the process the worker's
         command line would have made."""
-        server_pid = os.getppid()
-        os.setsid()
-        _die_with_parent()
-        if os.getppid() != server_pid:        # the server died before the line above
-            os._exit(70)
+        _detach()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
@@ -380,17 +387,7 @@ class Server:
         self.sel.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-        nice = int(req.get("nice") or 0)
-        if nice:
-            os.nice(nice)
-            try:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            except (OSError, AttributeError):
-                pass
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        for fd, target in ((devnull, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        _settle(req, out, err)
         os.chdir(req["cwd"] or os.getcwd())
         env = {str(k): str(v) for k, v in req["env"].items()}
         os.environ.clear()
