@@ -132,6 +132,12 @@ class RunState:
     # a plain script's steps as its ranks' step hooks report them (controller/rules/scriptsteps.py)
     script: ScriptRun = field(default_factory=ScriptRun)
 
+    def finished(self, rank: int) -> None:
+        """Rank `rank`'s worker finished (exit 0, or the SDK's done): counted, and never stalled."""
+        self.done_ranks.add(rank)
+        if self.hang is not None:
+            self.hang.on_done(rank)
+
 
 @dataclass
 class Incident:

@@ -293,9 +293,7 @@ class FailureFlow:
             return []
         if ev.code == 0:
             if st.run is not None:
-                st.run.done_ranks.add(ev.rank)
-                if st.run.hang is not None:
-                    st.run.hang.on_done(ev.rank)
+                st.run.finished(ev.rank)
                 if len(st.run.done_ranks) == self.ctx.world and st.phase == JobPhase.RUNNING:
                     return self.finish(st, "succeeded", None, now)
             return []

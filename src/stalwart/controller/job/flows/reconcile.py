@@ -133,9 +133,7 @@ class ReconcileFlow:
             log.info("job %s: run %s kept training through the restart; adopted", st.job_id, run.seq)
             for reg in reports.values():
                 for r in reg.done_ranks if reg.running_run == run.seq else ():
-                    run.done_ranks.add(r)           # (a rank that finished while nobody listened)
-                    if run.hang is not None:
-                        run.hang.on_done(r)
+                    run.finished(r)                 # (a rank that finished while nobody listened)
             return [record("run_adopted", now, run=run.seq, step=st.steps_done)]
         acts = self.failure.open(st, "control_plane", now)
         if st.incident is not None:

@@ -279,9 +279,7 @@ class RunFlow:
         run = st.run
         if run is None or ev.run != st.run_seq or st.phase != JobPhase.RUNNING:
             return []
-        run.done_ranks.add(ev.rank)
-        if run.hang is not None:
-            run.hang.on_done(ev.rank)
+        run.finished(ev.rank)
         if len(run.done_ranks) == self.ctx.world and st.steps_done >= self.ctx.spec.steps:
             return self.failure.finish(st, "succeeded", None, now)
         return []
