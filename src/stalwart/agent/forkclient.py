@@ -275,16 +275,7 @@ class ForkServers:
     def _start(self, key: tuple, command: list[str], env: dict[str, str], prefix: list[str] | None,
                cwd: str | None) -> _Server | None:
         os.makedirs(self.log_dir, exist_ok=True)
-        server_env = {k: v for k, v in env.items() if not runtime_key(k)}
-        server_env["PYTHONUNBUFFERED"] = "1"
-        if key[3] is not None:
-            server_env[PRELOAD_ENV] = key[3]
-        if self.exits_dir:
-            server_env[EXITS_ENV] = self.exits_dir
-        path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                if p and os.path.abspath(p) not in self.hide_paths]
-        if path:                  # (stalwart itself may be there)
-            server_env["PYTHONPATH"] = os.pathsep.join(path)
+        server_env = self._server_env({k: v for k, v in env.items() if not runtime_key(k)}, key[3])
         argv = list(prefix or []) + [command[0], SERVER]
         try:
             return self._in_starter(lambda: _Server(key, argv, server_env, cwd or os.getcwd(),
@@ -292,6 +283,22 @@ class ForkServers:
         except OSError as e:
             log.warning("fork server did not start (%s): workers start the usual way", e)
             return None
+
+    def _server_env(self, base: dict[str, str], preload: str | None, extra_path: str | None = None) -> dict[str, str]:
+        """A server's environment: `base`, unbuffered, its preload (None: the server's default),
+        where it notes exits, and PYTHONPATH without the hidden entries (plus `extra_path`)."""
+        server_env = dict(base, PYTHONUNBUFFERED="1")
+        if preload is not None:
+            server_env[PRELOAD_ENV] = preload
+        if self.exits_dir:
+            server_env[EXITS_ENV] = self.exits_dir
+        path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep)
+                if p and os.path.abspath(p) not in self.hide_paths]
+        if extra_path:
+            path.append(extra_path)
+        if path:                  # (stalwart itself may be there)
+            server_env["PYTHONPATH"] = os.pathsep.join(path)
+        return server_env
 
     def _in_starter(self, make: Callable[[], _Server]) -> _Server:
         """Run `make` on this object's own thread, which lives as long as the object: a server
@@ -371,14 +378,8 @@ class ForkServers:
         """The machine's exec server: this file's server with nothing preloaded, run by the agent's
         own interpreter (which has stalwart: the server imports its errors) behind `prefix`."""
         os.makedirs(self.log_dir, exist_ok=True)
-        server_env = dict(os.environ, PYTHONUNBUFFERED="1")
-        server_env[PRELOAD_ENV] = ""
-        if self.exits_dir:
-            server_env[EXITS_ENV] = self.exits_dir
-        path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                if p and os.path.abspath(p) not in self.hide_paths]
-        path.append(os.path.dirname(os.path.dirname(os.path.dirname(SERVER))))    # (where stalwart is)
-        server_env["PYTHONPATH"] = os.pathsep.join(path)
+        server_env = self._server_env(dict(os.environ), "",
+                                      extra_path=os.path.dirname(os.path.dirname(os.path.dirname(SERVER))))
         argv = list(prefix or []) + [sys.executable, SERVER]
         try:
             return self._in_starter(lambda: _Server(("exec",) + key, argv, server_env, self.log_dir,

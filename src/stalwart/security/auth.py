@@ -164,9 +164,9 @@ class ServerTls:
         self.args = (cert, key, client_ca, require_client_cert, crl)
         self.paths = [p for p in (cert, key, client_ca, crl) if p]
         self.stamp = self._stamp()
-        self.current = _server_context(*self.args)
         self.context = _server_context(*self.args)      # the one the server holds: it hands over
         self.context.sni_callback = self._handshake       # (called for every ClientHello, SNI or not)
+        self.current = self.context
         self.reloads = 0
         self.failed: str | None = None
 
