@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from stalwart.protocol import Env, WorkerChaos
 from stalwart.worker import memckpt
+from stalwart.worker.shardfmt import header_fields
 from stalwart.worker.adapters import dcp as adcp
 from stalwart.worker.adapters import require
 
@@ -109,9 +110,31 @@ def test_dcp_replans_when_a_shape_changes(ctx):
     assert torch.equal(sd["w"], torch.ones(5)) and torch.equal(sd["b"], torch.zeros(2))
 
 
+def test_replicas_write_identical_shards_so_backups_are_twins(ctx, tmp_path):
+    """Two data-parallel replicas (same state, other ranks) write shards with the same checksum
+    and size: a backup peer running one replica keeps a reference to its own copy of the other's
+    (agent/twins.py) instead of receiving it."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = adcp.Checkpointer(ctx)
+    _train_step(model, opt, 0)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    ck.save(state, 0)
+    ctx.mem.wait()
+    fields = []
+    for rank, d in ((0, str(tmp_path / "m0")), (1, str(tmp_path / "m1"))):
+        ck.rank = rank                      # (this process is the replica of either rank)
+        with memckpt.MemCheckpointer(d, rank) as m:
+            m.snapshot(ck._payload(state, 0), 0)
+        path = memckpt.list_shards(d, rank)[0][2]
+        fields.append(header_fields(open(path, "rb").read(), meta=False))
+    assert fields[0]["rank"] == 0 and fields[1]["rank"] == 1
+    assert all(fields[0][k] == fields[1][k] for k in ("nbytes", "hash", "checksum"))
+
+
 def _shard_payload(rank: int, rows: torch.Tensor, md: Metadata, world: int, step: int) -> dict:
     import pickle
-    return {"format": adcp.FORMAT, "step": step, "rank": rank, "world": world, "md": pickle.dumps(md),
+    return {"format": adcp.FORMAT, "step": step, "world": world, "md": pickle.dumps(md),
             "index": pickle.dumps([("w", (2 * rank, 0), False), ("n", None, True)]),
             "tensors": [rows], "objects": [7]}
 

@@ -17,7 +17,10 @@ preallocated shared-memory slot and commits the shard (checksum, header) on a ba
 the agent streams each committed shard to a backup peer outside the rank's groups and to the
 durable tier every `ckpt_every` steps, as for the SDK. A rank's shard holds every item the rank
 holds, including replicated ones DCP's plan assigns to another rank, so that one rank's shard
-restores that rank alone (a DDP rank restores from its own memory or its backup peer's).
+restores that rank alone (a DDP rank restores from its own memory or its backup peer's). The
+shard's payload names no rank (the shard's header does): data-parallel replicas write
+byte-identical shards, so a backup peer that runs a replica keeps a reference to its own copy
+instead of receiving the bytes (agent/twins.py).
 
 Restoring. `load` is DCP's load through `StalwartStorageReader`: DCP's load planner asks for the
 chunks each of this layout's tensors needs, and the reader serves them from the shard the agent
@@ -129,12 +132,14 @@ class StalwartStorageWriter(StorageWriter):
 class StalwartStorageReader(StorageReader):
     """A DCP storage reader over stalwart shards written by `Checkpointer.save`.
 
-    `payload` is this rank's shard of the step (what `memckpt.load` returns); chunks it lacks are
-    read from the same step's shards of the other ranks in `sources` (directories holding
-    stalwart shards: the durable tier, a machine's shared memory), loaded on first need.
+    `payload` is the shard of rank `shard_rank` (default: `rank`, this process's) of the step
+    (what `memckpt.load` returns); chunks it lacks are read from the same step's shards of the
+    other ranks in `sources` (directories holding stalwart shards: the durable tier, a machine's
+    shared memory), loaded on first need.
     """
 
-    def __init__(self, payload: dict, rank: int, sources: list[str] | None = None) -> None:
+    def __init__(self, payload: dict, rank: int, sources: list[str] | None = None,
+                 shard_rank: int | None = None) -> None:
         super().__init__()
         if payload.get("format") != FORMAT:
             raise ValueError("the shard was not written by stalwart's DCP adapter")
@@ -145,10 +150,10 @@ class StalwartStorageReader(StorageReader):
         self.metadata: Metadata = pickle.loads(payload["md"])
         self._have: dict[tuple, Any] = {}
         self._loaded: set[int] = set()
-        self._add(payload)
+        self._add(payload, rank if shard_rank is None else shard_rank)
 
-    def _add(self, payload: dict) -> None:
-        self._loaded.add(int(payload["rank"]))
+    def _add(self, payload: dict, rank: int) -> None:
+        self._loaded.add(rank)
         index = pickle.loads(payload["index"])
         tensors, objects = iter(payload["tensors"]), iter(payload["objects"])
         for fqn, offset, is_bytes in index:
@@ -165,7 +170,7 @@ class StalwartStorageReader(StorageReader):
                     _, payload = memckpt.load(src, r, self.step)
                 except (FileNotFoundError, memckpt.CorruptShard, ValueError):
                     continue
-                self._add(payload)
+                self._add(payload, r)
                 break
             else:
                 self._loaded.add(r)        # not found anywhere: do not look again
@@ -403,8 +408,8 @@ class Checkpointer:
         for pre, n in self._lens:
             if _size(state_dict, pre) != n:
                 raise _Replan()
-        return {"format": FORMAT, "step": step, "rank": self.rank, "world": self.world, "md": self._md,
-                "index": self._index, "tensors": tensors, "objects": objects}
+        return {"format": FORMAT, "step": step, "world": self.world, "md": self._md, "index": self._index,
+                "tensors": tensors, "objects": objects}
 
     def _save_durable(self, state_dict: dict, step: int) -> None:
         every = max(1, int(self.ctx.ckpt_every or 1))
@@ -469,7 +474,7 @@ def load_from(dir: str, state_dict: dict, step: int | None = None, rank: int | N
         step = max(held)
     mine = [r for r, s, _ in shards if s == step and r == rank]
     _, payload = memckpt.load(dir, mine[0] if mine else 0, step)
-    reader = StalwartStorageReader(payload, rank, sources=[dir])
+    reader = StalwartStorageReader(payload, rank, sources=[dir], shard_rank=mine[0] if mine else 0)
     dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner(),
              process_group=process_group, no_dist=not dist.is_initialized())
     return step
