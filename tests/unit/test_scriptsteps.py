@@ -116,3 +116,35 @@ def test_a_snapshot_carries_its_steps_so_a_restart_numbers_right_without_the_sav
     assert records[0][0] == "load" and records[0][4] == 5
     run, stale = ScriptRun(), {snap: 3}
     assert steps(number(run, stale, 0, records)) == [(0, 5)] and stale[snap] == 6
+
+
+def test_a_checkpoint_written_through_a_buffer_is_numbered_by_its_own_global_step(tmp_path):
+    """Lightning's way: `torch.save` into a BytesIO whose bytes go to the file, and `torch.load`
+    of an open file object. The file carries no mark; the checkpoint's `global_step` numbers the
+    restarted run, and a loaded dict without one is no snapshot."""
+    import io
+
+    import torch
+    ckpt = str(tmp_path / "last.ckpt")
+    first = stephook.Steps()
+    for _ in range(7):
+        first.on_step(first)
+    buf = io.BytesIO()
+    torch.save({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, buf)
+    first.on_file("save", buf)                   # an in-memory buffer: nothing to mark
+    with open(ckpt, "wb") as f:
+        f.write(buf.getvalue())
+    assert [r[0] for r in first.take()] == ["s"] * 7      # (no save record: no path to mark)
+    again = stephook.Steps()                     # the restarted process
+    with open(ckpt, "rb") as f:
+        obj = torch.load(f)
+        again.on_file("load", f, obj)            # a file object open on the file: its path
+    plain = io.BytesIO()
+    torch.save({"w": torch.zeros(1)}, plain)
+    plain.seek(0)
+    again.on_file("load", plain, torch.load(plain))   # no path, no step: nothing recorded
+    again.on_step(again)
+    assert again.base == 7
+    records = [["step" if r[0] == "s" else r[0], *r[1:]] for r in again.take()]
+    assert [r[0] for r in records] == ["load", "step"] and records[0][3] == ckpt and records[0][4] == 7
+    assert steps(number(ScriptRun(), {}, 0, records)) == [(0, 7)]

@@ -6,6 +6,8 @@ optimizer hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) see
 A script's own snapshots are ``torch.save(state, path)`` and ``torch.load(path)``: wrapping both
 tells at which step a file was written and that a restarted script read it back, which is what
 numbers its steps across restarts (the controller keeps the marks: ``controller/rules/scriptsteps.py``).
+A file object open on a file counts as its path; a checkpoint loaded without a mark that names its
+own ``global_step`` (Lightning's, written through an in-memory buffer) holds that many steps.
 
 ``hookdir/sitecustomize.py`` loads this file at interpreter start-up (beside the flight-recorder
 hook) and calls :func:`start`. The hooks are installed as soon as ``torch`` is imported (at once in
@@ -73,26 +75,31 @@ class Steps:
             self.n += 1
             self.records.append(["s", self.n, time.time()])
 
-    def on_file(self, kind: str, f: Any) -> None:
+    def on_file(self, kind: str, f: Any, obj: Any = None) -> None:
+        """`torch.save` wrote or `torch.load` read `f` (`obj`: what the load returned)."""
         path = file_path(f)
-        if path is None:
+        held = None
+        if kind == "load":
+            held = read_mark(path) if path is not None else None
+            if held is None:
+                held = checkpoint_step(obj)
+        if path is None and held is None:
             return
         with self.lock:
             if kind == "load":
-                held = read_mark(path)
                 if self.n == 0 and self.base is None:
                     if held is not None:
                         self.base = held
                     else:
                         self.unmarked = True
-                self.records.append([kind, self.n, time.time(), path, held])
-            else:
+                self.records.append([kind, self.n, time.time(), path or "", held])
+            elif path is not None:
                 if self.base is None and not self.unmarked:
                     self.base = 0           # nothing loaded before: the script starts from scratch
                 write_mark(path, None if self.base is None else self.base + self.n)
                 self.records.append([kind, self.n, time.time(), path])
                 self.saved.add(path)
-        if kind == "save" and self.directory:
+        if kind == "save" and path is not None and self.directory:
             self.flush(self.directory)      # a snapshot's mark is on disk before torch.save returns
 
     def on_move(self, src: Any, dst: Any) -> None:
@@ -149,14 +156,32 @@ def write_mark(path: str, steps: int | None) -> None:
 
 
 def file_path(f: Any) -> str | None:
-    """The absolute path `torch.save`/`torch.load` was given, or None for a file object."""
+    """The absolute path `torch.save`/`torch.load` was given: a path, or a file object open on a
+    file of the file system (its `name`, or fsspec's local `path`); None for an in-memory buffer."""
     if isinstance(f, (str, bytes)) or hasattr(f, "__fspath__"):
         try:
             p = os.fsdecode(os.fspath(f))
         except TypeError:
             return None
         return os.path.abspath(p)
+    for attr in ("name", "path"):
+        try:
+            name = getattr(f, attr, None)
+        except Exception:    # noqa: BLE001 - a file object's property: never into the training script
+            continue
+        if isinstance(name, str) and name and os.path.isfile(name):
+            return os.path.abspath(name)
     return None
+
+
+def checkpoint_step(obj: Any) -> int | None:
+    """The optimizer steps a loaded checkpoint says it holds, for one that carries no mark: its
+    `global_step` (Lightning's checkpoints, and scripts that keep the name). Lightning saves through
+    an in-memory buffer that it writes to the file, so its files never carry a mark."""
+    if not isinstance(obj, dict):
+        return None
+    step = obj.get("global_step")
+    return step if type(step) is int and step >= 0 else None
 
 
 STATE = Steps()
@@ -184,7 +209,7 @@ def install(torch: Any, state: Steps = STATE) -> bool:
 
     def loaded(f, *a, **kw):
         out = load(f, *a, **kw)
-        state.on_file("load", f)
+        state.on_file("load", f, out)
         return out
 
     for fn, orig in ((saved, save), (loaded, load)):
