@@ -16,55 +16,86 @@ from stalwart.analyzer.links import LinkModel, LinkWatch, PairWindow, culprits, 
 from stalwart.controller.job import actions as a
 from stalwart.controller.job.state import JobPhase, dumps, loads
 
-# captured with `ss -tinHe state established` in a namespace machine's network (10.77.0.0/24):
-# a gloo pair of a worker on 10.77.0.3 with a peer whose link is limited by tc tbf (RTO backoff,
-# retransmissions, unacknowledged data), a healthy pair, and its connection to the store on loopback
-SS_TEXT = """\
-0      0      10.77.0.3:41338 10.77.0.2:29500 ino:4174503 sk:1 cgroup:/ <->
+# Captured on this host with `ss -tinHe state established` (iproute2 6.1) inside namespace machines:
+# two gloo pairs of a healthy 4-machine DP job (one busy: 83 retransmissions, all of them DSACKed
+# spurious; one idle), a loopback connection, and (SS_SLOW, SS_PARTED) one socket streaming to a
+# peer whose link `chaos.net.link_slow` limited to 1mbit, then to a peer it was partitioned from.
+SS_HEALTHY = """\
+0      0               10.213.1.12:53502         10.213.1.11:39127 ino:4196630 sk:26 cgroup:/ <->
+\t ts sack bbr wscale:10,10 rto:204 rtt:0.135/0.148 ato:40 mss:1448 pmtu:1500 rcvmss:536 advmss:1448 cwnd:417 \
+bytes_sent:169413336 bytes_retrans:5584 bytes_acked:169407753 bytes_received:139392 segs_out:122404 segs_in:6085 \
+data_segs_out:122050 data_segs_in:2918 bbr:(bw:67849142264bps,mrtt:0.006,pacing_gain:2.88672,cwnd_gain:2.88672) \
+send 35781688889bps lastsnd:48 lastrcv:48 lastack:48 pacing_rate 193902777232bps delivery_rate 67849142856bps \
+delivered:122051 app_limited busy:1876ms retrans:0/83 dsack_dups:83 rcv_rtt:16290.2 rcv_space:64560 \
+rcv_ssthresh:64088 minrtt:0.006 snd_wnd:2745344
+0      0               10.213.1.12:40412         10.213.1.10:46777 ino:4196629 sk:28 cgroup:/ <->
+\t ts sack bbr wscale:10,10 rto:204 rtt:0.014/0.007 mss:1448 pmtu:1500 rcvmss:536 advmss:1448 cwnd:11 bytes_sent:8 \
+bytes_acked:9 segs_out:3 segs_in:2 data_segs_out:1 bbr:(bw:1448000000bps,mrtt:0.008,pacing_gain:2.88672,\
+cwnd_gain:2.88672) send 9101714286bps lastsnd:35404 lastrcv:35404 lastack:35404 pacing_rate 22070233680bps \
+delivery_rate 1448000000bps delivered:2 app_limited rcv_space:14480 rcv_ssthresh:64088 minrtt:0.008 snd_wnd:65536
+0      0      127.0.0.1:59050 127.0.0.1:47721 ino:4174503 sk:1 cgroup:/ <->
 \t ts sack bbr wscale:10,10 rto:204 rtt:0.441/0.43 mss:65483 pmtu:65535 rcvmss:536 advmss:65483 cwnd:46 \
 ssthresh:8 bytes_sent:10000000 bytes_acked:10000001 segs_out:179 segs_in:34 data_segs_out:177 \
-bbr:(bw:104772793752bps,mrtt:0.009,pacing_gain:1,cwnd_gain:2) send 54643410431bps lastsnd:4 lastrcv:8 \
-lastack:4 pacing_rate 103725065816bps delivery_rate 13096600000bps delivered:178 busy:4ms reordering:11 \
-rcv_space:65495 rcv_ssthresh:65495 minrtt:0.009 snd_wnd:1978368
-0      28960  10.77.0.3:52114 10.77.0.4:40121 ino:4174611 sk:3 cgroup:/ <->
-\t ts sack bbr wscale:10,10 rto:1632 backoff:2 rtt:403.2/150.1 mss:1448 pmtu:1500 rcvmss:536 advmss:1448 \
-cwnd:1 ssthresh:7 bytes_sent:2881304 bytes_retrans:34752 bytes_acked:2817793 segs_out:2012 segs_in:1270 \
-data_segs_out:2004 send 28730bps lastsnd:212 lastrcv:1490 lastack:1490 pacing_rate 57455bps \
-delivery_rate 1007680bps delivered:1956 busy:15120ms rwnd_limited:12ms(0.1%) unacked:20 retrans:1/24 \
-lost:20 rcv_space:14480 rcv_ssthresh:64088 notsent:14480 minrtt:0.05
-0      0      127.0.0.1:33922 127.0.0.1:29500 ino:4174700 sk:4 cgroup:/ <->
-\t ts sack cubic wscale:7,7 rto:201 rtt:0.03/0.01 mss:32768 bytes_acked:120 segs_out:5 segs_in:5 \
-send 8738133333bps lastsnd:44 lastrcv:44 lastack:44 minrtt:0.02
-ESTAB 0 0 [::ffff:10.77.0.3]:41400 [::ffff:10.77.0.5]:5555 ino:4174800 sk:5 <->
-\t cubic rtt:1.5/0.7 bytes_acked:10 retrans:0/3
-garbage line without an address
+bbr:(bw:104772793752bps,mrtt:0.009,pacing_gain:1,cwnd_gain:2) send 54643410431bps lastsnd:4 lastrcv:8 lastack:4 \
+pacing_rate 103725065816bps delivery_rate 13096600000bps delivered:178 busy:4ms reordering:11 rcv_space:65495 \
+rcv_ssthresh:65495 minrtt:0.009 snd_wnd:1978368
+"""
+SS_SLOW = """\
+0      3871952 10.213.1.10:40270 10.213.1.11:5555 timer:(on,588ms,0) ino:4214370 sk:58 cgroup:unreachable:1 <->
+\t ts sack bbr wscale:10,10 rto:472 rtt:101.42/39.815 mss:1448 pmtu:1500 rcvmss:536 advmss:1448 cwnd:12 \
+ssthresh:934 bytes_sent:1211489592 bytes_retrans:810880 bytes_acked:1208434313 segs_out:837852 segs_in:3365 \
+data_segs_out:837850 bbr:(bw:956280bps,mrtt:0.005,pacing_gain:1,cwnd_gain:2) send 1370617bps lastsnd:16 \
+lastrcv:3988 lastack:12 pacing_rate 946720bps delivery_rate 956608bps delivered:835795 busy:3796ms unacked:334 \
+retrans:11/560 lost:281 sacked:53 dsack_dups:1 reordering:90 reord_seen:1 rcv_space:14480 rcv_ssthresh:64088 \
+notsent:3388320 minrtt:0.005 snd_wnd:23419904
+"""
+SS_PARTED = """\
+0      3870504 10.213.1.10:40270 10.213.1.11:5555 timer:(on,912ms,2) ino:4214370 sk:58 cgroup:unreachable:1 <->
+\t ts sack bbr wscale:10,10 rto:1856 backoff:2 rtt:90.742/41.24 mss:1448 pmtu:1500 rcvmss:536 advmss:1448 cwnd:1 \
+ssthresh:934 bytes_sent:1211495384 bytes_retrans:816672 bytes_acked:1208435761 segs_out:837856 segs_in:3366 \
+data_segs_out:837854 bbr:(bw:956280bps,mrtt:0.005,pacing_gain:1,cwnd_gain:2) send 127659bps lastsnd:944 \
+lastrcv:6504 lastack:2516 pacing_rate 946720bps delivery_rate 157800bps delivered:835796 busy:6312ms unacked:333 \
+retrans:1/564 lost:280 sacked:53 dsack_dups:1 reordering:90 reord_seen:1 rcv_space:14480 rcv_ssthresh:64088 \
+notsent:3388320 minrtt:0.005 snd_wnd:23419904
 """
 
 
 def test_ss_output_parses_into_sockets():
-    socks = parse_ss(SS_TEXT)
-    assert [s.inode for s in socks] == [4174503, 4174611, 4174700, 4174800]
-    slow = socks[1]
-    assert (slow.local, slow.local_port, slow.peer, slow.peer_port) == ("10.77.0.3", 52114, "10.77.0.4", 40121)
-    assert (slow.rtt_ms, slow.rttvar_ms, slow.retrans, slow.total_retrans) == (403.2, 150.1, 1, 24)
-    assert (slow.unacked, slow.backoff, slow.lost, slow.bytes_acked) == (20, 2, 20, 2817793)
-    assert socks[0].rtt_ms == 0.441 and socks[0].total_retrans == 0 and socks[0].backoff == 0
-    assert socks[3].peer == "10.77.0.5" and socks[3].total_retrans == 3     # the State column, IPv4-mapped
+    socks = parse_ss(SS_HEALTHY + SS_SLOW + "ESTAB 0 0 [::ffff:10.0.0.3]:41400 [::ffff:10.0.0.5]:5555 ino:7 <->\n"
+                     "\t cubic rtt:1.5/0.7 retrans:0/3\nnot a socket\n")
+    assert [s.inode for s in socks] == [4196630, 4196629, 4174503, 4214370, 7]
+    busy, idle, _, slow, mapped = socks
+    assert (busy.local, busy.local_port, busy.peer, busy.peer_port) == ("10.213.1.12", 53502, "10.213.1.11", 39127)
+    assert (busy.rtt_ms, busy.total_retrans, busy.dsack_dups, busy.backoff) == (0.135, 83, 83, 0)
+    assert (slow.rtt_ms, slow.rttvar_ms, slow.retrans, slow.total_retrans) == (101.42, 39.815, 11, 560)
+    assert (slow.unacked, slow.lost, slow.dsack_dups, slow.bytes_acked) == (334, 281, 1, 1208434313)
+    assert idle.bytes_acked == 9 and idle.unacked == 0
+    assert (mapped.local, mapped.peer, mapped.total_retrans) == ("10.0.0.3", "10.0.0.5", 3)   # State column
+    [parted] = parse_ss(SS_PARTED)
+    assert (parted.backoff, parted.unacked, parted.total_retrans) == (2, 333, 564)
 
 
 def test_per_peer_sums_since_the_previous_sample_and_leaves_loopback_out():
     prev: dict[int, tuple[int, int]] = {}
-    first = per_peer(parse_ss(SS_TEXT), prev)
-    assert {(s.local, s.peer) for s in first} == {("10.77.0.3", "10.77.0.2"), ("10.77.0.3", "10.77.0.4"),
-                                                  ("10.77.0.3", "10.77.0.5")}
+    first = per_peer(parse_ss(SS_HEALTHY + SS_SLOW), prev)
+    assert [(s.local, s.peer) for s in first] == [("10.213.1.10", "10.213.1.11"), ("10.213.1.12", "10.213.1.10"),
+                                                  ("10.213.1.12", "10.213.1.11")]
     assert all(s.retrans == 0 and s.acked == 0 and s.rtt_ms is None for s in first)   # counted from now
-    later = SS_TEXT.replace("retrans:1/24", "retrans:1/30").replace("bytes_acked:2817793", "bytes_acked:2827793")
-    by_peer = {s.peer: s for s in per_peer(parse_ss(later), prev)}
-    slow = by_peer["10.77.0.4"]
-    assert (slow.retrans, slow.acked, slow.rtt_ms) == (6, 10000, 403.2)
-    assert (slow.unacked, slow.backoff, slow.socks) == (20, 2, 1)
-    assert by_peer["10.77.0.2"].rtt_ms is None                  # no data acknowledged: no RTT sample
-    assert set(prev) == {4174503, 4174611, 4174800}
+    assert set(prev) == {4196630, 4196629, 4214370}
+    [parted] = per_peer(parse_ss(SS_PARTED), prev)
+    assert (parted.retrans, parted.acked, parted.rtt_ms) == (4, 1448, 90.742)
+    assert (parted.unacked, parted.backoff, parted.socks) == (333, 2, 1)
+    assert set(prev) == {4214370}                               # the others are gone
+
+
+def test_spurious_retransmissions_are_not_losses():
+    prev: dict[int, tuple[int, int]] = {}
+    per_peer(parse_ss(SS_HEALTHY), prev)
+    more = SS_HEALTHY.replace("retrans:0/83 dsack_dups:83", "retrans:0/90 dsack_dups:85")
+    by_peer = {s.peer: s for s in per_peer(parse_ss(more), prev)}
+    assert by_peer["10.213.1.11"].retrans == 5                  # 7 retransmitted, 2 of them duplicates
+    later = more.replace("retrans:0/90 dsack_dups:85", "retrans:0/90 dsack_dups:90")
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(later), prev)}["10.213.1.11"] == 0
 
 
 # -- the pair analysis on synthetic figures ---------------------------------------------------------

@@ -39,6 +39,7 @@ FRESH_S = 5.0               # a pair's last judged value stays its peers' refere
 MEMORY_S = 10.0             # a pair found abnormal counts this long when the machine is named
 SAMPLES_MAX = 64            # healthy log RTTs kept per pair (thinned evenly)
 MIN_SAMPLES = 3             # a pair's RTT is judged once its healthy windows gave this many
+LOSS_MIN = 3                # retransmissions in a window past the healthy most by at least this many
 
 
 def pair_key(a: str, b: str) -> str:
@@ -68,11 +69,12 @@ class PairWindow:
 @dataclass
 class PairModel:
     """One pair's healthy figures: its log RTT's median and spread, the largest deviation and the
-    most retransmissions it showed in a window."""
+    most retransmissions it showed in a window, whether it ever backed off while healthy."""
     center: float
     spread: float
     worst: float
     retrans: int
+    stuck: bool = False
 
 
 @dataclass
@@ -81,8 +83,10 @@ class LinkModel:
     windows: int = 0
 
     @classmethod
-    def fit(cls, rtts: dict[str, list[float]], retrans: dict[str, int], windows: int) -> "LinkModel":
+    def fit(cls, rtts: dict[str, list[float]], retrans: dict[str, int], windows: int,
+            stuck: Iterable[str] = ()) -> "LinkModel":
         m = cls(windows=windows)
+        stuck = set(stuck)
         for k in set(rtts) | set(retrans):
             vs = rtts.get(k, [])
             if len(vs) >= MIN_SAMPLES:
@@ -91,7 +95,8 @@ class LinkModel:
                 worst = max(abs(v - c) for v in vs)
             else:
                 c, spread, worst = math.nan, SPREAD_FLOOR, 0.0
-            m.pairs[k] = PairModel(center=c, spread=spread, worst=worst, retrans=retrans.get(k, 0))
+            m.pairs[k] = PairModel(center=c, spread=spread, worst=worst, retrans=retrans.get(k, 0),
+                                   stuck=k in stuck)
         return m
 
     def bound(self, key: str) -> float:
@@ -156,8 +161,8 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
         if ref is not None and dev > bound and dev - ref > bound:
             healthy = math.exp(model.pairs[key].center)
             out[key] = f"RTT {w.rtt_ms:.1f} ms, {math.exp(dev):.0f}x its healthy {healthy:.2f} ms"
-    lossy = {k for k, w in window.items() if k in model.pairs
-             and (w.retrans > 2 * model.pairs[k].retrans or (w.stuck and not model.pairs[k].retrans))}
+    lossy = {k for k, w in window.items() if k in model.pairs and (w.retrans > loss_bound(model.pairs[k])
+                                                                     or (w.stuck and not model.pairs[k].stuck))}
     for key in lossy:
         a, b = ends(key)
         others = [k for k in known if k != key and not set(ends(k)) & {a, b}] or [k for k in known if k != key]
@@ -167,6 +172,12 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
             out[key] = (out[key] + "; " if key in out else "") + what
             lost = True
     return Finding(pairs=out, machines=culprits(out), loss=lost)
+
+
+def loss_bound(pm: PairModel) -> int:
+    """The retransmissions in a window past which a pair loses (twice its healthy most, and at
+    least LOSS_MIN more)."""
+    return max(2 * pm.retrans, pm.retrans + LOSS_MIN)
 
 
 @dataclass
@@ -182,6 +193,7 @@ class LinkWatch:
     current: dict[str, PairWindow] = field(default_factory=dict)
     rtts: dict[str, list[float]] = field(default_factory=dict)     # healthy log RTTs per pair
     retrans: dict[str, int] = field(default_factory=dict)          # healthy max retransmissions per window
+    stuck: list[str] = field(default_factory=list)                 # pairs that backed off while healthy
     learned: int = 0
     model: LinkModel | None = None
     last: dict[str, tuple[float, float]] = field(default_factory=dict)   # pair -> (deviation, when)
@@ -219,6 +231,8 @@ class LinkWatch:
         self.learned += 1
         for k, w in window.items():
             self.retrans[k] = max(self.retrans.get(k, 0), w.retrans)
+            if w.stuck and k not in self.stuck:
+                self.stuck.append(k)
             if w.rtt_ms is not None:
                 kept = self.rtts.setdefault(k, [])
                 kept.append(math.log(w.rtt_ms))
@@ -226,8 +240,8 @@ class LinkWatch:
                     self.rtts[k] = kept[::2]
 
     def fit(self) -> LinkModel:
-        self.model = LinkModel.fit(self.rtts, self.retrans, self.learned)
-        self.rtts, self.retrans = {}, {}
+        self.model = LinkModel.fit(self.rtts, self.retrans, self.learned, self.stuck)
+        self.rtts, self.retrans, self.stuck = {}, {}, []
         return self.model
 
     def judge(self, window: dict[str, PairWindow], now: float) -> Finding:
