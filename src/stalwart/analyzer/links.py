@@ -39,7 +39,7 @@ FRESH_S = 5.0               # a pair's last judged value stays its peers' refere
 MEMORY_S = 10.0             # a pair found abnormal counts this long when the machine is named
 SAMPLES_MAX = 64            # healthy log RTTs kept per pair (thinned evenly)
 MIN_SAMPLES = 3             # a pair's RTT is judged once its healthy windows gave this many
-LOSS_MIN = 3                # retransmissions in a window past the healthy most by at least this many
+LOSS_MIN = 2                # retransmissions in a window past the healthy most by more than this many
 
 
 def pair_key(a: str, b: str) -> str:

@@ -16,9 +16,11 @@ job slowed, at most half the job, standbys ready): never on the figures alone.
 """
 from __future__ import annotations
 
+import math
+
 from stalwart import protocol
 from stalwart.analyzer.failslow import slowdown
-from stalwart.analyzer.links import Finding, LinkWatch, ends
+from stalwart.analyzer.links import MEMORY_S, Finding, LinkWatch, ends
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.detectors.trace import (RECENT_N, TRACE_EVICT_STREAK, TRACE_REALERT_S,
                                                      why_not_evict)
@@ -72,7 +74,10 @@ class LinkDetector(BaseDetector):
                 return []
             model = lw.fit()
             return [record("link_model_fitted", now, run=st.run_seq, windows=model.windows,
-                           pairs=len(model.pairs))]
+                           pairs=len(model.pairs),
+                           healthy={k: {"rtt_ms": None if math.isnan(pm.center) else round(math.exp(pm.center), 3),
+                                        "retrans": pm.retrans, "backoff": pm.stuck}
+                                    for k, pm in sorted(model.pairs.items())})]
         finding = lw.judge(window, now)
         streak = lw.track(finding)
         if not finding.machines or (not finding.loss and streak < LINK_STREAK):
@@ -91,9 +96,9 @@ class LinkDetector(BaseDetector):
         for m in machines:
             lw.last_alert[m] = now
         pairs = [f"{' - '.join(ends(k))}: {why}" for k, why in sorted(finding.pairs.items())]
-        common = "the end they share" if len(finding.pairs) > 1 else "its two ends"
         reason = (f"the workers' connections between {'; '.join(pairs)} left what they showed while healthy, "
-                  f"and the pairs without {', '.join(machines)} did not ({common}: {', '.join(machines)})")
+                  f"and the pairs without {', '.join(machines)} did not: {', '.join(machines)} named (common "
+                  f"to the pairs found abnormal in the last {MEMORY_S:g} s; a lone pair names both its ends)")
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=[],
                                 group="", score=float(streak), collectives=[], reason=reason, link=True,
                                 pairs=dict(sorted(finding.pairs.items())))]
