@@ -6,6 +6,7 @@ figures alone)."""
 from __future__ import annotations
 
 import math
+import os
 import random
 
 from corekit import Harness, of, records
@@ -224,3 +225,14 @@ def test_the_pairs_found_within_the_memory_name_the_machine_together():
     second = {k: w for k, w in window(rng, slow="m2").items() if k != "m0|m2"}
     assert lw.judge(second, 101.0).machines == ["m2"]
     assert lw.judge(window(rng, slow="m3"), 200.0).machines == ["m3"]      # the old pairs are forgotten
+
+
+def test_the_sampler_without_ss_is_off_and_samples_nothing(monkeypatch, caplog):
+    import stalwart.agent.tcpstats as tcpstats
+
+    monkeypatch.setattr(tcpstats.shutil, "which", lambda name: None)
+    with caplog.at_level("INFO", logger="stalwart.agent.tcpstats"):
+        sampler = tcpstats.TcpSampler()
+    assert sampler.off and "ss not found" in sampler.off
+    assert sampler.sample([os.getpid()]) == []
+    assert sum("per-peer TCP figures off" in r.getMessage() for r in caplog.records) == 1
