@@ -39,6 +39,7 @@ from stalwart.agent.paths import claim
 from stalwart.agent.probes.gpu import make_gpu_source
 from stalwart.agent.probeset import machine_probes
 from stalwart.agent.progress import ProgressWatch, hook_dir
+from stalwart.agent.tcpstats import TcpSampler
 from stalwart.agent.runstate import RunState
 from stalwart.agent.session import ControllerSession
 from stalwart.agent.succession import Succession
@@ -114,7 +115,7 @@ class Agent:
         self.monitor = Monitor(probes, self.emit, certain_kinds=frozenset({"disk_full"}))
         self.progress = ProgressWatch(os.path.join(self.workdir, "fr"), lambda: list(self.workers.workers),
                                       self.server.has_link, lambda: dict(self.state.last_step),
-                                      lambda: self.state.run, self.emit, period_s=heartbeat_s)
+                                      lambda: self.state.run, self.emit, period_s=heartbeat_s, tcp=TcpSampler())
         self.exits = ExitReports(lambda: self.workers.workers, self.monitor.sweep, self.progress.script_events,
                                  self.emit)
         # peers fetch backups at this machine's address (a local namespace machine's agent stays

@@ -7,7 +7,9 @@ that computes from one that is stuck. Every period this sampler reads, for each 
   its log files;
 - the summary its flight-recorder hook wrote (`worker/frhook.py`, in `<workdir>/fr/<pid>.json`):
   how many collectives it entered and whether it is inside one now, and the collectives entered
-  since the hook's previous summary (its trace: forwarded to the controller's trace detector).
+  since the hook's previous summary (its trace: forwarded to the controller's trace detector);
+- with a `TcpSampler` (agent/tcpstats.py), the kernel's figures of the workers' TCP connections to
+  the other machines, per peer address (forwarded to the controller's link detector).
 
 `analyzer.activity.progressed` judges each worker (a new collective is progress; outside a collective, CPU
 or log growth is; inside one, neither is: NCCL's wait spins), and one `activity` event per period
@@ -30,6 +32,7 @@ import psutil
 
 from stalwart import protocol as p
 from stalwart.agent import scriptsteps
+from stalwart.agent.tcpstats import TcpSampler
 from stalwart.agent.workers import Worker, process_tree
 from stalwart.analyzer.activity import ActivitySample, progressed
 
@@ -79,8 +82,9 @@ class ProgressWatch:
 
     def __init__(self, fr_dir: str, workers: Callable[[], list[Worker]], has_sdk: Callable[[int], bool],
                  last_steps: Callable[[], dict[int, int]], run: Callable[[], int | None],
-                 emit: Callable[[p.Event], None], period_s: float = 1.0):
+                 emit: Callable[[p.Event], None], period_s: float = 1.0, tcp: TcpSampler | None = None):
         self.fr_dir = fr_dir
+        self.tcp = tcp
         self.workers, self.has_sdk, self.last_steps, self.run = workers, has_sdk, last_steps, run
         self.emit = emit
         self.period_s = period_s
@@ -197,9 +201,10 @@ class ProgressWatch:
                 ops = self._new_ops(rank, summary)
                 if ops:
                     traces[rank] = ops
-        if not ranks and not counts and not traces:
+        links = self.tcp.sample(proc.pid for procs in trees.values() for proc in procs) if self.tcp else []
+        if not ranks and not counts and not traces and not links:
             return None
-        return p.Activity(run=run, ranks=sorted(ranks), collectives=counts, traces=traces, t=now)
+        return p.Activity(run=run, ranks=sorted(ranks), collectives=counts, traces=traces, links=links, t=now)
 
     def _new_ops(self, rank: int, summary: dict) -> list[p.TraceOp]:
         """The trace operations of `summary` not sent yet (a summary is read until the next replaces

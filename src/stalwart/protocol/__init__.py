@@ -25,7 +25,7 @@ from stalwart.protocol.commands import (
 from stalwart.protocol.events import (
     Step, StepOfRank, Steps, STEP_FIELDS, merge_steps, Ckpt, WorkerExit, Severity, Health, Stopped, Stacks,
     DiagResult, SparesReady, ChaosApplied, Started, RestoreSourceUsed, RestoreFailed, CommandFailed, Done,
-    Metrics, Prewarmed, Hello, Restored, StandbyReady, TraceOp, Activity, ScriptRecord, Script, Event,
+    Metrics, Prewarmed, Hello, Restored, StandbyReady, TraceOp, LinkStat, Activity, ScriptRecord, Script, Event,
     EVENT_TYPES, EVIDENCE, decode_event,
 )
 from stalwart.protocol.registration import Registration
@@ -43,7 +43,8 @@ __all__ = [
     "Diagnose", "Shutdown", "Command", "decode_command", "Step", "StepOfRank", "Steps", "STEP_FIELDS",
     "merge_steps", "Ckpt", "WorkerExit", "Severity", "Health", "Stopped", "Stacks", "DiagResult", "SparesReady",
     "ChaosApplied", "Started", "RestoreSourceUsed", "RestoreFailed", "CommandFailed", "Done", "Metrics",
-    "Prewarmed", "Hello", "Restored", "StandbyReady", "TraceOp", "Activity", "ScriptRecord", "Script", "Event",
+    "Prewarmed", "Hello", "Restored", "StandbyReady", "TraceOp", "LinkStat", "Activity", "ScriptRecord", "Script",
+    "Event",
     "EVENT_TYPES", "EVIDENCE", "decode_event", "Registration", "Shard", "Failing", "FromWorker", "Forwarded",
     "Activate", "WorkerChaos", "ToWorker", "decode_from_worker", "decode_to_worker", "AGENT_RETRY_CAP_S",
     "MACHINE_ID", "MACHINE_ID_RE", "MACHINE_ID_RULE", "CHANNEL_PATH", "MAX_EVENTS", "MAX_MESSAGE", "Register",

@@ -245,15 +245,32 @@ class TraceOp(msgspec.Struct, array_like=True, frozen=True):
     seq: int
 
 
+class LinkStat(msgspec.Struct, array_like=True, frozen=True):
+    """The kernel's view (tcp_info) of this machine's workers' TCP connections to one peer address,
+    since the previous sample (agent/tcpstats.py): the local and the peer address, how many sockets,
+    the largest smoothed RTT (ms) among the sockets that had data acknowledged (None: none did),
+    retransmissions, bytes still unacknowledged, the largest RTO backoff, bytes acknowledged."""
+    local: str
+    peer: str
+    socks: int
+    rtt_ms: float | None
+    retrans: int
+    unacked: int
+    backoff: int
+    acked: int
+
+
 class Activity(Message, tag="activity", kw_only=True):
     """Progress the agent saw in its workers without step reports (agent/progress.py): `ranks` used
     CPU (or wrote to their log) outside a collective since the last sample; `collectives` is, per
     rank without the SDK, how many collectives it has entered (its flight recorder), when that grew;
-    `traces`, per rank, the collectives entered since the last sample (the newest, at most 128)."""
+    `traces`, per rank, the collectives entered since the last sample (the newest, at most 128);
+    `links`, the workers' connections to other machines, per peer address (`LinkStat`)."""
     run: int | None = None
     ranks: list[int] = []
     collectives: dict[int, int] = {}
     traces: dict[int, list[TraceOp]] = {}
+    links: list[LinkStat] = []
     t: float = 0.0
 
 

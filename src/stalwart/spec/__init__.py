@@ -169,8 +169,9 @@ class Policy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "share one host's few cores: there the spares' imports compete with training, and a "
         "fault soon after the start finds them still importing.")] = True
     trace_detector: Annotated[bool, _doc(
-        "learn each job's healthy collective traces (the workers' flight recorders) and alert on "
-        "a rank whose trace leaves them (docs/trace-detector.md).")] = True
+        "learn each job's healthy collective traces (the workers' flight recorders) and the "
+        "TCP figures of its machine pairs, and alert on a rank whose trace leaves them or a "
+        "machine whose pairs do (docs/trace-detector.md).")] = True
     trace_evict: Annotated[bool, _doc(
         "a trace alert may evict the machines it names, only while the job is slowed and a "
         "standby is ready; off: alerts only.")] = False

@@ -32,6 +32,7 @@ import msgspec
 from stalwart import protocol
 from stalwart.analyzer.failslow import FailSlowRounds
 from stalwart.analyzer.replay import ReplayPlan
+from stalwart.analyzer.links import LinkWatch
 from stalwart.analyzer.traces import TraceWatch
 from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.rules.peerwatch import PeerWatch
@@ -262,6 +263,7 @@ class Signals:
     peer_next_check: float = 0.0
     peer_steps: int = 0
     traces: TraceWatch | None = None          # the trace detector's windows and model
+    links: LinkWatch | None = None            # the link detector's pairs and model
     step_times: list[tuple[float, int]] = field(default_factory=list)   # (t, step) for steps/s
 
 

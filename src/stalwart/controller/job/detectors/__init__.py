@@ -8,6 +8,7 @@ silent fault and says what it found, behind one interface (`base.Detector`).
 | `failslow.py` | `FailSlowDetector` | throughput drops; rounds of stacks and per-rank compute times |
 | `peers.py` | `PeerDetector` | machines whose metrics stay unlike their peers' (similarity) |
 | `trace.py` | `TraceDetector` | ranks whose collective traces leave the distribution learned while healthy |
+| `links.py` | `LinkDetector` | machine pairs whose TCP connections leave the RTT and loss learned while healthy |
 
 `flows/implicit.py` holds one of each and hands every event, committed step and tick to them; a new
 detector is one more module here and one more entry in its list. This package's `__init__` imports

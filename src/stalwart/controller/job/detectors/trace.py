@@ -27,7 +27,7 @@ from stalwart.analyzer.failslow import slowdown
 from stalwart.analyzer.traces import TraceWatch, describe, op_key
 from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
-from stalwart.controller.job.flows.base import record, save_data
+from stalwart.controller.job.flows.base import Ctx, record, save_data
 from stalwart.controller.job.state import JobPhase, JobState
 
 TRACE_STREAK = 2            # abnormal windows in a row before a rank is named
@@ -148,7 +148,7 @@ class TraceDetector(BaseDetector):
         machines = [st.slots[i] for i in topo.machines_of(ranks)]
         fresh = [m for m in machines if now - tw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]
         steady = min(tw.streak[r] for r in ranks) >= TRACE_EVICT_STREAK
-        may_evict = steady and self._why_not_evict(st, machines) is None
+        may_evict = steady and why_not_evict(self.ctx, st, machines) is None
         if not fresh and not may_evict:
             return []
         for m in machines:
@@ -173,15 +173,16 @@ class TraceDetector(BaseDetector):
         inc.data.update(analysis=inc.reason, trace={"ranks": ranks, "group": group, "collectives": collectives})
         return acts + [save_data(inc)]
 
-    def _why_not_evict(self, st: JobState, machines: list[str]) -> str | None:
-        """Why an alert must not evict (None: it may): never on a score alone."""
-        p = self.ctx.policy
-        if not p.trace_evict:
-            return "policy.trace_evict is off"
-        if len(machines) > max(1, len(st.slots) // 2):
-            return "the alert names most of the job"
-        if len(machines) > len(self.ctx.ready_standbys(st)):
-            return "no standby for them"
-        if slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s) < 1 / (1 - p.failslow_drop):
-            return "the job is not slowed"
-        return None
+
+def why_not_evict(ctx: Ctx, st: JobState, machines: list[str]) -> str | None:
+    """Why an alert naming `machines` must not evict (None: it may): never on a score alone."""
+    p = ctx.policy
+    if not p.trace_evict:
+        return "policy.trace_evict is off"
+    if len(machines) > max(1, len(st.slots) // 2):
+        return "the alert names most of the job"
+    if len(machines) > len(ctx.ready_standbys(st)):
+        return "no standby for them"
+    if slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s) < 1 / (1 - p.failslow_drop):
+        return "the job is not slowed"
+    return None

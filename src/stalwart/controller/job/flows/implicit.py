@@ -1,12 +1,14 @@
 """Implicit failures: the job core's detectors (`controller/job/detectors/`: hangs, NaN and loss
 jumps, fail-slow rounds, peers that stay unlike each other, collective traces that leave their
-learned distribution), held here behind one interface. This flow hands each of them every agent
-event, committed step and tick, in a fixed order, and asks nothing else of them."""
+learned distribution, machine pairs whose connections misbehave), held here behind one interface.
+This flow hands each of them every agent event, committed step and tick, in a fixed order, and asks
+nothing else of them."""
 from __future__ import annotations
 
 from stalwart import protocol
 from stalwart.controller.job.detectors.base import Detector
 from stalwart.controller.job.detectors.failslow import FailSlowDetector
+from stalwart.controller.job.detectors.links import LinkDetector
 from stalwart.controller.job.detectors.hang import ABNORMAL_STATES, TRACE_TIMEOUT_S, HangDetector
 from stalwart.controller.job.detectors.peers import PeerDetector, peer_check_period
 from stalwart.controller.job.detectors.trace import TraceDetector
@@ -25,17 +27,19 @@ class ImplicitFlow:
         self.failslow = FailSlowDetector(ctx, incidents)
         self.peers = PeerDetector(ctx, incidents)
         self.trace = TraceDetector(ctx, incidents)
+        self.links = LinkDetector(ctx, incidents)
         # the order every hook runs in (a tick stops at the first that stops the run); the hang
         # check comes last, as a hang is what the others did not explain
         self.detectors: tuple[Detector, ...] = (self.training, self.failslow, self.peers, self.trace,
-                                                self.hang)
+                                                self.links, self.hang)
 
     def new_run(self, st: JobState, now: float) -> None:
         """A run starts: its throughput, peers and traces are judged afresh (the loss history and
         the fail-slow quiet period carry over, and so does a trace model learned on the same layout)."""
         old = st.signals
         st.signals = Signals(loss_hist=old.loss_hist, grad_hist=old.grad_hist, step_times=old.step_times,
-                             failslow_quiet_until=old.failslow_quiet_until, traces=old.traces)
+                             failslow_quiet_until=old.failslow_quiet_until, traces=old.traces,
+                             links=old.links)
         for d in self.detectors:
             d.new_run(st, now)
 
