@@ -311,3 +311,34 @@ def test_rounds_whose_stacks_flag_most_of_the_job_narrow_nothing():
             break
     assert [r["stack_outliers"] for r in records(h.log, "failslow_round")][:3] == [[0, 1, 3], [2, 3], [2, 4]]
     assert records(h.log, "failslow_cleared")
+
+
+@pytest.mark.parametrize("cpu_wait", [0.4, 0.97])
+def test_a_plain_scripts_slowdown_spent_waiting_for_a_cpu_is_the_jobs_pace(cpu_wait):
+    """No compute times (a plain script): a job 20x slower whose ranks now wait for a CPU 97% of
+    the time they want one (a busy host; 40% when it ran at its pace) is not stopped for the
+    checks, and its new pace is accepted; with the waits unchanged the time went to the network."""
+    h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
+                        policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))
+    plain = {r: None for r in range(4)}
+
+    def metrics(wait: float) -> None:
+        for m in list(h.st.slots):
+            h.agent(m, p.Metrics(t=h.now, values={"cpu": 1.0, "cpu_wait": wait}))
+    metrics(0.4)
+    h.steps(30, dur=0.1, compute=plain)
+    for _ in range(60):
+        metrics(cpu_wait)
+        acts = h.step(dur=2.0, compute=plain)
+        for t in of(acts, a.TraceStacks):
+            for m in t.machines:
+                h.agent(m, p.Stacks(run=h.st.run_seq, records=[{"rank": int(m[1:]), "role": "worker",
+                                                               "threads": [], "status": "running"}]))
+        if h.st.incident is not None or records(h.log, "failslow_cleared"):
+            break
+    if cpu_wait > 0.9:
+        assert h.st.incident is None
+        assert [r["still_slow"] for r in records(h.log, "failslow_cleared")] == [True]
+    else:
+        inc = h.st.incident
+        assert inc is not None and inc.symptom == "fail_slow" and "the time went to communication" in inc.reason

@@ -5,7 +5,7 @@ import random
 import msgspec
 import numpy as np
 
-from stalwart.agent.metrics import MetricsSampler, gpu_means
+from stalwart.agent.metrics import MetricsSampler, gpu_means, schedstat, wait_share
 from stalwart.controller.rules.peerwatch import METRICS, PeerWatch
 
 
@@ -82,6 +82,21 @@ def test_gpu_means_and_sampler_rates():
     sum(i * i for i in range(200000))
     row = s.sample(101.0)
     assert row["cpu"] >= 0 and row["rss_mb"] > 1 and row["gpu_temp"] == 41 and "net_mbps" not in row
+
+
+def test_cpu_wait_is_the_share_of_wanted_cpu_time_spent_waiting():
+    import os
+    got = schedstat(os.getpid())
+    if got is None:
+        import pytest
+        pytest.skip("this kernel keeps no scheduler statistics (/proc/PID/schedstat)")
+    assert all(isinstance(x, int) and x >= 0 for x in got)
+    # two processes: one ran 30 ms and waited 10, one waited 60 ms and ran 20; one gone, one new
+    before = {1: (0, 0), 2: (100, 100), 3: (5, 5)}
+    now = {1: (30_000_000, 10_000_000), 2: (20_000_100, 60_000_100), 4: (9, 9)}
+    assert wait_share(before, now) == 70 / 120
+    assert wait_share(before, {1: (1000, 1000)}) is None       # wanted next to no CPU: no figure
+    assert schedstat(2 ** 30) is None                            # no such process
 
 
 def test_the_peer_check_thins_out_on_large_jobs_but_keeps_a_candidates_run_alive():

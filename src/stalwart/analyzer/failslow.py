@@ -158,6 +158,15 @@ def healthy_pace(reference_s: float | None, step_times: Sequence[float], baselin
     return window if reference_s is None else min(reference_s, window)
 
 
+def cpu_slowdown(healthy_wait: float | None, wait: float | None) -> float | None:
+    """How many times slower the same CPU work runs when its processes wait for a CPU `wait` of
+    their runnable time instead of `healthy_wait` (the agents' `cpu_wait`): a process that gets
+    the CPU a share (1 - w) of the time it wants it takes 1 / (1 - w) as long. None without both."""
+    if healthy_wait is None or wait is None:
+        return None
+    return (1.0 - min(healthy_wait, 0.99)) / (1.0 - min(wait, 0.99))
+
+
 def slowdown(step_times: Sequence[float], recent_n: int = 5, baseline_s: float | None = None) -> float:
     """How many times slower the last ``recent_n`` steps run (their median) than the fastest
     ``recent_n``-step stretch before them, or ``baseline_s`` when that is faster (1.0 when

@@ -259,6 +259,8 @@ class Signals:
     failslow_quiet_until: float = 0.0
     failslow_ref_s: float | None = None
     failslow_compute: dict[int, float] = field(default_factory=dict)
+    cpu_wait: dict[str, float] = field(default_factory=dict)   # machine -> its latest `cpu_wait` metric
+    cpu_wait_ref: float | None = None     # the lowest median `cpu_wait` over the machines seen this run
     peerwatch: PeerWatch | None = None
     peer_next_check: float = 0.0
     peer_steps: int = 0

@@ -8,8 +8,8 @@ import math
 from statistics import median
 
 from stalwart import protocol
-from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, healthy_pace,
-                                        slow_ranks, slowdown, slowdown_exceeds, steady_outliers,
+from stalwart.analyzer.failslow import (FailSlowRounds, baseline_pace, compute_outliers, cpu_slowdown,
+                                        healthy_pace, slow_ranks, slowdown, slowdown_exceeds, steady_outliers,
                                         throughput_drop, trimmed_mean)
 from stalwart.analyzer.stacks import aggregate
 from stalwart.controller.rules import hangstacks as implicit
@@ -52,7 +52,10 @@ class FailSlowDetector(BaseDetector):
         return self._watch_throughput(st, acc)
 
     def observe(self, st: JobState, machine: str, ev: protocol.Event, now: float) -> Actions:
-        """A round's stacks from one machine."""
+        """A round's stacks from one machine; a machine's `cpu_wait` metric."""
+        if isinstance(ev, protocol.Metrics):
+            self._cpu_wait(st, machine, ev)
+            return []
         fs = st.signals.failslow
         if not isinstance(ev, protocol.Stacks) or ev.run != st.run_seq or st.phase != JobPhase.RUNNING \
                 or fs is None or machine not in fs.wait:
@@ -177,16 +180,33 @@ class FailSlowDetector(BaseDetector):
         inc.data.update(stacks=round_stacks, analysis=inc.reason)
         return acts + [save_data(inc)]
 
+    def _cpu_wait(self, st: JobState, machine: str, ev: protocol.Metrics) -> None:
+        """Keep a machine's `cpu_wait` and the run's lowest median of them (its healthiest)."""
+        wait = (ev.values or {}).get("cpu_wait")
+        if machine not in st.slots or not isinstance(wait, (int, float)) or not 0.0 <= wait <= 1.0:
+            return
+        sig = st.signals
+        sig.cpu_wait[machine] = float(wait)
+        if len(sig.cpu_wait) == len(st.slots):
+            med = median(sig.cpu_wait.values())
+            sig.cpu_wait_ref = med if sig.cpu_wait_ref is None else min(sig.cpu_wait_ref, med)
+
     def _unexplained(self, st: JobState, fs: FailSlow) -> float | None:
         """How many times slower than its healthy pace the job runs, when that is at least
         FAILSLOW_CHECK_FACTOR, the time went to communication, not computation, and the stop-time
         checks may run (None otherwise). A busy host slows every rank's computation with its
-        collectives (the SDK's compute times grow alike): that is no fault to stop for."""
+        collectives: the SDK's compute times grow alike, and so does the time the ranks wait for a
+        CPU (the agents' `cpu_wait`, which a plain script has too); that is no fault to stop for."""
         factor = slowdown(st.signals.step_durs, RECENT_N, fs.baseline_s)
         if factor < FAILSLOW_CHECK_FACTOR or not self.ctx.policy.stop_time_checks:
             return None
         now = step_compute(st.signals.rank_times[-RECENT_N:])
         if fs.compute_s and now is not None and now / fs.compute_s > factor / 2:
+            return None
+        sig = st.signals
+        waits = [sig.cpu_wait[m] for m in st.slots if m in sig.cpu_wait]
+        cpu = cpu_slowdown(sig.cpu_wait_ref, median(waits) if len(waits) == len(st.slots) else None)
+        if cpu is not None and cpu > factor / 2:
             return None
         return factor
 
