@@ -128,7 +128,7 @@ class Agent:
                                       self.emit, period_s=heartbeat_s)
         self.env = WorkerEnv(machine_id, self.server.path, self.simgpu_path, self.ckpt.shm_dir,
                              self.progress.fr_dir, self.netns, lambda: self.session.heartbeat_s,
-                             lambda: self.session.relink_s)
+                             lambda: self.session.relink_s, gpus=gpus)
         self.diagnoser = Diagnoser(machine_id, self.workdir, self.simgpu_path, self.env.base,
                                    self.env.prefix, self.emit, self.forks)
         self.chaos = MachineChaos(machine_id, self.workdir, self.simgpu_path, gpus, self.kmsg_path,

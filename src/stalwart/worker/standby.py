@@ -11,6 +11,7 @@ opened to the agent is the one the worker's context goes on with (`take_link`).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Callable
 
@@ -28,6 +29,19 @@ def _dispatch(msg: ToWorker) -> None:
         _handler(msg)
     else:
         _early.append(msg)
+
+
+def _take_threads(value: str | None) -> None:
+    """A run's OMP_NUM_THREADS, for a warm worker whose torch was loaded before the run existed."""
+    torch = sys.modules.get("torch")
+    if not value or torch is None:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        return
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def wait_if_standby() -> None:
@@ -52,6 +66,7 @@ def wait_if_standby() -> None:
     activated.wait()
     os.environ.update(env)
     os.environ.pop(Env.STANDBY, None)
+    _take_threads(env.get("OMP_NUM_THREADS"))
     _handler = None
     untitle_warm()
 
