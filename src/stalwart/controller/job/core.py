@@ -84,10 +84,18 @@ class JobCore:
     def on_agents(self, st: JobState, items: tuple[tuple[str, p.Event], ...], now: float) -> Actions:
         """Events of several agents at one instant, in order (`AgentEvents`)."""
         acts: Actions = []
-        for machine, ev in items:
-            if st.terminal:
-                break
+        i, n = 0, len(items)
+        while i < n and not st.terminal:
+            machine, ev = items[i]
+            if type(ev) is p.DiagResult:       # a run of check results: the diagnosis takes them at once
+                j = i + 1
+                while j < n and type(items[j][1]) is p.DiagResult:
+                    j += 1
+                acts += self.diagnosis.on_results(st, items[i:j], now)   # type: ignore[arg-type]
+                i = j
+                continue
             acts += self.on_agent(st, machine, ev, now)
+            i += 1
         return acts
 
     def on_agent(self, st: JobState, machine: str, ev: p.Event, now: float) -> Actions:
