@@ -87,11 +87,15 @@ class JobCore:
         i, n = 0, len(items)
         while i < n and not st.terminal:
             machine, ev = items[i]
-            if type(ev) is p.DiagResult:       # a run of check results: the diagnosis takes them at once
+            kind = type(ev)
+            if kind is p.DiagResult or kind is p.Ckpt:     # a run of them is taken at once
                 j = i + 1
-                while j < n and type(items[j][1]) is p.DiagResult:
+                while j < n and type(items[j][1]) is kind:
                     j += 1
-                acts += self.diagnosis.on_results(st, items[i:j], now)   # type: ignore[arg-type]
+                if kind is p.DiagResult:
+                    acts += self.diagnosis.on_results(st, items[i:j], now)    # type: ignore[arg-type]
+                else:
+                    acts += self.run.on_ckpts(st, [x[1] for x in items[i:j]])  # type: ignore[misc]
                 i = j
                 continue
             acts += self.on_agent(st, machine, ev, now)

@@ -353,6 +353,19 @@ class RunFlow:
         st.avail.add(ev.rank, ev.tier, ev.step, ev.holder or "")
         return []
 
+    def on_ckpts(self, st: JobState, evs: list[protocol.Ckpt]) -> Actions:
+        """`on_ckpt` for each in turn (every rank's report of one checkpoint)."""
+        acts: Actions = []
+        add = st.avail.add
+        for ev in evs:
+            if ev.tier == "durable":
+                add(ev.rank, ev.tier, ev.step, ev.location or "")
+                acts.append(AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
+                                          checksum=ev.checksum or "", t=ev.t))
+            elif ev.run is None or ev.run == st.run_seq:
+                add(ev.rank, ev.tier, ev.step, ev.holder or "")
+        return acts
+
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
