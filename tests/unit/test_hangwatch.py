@@ -205,3 +205,23 @@ def test_a_finished_rank_is_never_stalled_and_the_others_count_their_activity_fr
     v = w.check(3.5)
     assert v is not None and sorted(v.stalled) == [2]
     assert w.done() == [0]
+
+
+def test_one_step_of_many_ranks_leaves_the_state_of_each_rank_in_turn():
+    """`on_steps` (one step that many ranks reported at once) leaves every rank's marks, the
+    calibration and the verdicts exactly as `on_step` rank by rank: through the warm-up steps and
+    past them, with repeated and stale steps, a rank first seen, and a hang at the end."""
+    pol = Policy(hang_timeout_floor_s=5.0, hang_safety_factor=3.0, hang_warmup_steps=3)
+    one, many = HangWatch(pol, ranks=range(6), started_at=0.0), HangWatch(pol, ranks=range(6), started_at=0.0)
+    t = 0.0
+    for s in range(12):
+        t += 1.0 + 0.1 * (s % 3)
+        ranks = [r for r in range(6) if not (s == 7 and r == 2)] + ([6] if s == 9 else []) + ([1] if s == 4 else [])
+        for r in ranks:
+            one.on_step(r, s, t)
+        many.on_steps(ranks, s, t)
+        one.on_step(3, max(0, s - 1), t)       # stale: ignored by both
+        many.on_steps([3], max(0, s - 1), t)
+        assert vars(one) == vars(many), s
+        assert one.check(t + 0.5) == many.check(t + 0.5)
+    assert one.check(t + 100.0) == many.check(t + 100.0) is not None

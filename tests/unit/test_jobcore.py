@@ -768,11 +768,16 @@ def test_several_agents_events_together_decide_as_each_one_alone():
               for i, m in enumerate(h.st.slots)])
         out.extend(h.tick(2.0))
         checks = of(out, a.RunChecks)[-1]
-        send([(m, p.DiagResult(id=checks.name, results=[
+        answers: list[tuple[str, p.Event]] = [(m, p.DiagResult(id=checks.name, results=[
             {"check": "selftest", "ok": m != "m1", "detail": "ok" if m != "m1" else "failed",
              "measure": {"gflops": 10.0}}, {"check": "intra", "ok": True, "detail": "ok", "measure": {}}]
             + [{"check": "inter", "ok": True, "detail": "ok", "round": x.round, "peer": x.peer,
-                "measure": {"mbps": 100.0}} for x in checks.inter.get(m, [])])) for m in checks.machines])
+                "measure": {"mbps": 100.0}} for x in checks.inter.get(m, [])])) for m in checks.machines]
+        # among them: another check's result, a machine answering twice, answers after the last
+        # one awaited (the checks are over: they change nothing), a durable copy in between
+        stray = (answers[0][0], p.DiagResult(id="another", results=[{"check": "selftest", "ok": False}]))
+        ckpt = (answers[1][0], p.Ckpt(run=1, rank=0, step=3, tier="durable", location="d/3"))
+        send([stray, answers[0], answers[0], ckpt] + answers[1:] + [answers[2], stray])
         return out, S.dumps(h.st)
     one, st_one = drive(False)
     together, st_together = drive(True)

@@ -48,3 +48,30 @@ def test_keeps_only_recent_steps():
     for s in range(5):
         av.add(0, "own", s, "m0")
     assert sorted(av.copies[0]["own"]) == [3, 4]
+
+
+def test_a_whole_job_column_of_inventories_leaves_what_each_machine_alone_does():
+    """`replace_columns` (a stop report's tier for many machines at once) leaves the same copies as
+    `replace_ranks` machine by machine: holders that change, ranks backed up by several machines,
+    trimming to the tier's newest steps, machines that hold nothing, an empty inventory."""
+    import random
+    rng = random.Random(7)
+    for trial in range(40):
+        one, many = Availability(memory={"own": 2, "backup": 2}), Availability(memory={"own": 2, "backup": 2})
+        for av in (one, many):
+            for r in range(6):
+                av.add(r, "own", 1, f"m{r}")
+                av.add(r, "durable", 0, "/d/0")
+        for _ in range(4):
+            tier = rng.choice(["own", "backup"])
+            machines = [f"m{rng.randrange(8)}" for _ in range(rng.randrange(1, 7))]
+            ranks = [tuple(rng.sample(range(6), rng.randrange(0, 3))) for _ in machines]
+            lo = rng.randrange(0, 5)
+            steps = list(range(lo, lo + rng.randrange(0, 4)))
+            for m, rs in zip(machines, ranks):
+                one.replace_ranks(m, tier, rs, steps)
+            many.replace_columns(tier, machines, ranks, steps)
+            assert one.copies == many.copies, trial
+            assert {k: v for k, v in one._holders.items() if v} == {k: v for k, v in many._holders.items() if v}
+        assert plan(one, 6, {r: f"m{r}" for r in range(6)}, {f"m{i}" for i in range(8)}) == \
+            plan(many, 6, {r: f"m{r}" for r in range(6)}, {f"m{i}" for i in range(8)})

@@ -84,10 +84,22 @@ class JobCore:
     def on_agents(self, st: JobState, items: tuple[tuple[str, p.Event], ...], now: float) -> Actions:
         """Events of several agents at one instant, in order (`AgentEvents`)."""
         acts: Actions = []
-        for machine, ev in items:
-            if st.terminal:
-                break
+        i, n = 0, len(items)
+        while i < n and not st.terminal:
+            machine, ev = items[i]
+            kind = type(ev)
+            if kind is p.DiagResult or kind is p.Ckpt:     # a run of them is taken at once
+                j = i + 1
+                while j < n and type(items[j][1]) is kind:
+                    j += 1
+                if kind is p.DiagResult:
+                    acts += self.diagnosis.on_results(st, items[i:j], now)    # type: ignore[arg-type]
+                else:
+                    acts += self.run.on_ckpts(st, [x[1] for x in items[i:j]])  # type: ignore[misc]
+                i = j
+                continue
             acts += self.on_agent(st, machine, ev, now)
+            i += 1
         return acts
 
     def on_agent(self, st: JobState, machine: str, ev: p.Event, now: float) -> Actions:

@@ -223,6 +223,7 @@ class HangWatch:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative integer (got {step!r})")
         state, touched = self._state, False
+        warm, window, recents = self.policy.hang_warmup_steps, self.window, self._recent
         for rank in ranks:
             st = state.get(rank)
             if st is None or type(rank) is not int or rank < 0:
@@ -234,7 +235,28 @@ class HangWatch:
             if not touched:                         # what `_touch` does for a known rank, once
                 self._woken(t)
                 touched = True
-            self._advance(rank, st, step, t)
+            # `_advance(rank, st, step, t)` and its `_interval`, without two calls per rank
+            last = st.step_t
+            if last is None:
+                self._advance(rank, st, step, t)
+                continue
+            if t < last:
+                raise ValueError(f"rank {rank} reported step {step} at {t}, before its previous "
+                                 f"report at {last}")
+            st.reports += 1
+            if st.reports > warm:
+                recent = recents.get(rank)
+                if recent is None:
+                    recent = recents[rank] = []
+                recent.append(t - last)
+                del recent[:-window]
+                if not self._calibrated:
+                    self._lower = None
+                self._calibrated = True
+            else:
+                self._warmup_max = max(self._warmup_max, t - last)
+            st.step, st.step_t = step, t
+            self._latched = None
 
     def _interval(self, rank: int, marks: int, interval: float) -> None:
         """One more interval between a rank's progress marks (steps, or collectives without the

@@ -44,10 +44,17 @@ class _Samples:
     def __init__(self, machines: list[str], size: int):
         self.index = {m: i for i, m in enumerate(machines)}
         self.size = size
-        self.ids = np.full((len(machines), size), -1, dtype=np.int64)
-        self.vals = np.full((len(machines), size, len(METRICS)), np.nan)
+        self.empty = True       # nothing was ever put: the arrays are made at the first row (a new
+        # run's watch of a large job is tens of MB, and most runs see no metric row at all)
+
+    def _make(self) -> None:
+        self.ids = np.full((len(self.index), self.size), -1, dtype=np.int64)
+        self.vals = np.full((len(self.index), self.size, len(METRICS)), np.nan)
+        self.empty = False
 
     def put(self, i: int, bucket: int, values: Mapping[str, float]) -> None:
+        if self.empty:
+            self._make()
         s = bucket % self.size
         if self.ids[i, s] != bucket:
             if self.ids[i, s] > bucket:
@@ -121,6 +128,8 @@ class PeerWatch:
 
     def _candidate(self, machines: list[str], first: int, last: int) -> tuple[Hashable | None, dict]:
         sm = self._samples
+        if sm.empty:            # every slot holds bucket -1 (none): only that bucket is "held"
+            return None, {"samples": int(first <= -1 <= last)}
         rows = np.array([sm.index[m] for m in machines])
         buckets = np.arange(first, last + 1)
         slots = buckets % sm.size

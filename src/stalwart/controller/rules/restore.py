@@ -87,6 +87,50 @@ class Availability:
             for rank in ranks:
                 self._put(rank, tier, steps, machine)
 
+    def replace_columns(self, tier: str, machines: Sequence[str], ranks: Sequence[Iterable[int]],
+                        steps: Sequence[int]) -> None:
+        """`replace_ranks(machines[i], tier, ranks[i], steps)` for every i in order (a whole-job
+        stop report's column of one tier), in one pass: the same copies, without a call per
+        machine and rank."""
+        copies, index = self.copies, self._holders
+        keep = min(self.keep, self.memory.get(tier, self.keep))
+        steps = tuple(steps)
+        for machine, rs in zip(machines, ranks):
+            held = index.get(machine)
+            if held:                    # `_forget(machine, (tier,))`
+                for key in [x for x in held if x[1] == tier]:
+                    tiers = copies.get(key[0])
+                    by_step = tiers.get(tier) if tiers is not None else None
+                    if by_step:
+                        for s in [s for s, h in by_step.items() if h == machine]:
+                            del by_step[s]
+                    held.discard(key)
+            if not steps:
+                continue
+            for rank in rs:             # `_put(rank, tier, steps, machine)`
+                tiers = copies.get(rank)
+                if tiers is None:
+                    tiers = copies[rank] = {}
+                by_step = tiers.get(tier)
+                if by_step is None:
+                    by_step = tiers[tier] = {}
+                for s in steps:
+                    by_step[s] = machine
+                if held is None:
+                    held = index[machine] = set()
+                held.add((rank, tier))
+                if len(by_step) > keep:
+                    for old in sorted(by_step)[:-keep]:
+                        del by_step[old]
+
+    def held_steps(self) -> set[int]:
+        """Every step some rank has a copy of, in any tier."""
+        steps: set[int] = set()
+        for tiers in self.copies.values():
+            for by_step in tiers.values():
+                steps.update(by_step)
+        return steps
+
     def forget_after(self, step: int) -> None:
         """A run starts after `step`: the memory copies of later steps are the stopped run's (its
         agents drop their own slots of them). Kept, they would outrank the new run's copies of
@@ -121,15 +165,24 @@ def candidates(av: Availability, rank: int, step: int, next_machine: str, alive:
 
 def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
          bad_steps: AbstractSet[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
-    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
-    steps: set[int] = set()
-    for tiers in av.copies.values():
-        for by_step in tiers.values():
-            steps.update(by_step)
-    for step in sorted(steps - set(bad_steps), reverse=True):
+    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none.
+    (Each rank's candidates are `candidates`', found here without a call per rank.)"""
+    copies = av.copies
+    none: dict = {}
+    for step in sorted(av.held_steps() - set(bad_steps), reverse=True):
         cands: dict[int, list[dict]] = {}
         for r in range(world):
-            got = candidates(av, r, step, next_machine[r], alive)
+            tiers = copies.get(r, none)
+            got = []
+            holder = tiers.get("own", none).get(step)
+            if holder is not None and holder == next_machine[r] and holder in alive:
+                got.append({"tier": "own", "step": step, "holder": holder})
+            holder = tiers.get("backup", none).get(step)
+            if holder is not None and holder in alive:
+                got.append({"tier": "backup", "step": step, "holder": holder})
+            loc = tiers.get("durable", none).get(step)
+            if loc is not None:
+                got.append({"tier": "durable", "step": step, "location": loc})
             if not got:
                 break               # a rank without a copy of this step: an older step, then
             cands[r] = got

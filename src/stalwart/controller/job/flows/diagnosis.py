@@ -5,6 +5,7 @@ checks, what the results mean, which rung) and `stalwart.diag.pairs`; the agents
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from stalwart import protocol
 from stalwart.controller.rules import ladder
@@ -101,6 +102,30 @@ class DiagnosisFlow:
             d.results.append(r)
         d.wait.discard(machine)
         return self.diagnosed(st, now) if not d.wait else []
+
+    def on_results(self, st: JobState, items: Sequence[tuple[str, protocol.DiagResult]], now: float) -> Actions:
+        """Several machines' results at one instant, in order: what `on_result` does for each in
+        turn (the job's checks end with the last one awaited; the rest then change nothing)."""
+        acts: Actions = []
+        d = st.diag
+        if d is None or st.reconciling or st.terminal:
+            return acts
+        keys, name, wait, results = d.pair_keys, d.name, d.wait, d.results
+        for machine, ev in items:
+            if ev.id != name or machine not in wait:
+                continue
+            for raw in ev.results:
+                r = dict(raw, machine=machine)
+                if r.get("check") == "inter":
+                    a, b = machine, str(r.get("peer"))
+                    if (r.get("round"), b, a) in keys:
+                        a, b = b, a
+                    r["pair"] = [r.get("round"), a, b]
+                results.append(r)
+            wait.discard(machine)
+            if not wait:
+                return self.diagnosed(st, now)      # st.diag is None now: the rest are not looked at
+        return acts
 
     def on_lost(self, st: JobState, machine: str, now: float) -> Actions:
         """A machine fell silent during the checks: certain evidence, so the checks stop (its

@@ -362,16 +362,30 @@ class FailureFlow:
 
     def on_stops(self, st: JobState, rep: StopReport, now: float) -> Actions:
         """Every machine's answer to a stop (`StopReport`): what `on_stopped` does for each in
-        turn, its inventory taken from the report's columns (the rest once the job ends: none)."""
+        turn, its inventory taken from the report's columns (the rest once the job ends: none).
+        The machines up to the one whose answer completes the stop (`_stopped` acts on it) take
+        their inventories in one pass per tier, then that one acts, and so on."""
         acts: Actions = []
         avail, own, backup = st.avail, list(rep.own), list(rep.backup)
-        for machine, ranks, backed in zip(rep.machines, rep.own_ranks, rep.backup_ranks):
-            if st.terminal:
-                break
-            if ranks is not None:
-                avail.replace_ranks(machine, "own", ranks, own)
-                avail.replace_ranks(machine, "backup", backed, backup)
-            acts += self._stopped(st, machine, rep.run, now)
+        machines, n, i = rep.machines, len(rep.machines), 0
+        while i < n and not st.terminal:
+            j, last = n, False
+            inc = st.incident
+            if inc is not None and rep.run == st.run_seq:
+                awaiting, recovering = inc.awaiting, st.phase == JobPhase.RECOVERING
+                for k in range(i, n):
+                    awaiting.discard(machines[k])
+                    if recovering and not awaiting:
+                        j, last = k + 1, True
+                        break
+            held = [k for k in range(i, j) if rep.own_ranks[k] is not None]
+            if held:
+                who = [machines[k] for k in held]
+                avail.replace_columns("own", who, [rep.own_ranks[k] or () for k in held], own)
+                avail.replace_columns("backup", who, [rep.backup_ranks[k] for k in held], backup)
+            if last:
+                acts += self.check_stopped(st, now)      # the last one: no need to wait for a tick
+            i = j
         return acts
 
     def _stopped(self, st: JobState, machine: str, run: int | None, now: float) -> Actions:

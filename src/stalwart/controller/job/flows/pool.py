@@ -69,8 +69,9 @@ class PoolFlow:
             acts += self.warm_standbys(st)
         # the cluster's free list is as of the last actions carried out: a machine this very tick's
         # start took (or the pool holds) is not free for the pool, whatever the list still says
-        taken = set(st.slots) | set(st.pool.standby)
-        for m in [m for m in self.ctx.cluster.free() if m not in taken][:max(0, short)]:
+        free = self.ctx.cluster.free() if short > 0 else []
+        taken = set(st.slots) | set(st.pool.standby) if free else set()
+        for m in [m for m in free if m not in taken][:max(0, short)]:
             st.pool.standby.append(m)
             acts += [AssignMachine(machine=m, state=Role.STANDBY)] + (
                 self.prewarm(st, m) if started and not st.script else [])

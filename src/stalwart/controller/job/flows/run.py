@@ -65,8 +65,8 @@ class RunFlow:
         st.pool.warm -= set(warm)
         for m in st.slots:          # the start takes their waiting workers (standby's or spares)
             st.pool.ready.pop(m, None)
-        copies = {r: [RestoreCopy(tier=c["tier"], step=c["step"], holder=c.get("holder"),
-                                  location=c.get("location")) for c in cs] for r, cs in cands.items() if cs}
+        made: dict[tuple, RestoreCopy] = {}     # (equal copies are one object: a durable step's)
+        copies = {r: [_copy(made, c) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
             StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
                      warm=warm, code_path=st.code_path, version=st.version_id, spares=not st.script),
@@ -113,7 +113,9 @@ class RunFlow:
         """A run starts from before every bad range: an open range ends at the newest copy held
         now (the bad run's), and lapses once this run's copies have replaced those (its commits
         past the range, plus the memory slots a backup may trail by)."""
-        held = [s for tiers in st.avail.copies.values() for by_step in tiers.values() for s in by_step]
+        if not st.bad_steps:
+            return
+        held = st.avail.held_steps()
         for b in st.bad_steps:
             if b.until is None:
                 b.hi = min(b.hi, max([s + 1 for s in held if s >= b.lo], default=b.lo + 1))
@@ -124,10 +126,11 @@ class RunFlow:
 
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
-        next_machine = {r: st.slots[self.ctx.topo.machine_of(r)] for r in range(self.ctx.world)}
+        slots, G = st.slots, self.ctx.G        # (rank r is on machine r // G: `Topology.machine_of`)
+        next_machine = {r: slots[r // G] for r in range(self.ctx.world)}
         alive = {m for m in st.slots if self.ctx.cluster.alive(m)}
-        held = {s for tiers in st.avail.copies.values() for by_step in tiers.values() for s in by_step}
-        step, cands = restore.plan(st.avail, self.ctx.world, next_machine, alive, st.bad_step_set(held))
+        bad = st.bad_step_set(st.avail.held_steps()) if st.bad_steps else frozenset()
+        step, cands = restore.plan(st.avail, self.ctx.world, next_machine, alive, bad)
         return self.start_run(st, step, cands, now)
 
     # -- steps ------------------------------------------------------------------------------------
@@ -350,6 +353,19 @@ class RunFlow:
         st.avail.add(ev.rank, ev.tier, ev.step, ev.holder or "")
         return []
 
+    def on_ckpts(self, st: JobState, evs: list[protocol.Ckpt]) -> Actions:
+        """`on_ckpt` for each in turn (every rank's report of one checkpoint)."""
+        acts: Actions = []
+        add = st.avail.add
+        for ev in evs:
+            if ev.tier == "durable":
+                add(ev.rank, ev.tier, ev.step, ev.location or "")
+                acts.append(AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
+                                          checksum=ev.checksum or "", t=ev.t))
+            elif ev.run is None or ev.run == st.run_seq:
+                add(ev.rank, ev.tier, ev.step, ev.holder or "")
+        return acts
+
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
@@ -389,6 +405,15 @@ class RunFlow:
             if t1 > t0 and s1 > s0:
                 return (s1 - s0) / (t1 - t0)
         return None
+
+
+def _copy(made: dict[tuple, RestoreCopy], c: dict) -> RestoreCopy:
+    """A restore candidate as the StartRun action lists it (one object per distinct copy)."""
+    key = (c["tier"], c["step"], c.get("holder"), c.get("location"))
+    got = made.get(key)
+    if got is None:
+        got = made[key] = RestoreCopy(*key)
+    return got
 
 
 def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
