@@ -169,6 +169,15 @@ def test_every_policy_runs_the_same_trace():
     assert "stalwart" in results.table(agg) and "<svg" in results.svg(rs, "t")
 
 
+def test_the_default_pipeline_is_the_largest_up_to_8_stages_that_divides_the_machines(capsys):
+    from stalwart.sim.command import default_pp
+    assert [default_pp(m) for m in (1200, 12500, 12, 7, 3)] == [8, 5, 6, 1, 1]
+    assert cli.main(["sim", "--gpus", "40", "--days", "0.05", "--policies", "stalwart", "--quiet",
+                     "--jobs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 5 machines: pipelines of 1 stage (8 does not divide them; --pp N to choose)" in err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--gpus", "100"], "multiple of --gpus-per-machine"),
     (["--gpus", "64", "--pp", "8"], "cannot hold pipelines"),

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from stalwart.sim.engine import Config
     from stalwart.sim.failures import Model
 
+DEFAULT_PP = 8            # pipeline stages of the simulated job unless --pp names them
 DEFAULT_POLICIES = ("requeue,nvrx-like,byterobust,stalwart,stalwart-no-standby,stalwart-no-inmem-ckpt,"
                     "stalwart-no-over-evict,stalwart-no-hot-update")
 
@@ -33,7 +34,9 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--gpus", type=int, default=9600, help="GPUs of the whole job, all machines together "
                                                           "(default 9600)")
     s.add_argument("--gpus-per-machine", type=int, default=8)
-    s.add_argument("--pp", type=int, default=8, help="pipeline stages (machines per pipeline)")
+    s.add_argument("--pp", type=int, default=None,
+                   help=f"pipeline stages (machines per pipeline; default {DEFAULT_PP}, or the largest "
+                        f"number below it that divides the machines)")
     s.add_argument("--days", type=float, default=90.0, help="simulated days (default 90)")
     s.add_argument("--scenario", help="failure scenario: bytedance-dense | bytedance-moe | llama3-16k | a scenario "
                                       "YAML/JSON file (default: the dense job's three streams alone)")
@@ -64,14 +67,29 @@ def add_commands(sub: Any) -> None:
     s.set_defaults(fn=main)
 
 
+def default_pp(machines: int) -> int:
+    """The pipeline stages of a job of `machines` when none are named: DEFAULT_PP, or the largest
+    number of stages below it that leaves whole pipelines, at least two of them (pure)."""
+    for pp in range(DEFAULT_PP, 0, -1):
+        if machines % pp == 0 and machines >= 2 * pp:
+            return pp
+    return DEFAULT_PP            # (too few machines for any: the check says so)
+
+
 def config(a: argparse.Namespace) -> tuple["Config", "Model", list[peers.Platform]]:
     """The settings, the failure model (the scenario's, with --set on top) and the policies; sets
     `a.profile` to the scenario's profile when none was given."""
     from stalwart.sim.engine import Config
     from stalwart.sim.failures import Model
     from stalwart.sim.scenario import load as load_scenario
+    if a.pp is None and a.gpus >= 1 and a.gpus_per_machine >= 1:
+        a.pp = default_pp(a.gpus // a.gpus_per_machine)
+        if a.pp != DEFAULT_PP:
+            stages = f"{a.pp} stage{'' if a.pp == 1 else 's'}"
+            print(f"note: {a.gpus // a.gpus_per_machine} machines: pipelines of {stages} ({DEFAULT_PP} "
+                  f"does not divide them; --pp N to choose)", file=sys.stderr)
     for name in ("gpus", "gpus_per_machine", "pp", "seeds", "jobs"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is None or getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if a.standby != "auto" and not (a.standby.isdigit()):
         raise ValueError(f"--standby must be a number >= 0 or auto (got {a.standby!r})")
