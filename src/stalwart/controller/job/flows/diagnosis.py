@@ -22,6 +22,21 @@ DIAG_GRACE_S = 15.0      # start-up of the check processes (torch import) on top
 # (the agent kills its check processes at START_GRACE_S + bound x (2 + rounds); we wait 5 s more)
 
 
+def result_rows(machine: str, ev: protocol.DiagResult, pair_keys) -> list[dict]:
+    """A machine's check results as the diagnosis keeps them: each with its machine, and a pair
+    test's result with its pair in the order the checks named it (`pair_keys`)."""
+    rows = []
+    for raw in ev.results:
+        r = dict(raw, machine=machine)
+        if r.get("check") == "inter":
+            a, b = machine, str(r.get("peer"))
+            if (r.get("round"), b, a) in pair_keys:
+                a, b = b, a
+            r["pair"] = [r.get("round"), a, b]
+        rows.append(r)
+    return rows
+
+
 class DiagnosisFlow:
     def __init__(self, ctx: Ctx, *, failure: Failures, replay: Replays):
         self.ctx = ctx
@@ -91,15 +106,7 @@ class DiagnosisFlow:
         d = st.diag
         if d is None or ev.id != d.name or machine not in d.wait or st.reconciling:
             return []       # (while a restart is reconciled: the checks are run again after it)
-        keys = d.pair_keys
-        for raw in ev.results:
-            r = dict(raw, machine=machine)
-            if r.get("check") == "inter":
-                a, b = machine, str(r.get("peer"))
-                if (r.get("round"), b, a) in keys:
-                    a, b = b, a
-                r["pair"] = [r.get("round"), a, b]
-            d.results.append(r)
+        d.results.extend(result_rows(machine, ev, d.pair_keys))
         d.wait.discard(machine)
         return self.diagnosed(st, now) if not d.wait else []
 
@@ -114,14 +121,7 @@ class DiagnosisFlow:
         for machine, ev in items:
             if ev.id != name or machine not in wait:
                 continue
-            for raw in ev.results:
-                r = dict(raw, machine=machine)
-                if r.get("check") == "inter":
-                    a, b = machine, str(r.get("peer"))
-                    if (r.get("round"), b, a) in keys:
-                        a, b = b, a
-                    r["pair"] = [r.get("round"), a, b]
-                results.append(r)
+            results.extend(result_rows(machine, ev, keys))
             wait.discard(machine)
             if not wait:
                 return self.diagnosed(st, now)      # st.diag is None now: the rest are not looked at
