@@ -344,17 +344,12 @@ class RunFlow:
 
     # -- checkpoints and restores -------------------------------------------------------------------
     def on_ckpt(self, st: JobState, ev: protocol.Ckpt) -> Actions:
-        if ev.tier == "durable":
-            st.avail.add(ev.rank, ev.tier, ev.step, ev.location or "")
-            return [AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
-                                  checksum=ev.checksum or "", t=ev.t)]
-        if ev.run is not None and ev.run != st.run_seq:
-            return []       # a memory copy of a stopped run, reported late: its slots are gone
-        st.avail.add(ev.rank, ev.tier, ev.step, ev.holder or "")
-        return []
+        return self.on_ckpts(st, [ev])
 
     def on_ckpts(self, st: JobState, evs: list[protocol.Ckpt]) -> Actions:
-        """`on_ckpt` for each in turn (every rank's report of one checkpoint)."""
+        """Checkpoint reports in order (one, or every rank's report of one checkpoint, at once): a
+        durable copy is recorded; a memory copy counts unless a stopped run's, reported late (its
+        slots are gone)."""
         acts: Actions = []
         add = st.avail.add
         for ev in evs:
