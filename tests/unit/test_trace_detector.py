@@ -119,7 +119,8 @@ def feed(h: Harness, seconds: float, fault: Fault | None = None, seed: int = 0, 
         for m in list(h.st.slots):
             mine = {r: v for r, v in by_rank.items() if h.machine_of(r) == m}
             out += h.agent(m, p.Activity(run=h.st.run_seq, traces=mine, t=h.now))
-        out += h.steps(int(1.0 / step_s), dur=step_s)
+        n = int(1.0 / step_s)
+        out += h.steps(n, dur=step_s) if n else h.tick(1.0)     # (a step longer than a second: none ends)
     return out
 
 
@@ -233,3 +234,14 @@ def test_a_rank_computing_through_a_stall_is_not_named():
     feed(h, 9)
     acts = stall(h, 4, Fault("stuck", rank=1, at=40, op=3), active=(1,))
     assert not records(acts, "trace_suspect")
+
+
+def test_a_step_under_way_for_many_healthy_steps_counts_as_slowed():
+    # a link that makes a step 90x slower finishes the three slow steps a median needs minutes late:
+    # the step under way, already as long as many healthy ones, says the job is slowed
+    h = started(trace_evict=True)
+    feed(h, 9, step_s=0.5)
+    acts = feed(h, 6, fault=Fault("slow-compute", rank=2, factor=2.5), seed=1, step_s=10.0)
+    [inc] = of(acts, a.OpenIncident)
+    assert inc.symptom == "trace_outlier"
+    assert h.st.incident.implicit_evict == ["m2"] and "slower than its healthy pace" in h.st.incident.reason

@@ -167,18 +167,25 @@ def cpu_slowdown(healthy_wait: float | None, wait: float | None) -> float | None
     return (1.0 - min(healthy_wait, 0.99)) / (1.0 - min(wait, 0.99))
 
 
+def healthy_step_s(step_times: Sequence[float], recent_n: int = 5, baseline_s: float | None = None) -> float | None:
+    """The pace `slowdown` compares the last ``recent_n`` steps with: the median of the fastest
+    ``recent_n``-step stretch before them, or ``baseline_s`` when that is faster (None: fewer
+    than ``2 * recent_n`` steps)."""
+    if len(step_times) < 2 * recent_n:
+        return None
+    before = step_times[:-recent_n]
+    best = min(median(before[i:i + recent_n]) for i in range(len(before) - recent_n + 1))
+    return best if baseline_s is None else min(best, baseline_s)
+
+
 def slowdown(step_times: Sequence[float], recent_n: int = 5, baseline_s: float | None = None) -> float:
     """How many times slower the last ``recent_n`` steps run (their median) than the fastest
     ``recent_n``-step stretch before them, or ``baseline_s`` when that is faster (1.0 when
     there is nothing to compare)."""
-    if len(step_times) < 2 * recent_n:
+    best = healthy_step_s(step_times, recent_n, baseline_s)
+    if best is None:
         return 1.0
-    recent = median(step_times[-recent_n:])
-    before = step_times[:-recent_n]
-    best = min(median(before[i:i + recent_n]) for i in range(len(before) - recent_n + 1))
-    if baseline_s is not None:
-        best = min(best, baseline_s)
-    return recent / best if best > 0 else 1.0
+    return median(step_times[-recent_n:]) / best if best > 0 else 1.0
 
 
 def slowdown_exceeds(step_times: Sequence[float], factor: float, recent_n: int = 5,

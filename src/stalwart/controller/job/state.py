@@ -267,6 +267,7 @@ class Signals:
     traces: TraceWatch | None = None          # the trace detector's windows and model
     links: LinkWatch | None = None            # the link detector's pairs and model
     step_times: list[tuple[float, int]] = field(default_factory=list)   # (t, step) for steps/s
+    committed_at: float = 0.0     # when this controller committed the run's last step (its clock)
 
 
 OPEN_END = 2 ** 62      # the end of a bad range no run has closed yet

@@ -19,12 +19,10 @@ from __future__ import annotations
 import math
 
 from stalwart import protocol
-from stalwart.analyzer.failslow import slowdown
 from stalwart.analyzer.links import MEMORY_S, Finding, LinkWatch, ends
-from stalwart.controller.job.detectors.base import Actions, BaseDetector
-from stalwart.controller.job.detectors.trace import (RECENT_N, TRACE_EVICT_STREAK, TRACE_REALERT_S,
-                                                     why_not_evict)
-from stalwart.controller.job.flows.base import record, save_data
+from stalwart.controller.job.detectors.base import Actions
+from stalwart.controller.job.detectors.trace import TRACE_EVICT_STREAK, AlertingDetector
+from stalwart.controller.job.flows.base import record
 from stalwart.controller.job.state import JobPhase, JobState
 
 LINK_WINDOW_S = 1.0         # a window of the agents' samples (two heartbeats at 0.5 s)
@@ -32,7 +30,7 @@ LINK_STREAK = 2             # windows in a row an RTT finding needs before it is
 MIN_TRAIN_WINDOWS = 3
 
 
-class LinkDetector(BaseDetector):
+class LinkDetector(AlertingDetector):
     name = "links"
 
     def new_run(self, st: JobState, now: float) -> None:
@@ -88,13 +86,10 @@ class LinkDetector(BaseDetector):
         machines = [m for m in finding.machines if m in st.slots]
         if not machines:
             return []
-        fresh = [m for m in machines if now - lw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]
-        may_evict = (st.phase == JobPhase.RUNNING and streak >= TRACE_EVICT_STREAK
-                     and why_not_evict(self.ctx, st, machines) is None)
-        if not fresh and not may_evict:
+        may_evict = self.gate(st, lw.last_alert, machines,
+                              st.phase == JobPhase.RUNNING and streak >= TRACE_EVICT_STREAK, now)
+        if may_evict is None:
             return []
-        for m in machines:
-            lw.last_alert[m] = now
         pairs = [f"{' - '.join(ends(k))}: {why}" for k, why in sorted(finding.pairs.items())]
         reason = (f"the workers' connections between {'; '.join(pairs)} left what they showed while healthy, "
                   f"and the pairs without {', '.join(machines)} did not: {', '.join(machines)} named (common "
@@ -102,14 +97,7 @@ class LinkDetector(BaseDetector):
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=[],
                                 group="", score=float(streak), collectives=[], reason=reason, link=True,
                                 pairs=dict(sorted(finding.pairs.items())))]
-        if not may_evict or st.incident is not None:
+        if not may_evict:
             return acts
-        acts += self.incidents.open(st, "trace_outlier", now)
-        inc = st.incident
-        if inc is None:
-            return acts
-        slowed = slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s)
-        inc.implicit_evict = machines
-        inc.reason = f"{reason}; the job runs {slowed:.1f}x slower than its healthy pace"
-        inc.data.update(analysis=inc.reason, links={"machines": machines, "pairs": finding.pairs})
-        return acts + [save_data(inc)]
+        return acts + self.evict(st, machines, reason, now,
+                                 links={"machines": machines, "pairs": finding.pairs})

@@ -9,8 +9,8 @@ a rank abnormal in TRACE_STREAK windows in a row raises an implicit alert (`trac
 naming its machine, the parallel group the abnormal ranks share, and the collectives that look
 abnormal. As the paper's rule asks, an eviction must be explained: the alert evicts only with
 `trace_evict` on, when the ranks stayed abnormal TRACE_EVICT_STREAK windows in a row, while the job
-is slowed (its recent steps slower than the healthy pace by the fail-slow drop), when the machines
-named are at most half the job and standbys are ready for them;
+is slowed (its recent steps, or the step under way, slower than the healthy pace by the fail-slow
+drop), when the machines named are at most half the job and standbys are ready for them;
 otherwise it only alerts, at most once per TRACE_REALERT_S per machine (an alert that may evict is
 raised whenever the rank stays abnormal).
 
@@ -23,7 +23,7 @@ alert has named the machine seconds before its timeout.
 from __future__ import annotations
 
 from stalwart import protocol
-from stalwart.analyzer.failslow import slowdown
+from stalwart.analyzer.failslow import healthy_step_s, slowdown
 from stalwart.analyzer.traces import TraceWatch, describe, op_key
 from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
@@ -37,7 +37,40 @@ MIN_TRAIN_WINDOWS = 3       # windows the model needs before it judges
 RECENT_N = 5                # the recent steps that tell whether the job is slowed
 
 
-class TraceDetector(BaseDetector):
+class AlertingDetector(BaseDetector):
+    """What the detectors that name machines from a learned model share: how often a machine is
+    named, and when an alert evicts (on `why_not_evict`'s terms, through a `trace_outlier`
+    incident)."""
+
+    def gate(self, st: JobState, last_alert: dict[str, float], machines: list[str], steady: bool,
+             now: float) -> bool | None:
+        """None: nothing to raise (every machine was named less than TRACE_REALERT_S ago and the
+        alert may not evict); else whether it may evict. The machines count as named now."""
+        fresh = any(now - last_alert.get(m, -1e18) >= TRACE_REALERT_S for m in machines)
+        may_evict = steady and why_not_evict(self.ctx, st, machines, now) is None
+        if not fresh and not may_evict:
+            return None
+        for m in machines:
+            last_alert[m] = now
+        return may_evict
+
+    def evict(self, st: JobState, machines: list[str], reason: str, now: float, **evidence) -> Actions:
+        """An incident that evicts `machines` for the alert, with its evidence under `evidence`'s
+        key; nothing while another incident is open (its evidence is its own)."""
+        if st.incident is not None:
+            return []
+        acts = self.incidents.open(st, "trace_outlier", now)
+        inc = st.incident
+        if inc is None:
+            return acts
+        slowed = job_slowdown(st, now)
+        inc.implicit_evict = machines
+        inc.reason = f"{reason}; the job runs {slowed:.1f}x slower than its healthy pace"
+        inc.data.update(analysis=inc.reason, **evidence)
+        return acts + [save_data(inc)]
+
+
+class TraceDetector(AlertingDetector):
     name = "trace"
 
     def new_run(self, st: JobState, now: float) -> None:
@@ -146,13 +179,10 @@ class TraceDetector(BaseDetector):
         topo = self.ctx.topo
         ranks = sorted(abnormal)
         machines = [st.slots[i] for i in topo.machines_of(ranks)]
-        fresh = [m for m in machines if now - tw.last_alert.get(m, -1e18) >= TRACE_REALERT_S]
         steady = min(tw.streak[r] for r in ranks) >= TRACE_EVICT_STREAK
-        may_evict = steady and why_not_evict(self.ctx, st, machines) is None
-        if not fresh and not may_evict:
+        may_evict = self.gate(st, tw.last_alert, machines, steady, now)
+        if may_evict is None:
             return []
-        for m in machines:
-            tw.last_alert[m] = now
         group = self._group(st, ranks)
         collectives = sorted({w for _, worst in abnormal.values() for w in describe(worst[:3])})
         score = max(s for s, _ in abnormal.values())
@@ -161,20 +191,27 @@ class TraceDetector(BaseDetector):
                   f"{'; '.join(collectives)}")
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=ranks,
                                 group=group, score=round(score, 2), collectives=collectives, reason=reason)]
-        if not may_evict or st.incident is not None:       # (another incident's evidence is its own)
+        if not may_evict:
             return acts
-        acts += self.incidents.open(st, "trace_outlier", now)
-        inc = st.incident
-        if inc is None:
-            return acts
-        slowed = slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s)
-        inc.implicit_evict = machines
-        inc.reason = f"{reason}; the job runs {slowed:.1f}x slower than its healthy pace"
-        inc.data.update(analysis=inc.reason, trace={"ranks": ranks, "group": group, "collectives": collectives})
-        return acts + [save_data(inc)]
+        return acts + self.evict(st, machines, reason, now,
+                                 trace={"ranks": ranks, "group": group, "collectives": collectives})
 
 
-def why_not_evict(ctx: Ctx, st: JobState, machines: list[str]) -> str | None:
+def job_slowdown(st: JobState, now: float) -> float:
+    """How many times slower than its healthy pace the job runs: the median of its last RECENT_N
+    steps, or the step under way when it has already taken longer (its time so far is a lower
+    bound on its length). A link that makes steps 90x slower finishes the three slow steps a
+    median needs only some 270 healthy steps' time after the fault; the step under way says so
+    within a window."""
+    sig = st.signals
+    slowed = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s)
+    best = healthy_step_s(sig.step_durs, RECENT_N, sig.failslow_ref_s)
+    if best and sig.committed_at:
+        slowed = max(slowed, (now - sig.committed_at) / best)
+    return slowed
+
+
+def why_not_evict(ctx: Ctx, st: JobState, machines: list[str], now: float) -> str | None:
     """Why an alert naming `machines` must not evict (None: it may): never on a score alone."""
     p = ctx.policy
     if not p.trace_evict:
@@ -183,6 +220,6 @@ def why_not_evict(ctx: Ctx, st: JobState, machines: list[str]) -> str | None:
         return "the alert names most of the job"
     if len(machines) > len(ctx.ready_standbys(st)):
         return "no standby for them"
-    if slowdown(st.signals.step_durs, RECENT_N, st.signals.failslow_ref_s) < 1 / (1 - p.failslow_drop):
+    if job_slowdown(st, now) < 1 / (1 - p.failslow_drop):
         return "the job is not slowed"
     return None

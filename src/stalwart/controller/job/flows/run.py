@@ -246,6 +246,7 @@ class RunFlow:
         acts += self.hotupdate.promote_if_healthy(st, now)
         sig = st.signals
         sig.step_times = (sig.step_times + [(acc.t, s)])[-STEP_TIMES_KEPT:]
+        sig.committed_at = now
         for seq in st.awaiting_resume:
             acts += [UpdateIncident(seq=seq, fields={"resumed_at": acc.t}),
                      record("incident_resumed", acc.t, incident=seq)]
