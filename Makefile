@@ -29,7 +29,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup lint
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -rs --durations=25 tests
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
