@@ -148,7 +148,9 @@ def measure(n: int, src: str | None, args, label: str = "this controller") -> di
         gens = [psutil.Process(p.pid) for p in procs]
         gen0 = sum(sum(g.cpu_times()[:2]) for g in gens)
         cpu0, t0 = sum(ctl.cpu_times()[:2]), time.monotonic()
-        steps0 = api(base, token, f"/api/jobs/{job}")["steps_completed"]
+        first = api(base, token, f"/api/jobs/{job}")
+        # the live step is the job's own; the report's `steps_completed` may be a reused report
+        live_t0, steps0, live0 = time.monotonic(), first["steps_completed"], (first.get("live") or {}).get("step")
         spy = None
         if args.profile and not src:
             pyspy = os.path.join(os.path.dirname(sys.executable), "py-spy")
@@ -175,6 +177,7 @@ def measure(n: int, src: str | None, args, label: str = "this controller") -> di
                 spy.kill()
             print(f"  [{label}] py-spy profile of the controller (collapsed stacks): {args.profile}")
         st = api(base, token, f"/api/jobs/{job}")
+        live_t1, live1 = time.monotonic(), (st.get("live") or {}).get("step")
         # every loss is false (the simulated agents never stop beating): machines seen not alive,
         # and machines the job evicted as lost
         for inc in st.get("incidents", []):
@@ -199,6 +202,8 @@ def measure(n: int, src: str | None, args, label: str = "this controller") -> di
                 "_generator_lag_p99_ms": round(pct(lags, 0.99), 1),
                 "_generator_cpu_per_agent": round((gen1 - gen0) / (t1 - t0) / n, 6),
                 "_steps_per_s": round((st["steps_completed"] - steps0) / (t1 - t0), 2),
+                "_live_steps_per_s": (round((live1 - live0) / (live_t1 - live_t0), 2)
+                                      if live0 is not None and live1 is not None else None),
                 "_machines_api_s": round(pct(polls, 0.5), 3)}
     finally:
         stopping.set()
@@ -252,7 +257,7 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
     keys = ["heartbeat_p50_ms", "heartbeat_p99_ms", "false_lost", "controller_cpu_per_agent",
-            "_controller_cpu_per_beat_us", "_steps_per_s",
+            "_controller_cpu_per_beat_us", "_steps_per_s", "_live_steps_per_s",
             "_machines_api_s", "_beats", "_generator_lag_p99_ms", "_generator_cpu_per_agent", "_errors", "_state"]
     print(f"\n{args.agents} agents, {args.gpus} rank(s) each, 1 beat/s, 1 step/s, {args.duration:.0f}s window")
     print(f"{'':28s}" + "".join(f"{label:>30s}" for label, _ in rows))
