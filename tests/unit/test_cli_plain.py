@@ -56,8 +56,10 @@ def test_the_console_shows_rank_0_and_every_ranks_stderr_with_prefixes(tmp_path)
     tail = LogTail(str(tmp_path), ranks=parse_ranks("0"))
     (logs / "run1_rank0.out").write_text("old job's line\nepoch 0 loss 1.0\npart")
     (logs / "run1_rank1.out").write_text("rank 1 talks\n")
-    (logs / "run1_rank1.err").write_text("Traceback (most recent call last):\n")
-    assert tail.lines() == ["[rank0]:epoch 0 loss 1.0", "[rank1]:Traceback (most recent call last):"]
+    # (torch's exception hook prefixes a rank's traceback itself: not twice)
+    (logs / "run1_rank1.err").write_text("Traceback (most recent call last):\n[rank1]:RuntimeError: x\n")
+    assert tail.lines() == ["[rank0]:epoch 0 loss 1.0", "[rank1]:Traceback (most recent call last):",
+                            "[rank1]:RuntimeError: x"]
     with open(logs / "run1_rank0.out", "a") as f:
         f.write("ial line\n")
     (logs / "run2_rank0.out").write_text("after the restart\n")

@@ -82,7 +82,10 @@ class LogTail:
                 done.append(rest)
             elif rest:
                 self.partial[path] = rest
-            out += [f"[rank{rank}]:{line.decode(errors='replace')}" for line in done]
+            # (torch's own exception hook already writes a rank's traceback as `[rankN]:...`)
+            prefix = f"[rank{rank}]:"
+            out += [text if text.startswith(prefix) else prefix + text
+                    for text in (line.decode(errors="replace") for line in done)]
         return out
 
 
