@@ -81,8 +81,8 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
     """
     merged: dict[Pair, dict] = {e: {"ok": False, "mbps": None, "detail": "missing"}
                                 for e in ring_edges(n)}
-    for pair, res in results.items():
-        merged[_key(pair)] = dict(res)
+    for (i, j), res in results.items():
+        merged[(i, j) if i <= j else (j, i)] = res     # (read only: `pairs` below are new dicts)
     passed_pairs = {p: r for p, r in merged.items() if r.get("ok")}
     speed = _reference({p: r["mbps"] for p, r in passed_pairs.items() if r.get("mbps") is not None}, max)
     latency = _reference({p: r["latency_s"] for p, r in passed_pairs.items()
@@ -103,12 +103,14 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
 
     verdicts = {p: why_bad(r) for p, r in merged.items()}
     bad = {p: v is not None for p, v in verdicts.items()}
-    member: dict[int, list[Pair]] = {}
-    for p in merged:
+    member: dict[int, int] = {}         # machine -> its pairs, and how many of them are bad
+    failed: dict[int, int] = {}
+    for p, b in bad.items():
         for m in p:
-            member.setdefault(m, []).append(p)
-    bad_machines = sorted(m for m, ps in member.items() if len(ps) >= 2 and all(bad[p] for p in ps))
-    passed = {m for m, ps in member.items() if any(not bad[p] for p in ps)}
+            member[m] = member.get(m, 0) + 1
+            failed[m] = failed.get(m, 0) + b
+    bad_machines = sorted(m for m, k in member.items() if k >= 2 and failed[m] == k)
+    passed = {m for m, k in member.items() if failed[m] < k}
     if n == 2:
         bad_links = sorted(p for p in merged if bad[p])
     else:

@@ -95,12 +95,14 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
     for m in missing:
         bad.setdefault(m, "did not finish its checks in time")
     by_check: dict[str, list[Mapping]] = defaultdict(list)
+    answered: set[str] = set()
     for r in results:
         by_check[r["check"]].append(r)
-    answered = {r["machine"] for r in results}
-    for m in slots:
-        if results and m not in answered:
-            bad.setdefault(m, "its checks produced no result (their processes died)")
+        answered.add(r["machine"])
+    if results:
+        for m in slots:
+            if m not in answered:
+                bad.setdefault(m, "its checks produced no result (their processes died)")
     for r in by_check.get("selftest", []) + by_check.get("intra", []):
         if not r.get("ok"):
             bad.setdefault(r["machine"], f"{r['check']} failed: {r.get('detail', '')}".strip())
@@ -118,12 +120,16 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
         by_pair: dict[tuple, list[Mapping]] = defaultdict(list)
         for r in by_check.get("inter", []):
             by_pair[tuple(r.get("pair", ()))].append(r)
+        none: list[Mapping] = []
         for key, (i, j) in pair_index.items():
-            rows = by_pair.get(key, [])
-            ok = bool(rows) and all(r.get("ok") for r in rows)
-            if ok:          # (no row failed: no detail to tell)
-                pair_res[(i, j)] = {"ok": True, "mbps": _worst(rows, "mbps", min),
-                                    "latency_s": _worst(rows, "latency_s", max), "detail": ""}
+            rows = by_pair.get(key, none)
+            if rows and all(r.get("ok") for r in rows):    # (no row failed: no detail to tell)
+                measures = [r.get("measure") or {} for r in rows]
+                mbps = [m.get("mbps") for m in measures]        # the worse of both ends' measures
+                latency = [m.get("latency_s") for m in measures]      # (None unless both measured)
+                pair_res[(i, j)] = {"ok": True, "mbps": None if None in mbps else min(mbps),  # type: ignore[type-var]
+                                    "latency_s": None if None in latency else max(latency),  # type: ignore[type-var]
+                                    "detail": ""}
             else:
                 pair_res[(i, j)] = {"ok": False, "mbps": None, "latency_s": None,
                                     "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
@@ -153,12 +159,6 @@ def _partners(pairs: Mapping[str, Mapping], i: int) -> list[tuple[int, str]]:
         if i in (a, b):
             out.append((b if a == i else a, str(v.get("why") or v.get("detail") or "failed")))
     return sorted(out)
-
-
-def _worst(rows: Sequence[Mapping], key: str, worst) -> float | None:
-    """The worse of both ends' measures of a pair (None unless both measured it)."""
-    values = [(r.get("measure") or {}).get(key) for r in rows]
-    return worst(values) if values and None not in values else None
 
 
 def evictions(v: Mapping, standby_ready: int) -> tuple[list[str], str]:
