@@ -394,3 +394,25 @@ def test_lightning_resumed_from_memory_trains_the_next_steps_bit_for_bit(ctx, mo
     trainer, model, data = _lightning_run(str(tmp_path / "b"), again, callbacks=(cb2,))
     trainer.fit(model, data, ckpt_path=cb2.resume_path())
     assert again == {2: whole[2], 3: whole[3]}
+
+
+def test_ddp_hook_takes_the_norms_once_every_bucket_was_reduced_in_any_order():
+    # the backend completes the buckets' reductions on its own threads: the last bucket's may come first
+    from stalwart.worker.adapters import ddp
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+    grads = [torch.full((4,), float(i + 1)) for i in range(3)]
+    w = ddp.GradWatch(None)
+    for g in grads:
+        w._before(Bucket(g))
+    w._last_bucket()
+    for g in reversed(grads):
+        assert w.grad_norm is None
+        w._after(g)
+    expect = float(torch.linalg.vector_norm(torch.cat(grads)))
+    assert w.grad_norm == pytest.approx(expect) and w.local_grad_norm == pytest.approx(expect)

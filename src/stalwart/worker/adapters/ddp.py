@@ -20,6 +20,8 @@ reduction from step S on, as the SDK's `on_gradients` does for hand-written loop
 """
 from __future__ import annotations
 
+import threading
+
 from typing import Any
 
 import torch
@@ -41,6 +43,10 @@ class GradWatch:
         self.grad_norm: float | None = None
         self._local: list[torch.Tensor] = []
         self._reduced: list[torch.Tensor] = []
+        # the buckets' reductions complete on the backend's threads, in any order: the norms are
+        # taken once as many were reduced as the step has buckets (known at its last bucket)
+        self._buckets: int | None = None
+        self._lock = threading.Lock()
 
     def _before(self, bucket: dist.GradBucket) -> None:
         buf = bucket.buffer()
@@ -49,9 +55,17 @@ class GradWatch:
             buf.fill_(float("nan"))
         self._local.append(torch.linalg.vector_norm(buf.detach(), dtype=torch.float32))
 
-    def _after(self, reduced: torch.Tensor, last: bool) -> None:
-        self._reduced.append(torch.linalg.vector_norm(reduced.detach(), dtype=torch.float32))
-        if last:
+    def _last_bucket(self) -> None:
+        with self._lock:
+            self._buckets = len(self._local)
+
+    def _after(self, reduced: torch.Tensor) -> None:
+        norm = torch.linalg.vector_norm(reduced.detach(), dtype=torch.float32)
+        with self._lock:
+            self._reduced.append(norm)
+            if self._buckets is None or len(self._reduced) < self._buckets:
+                return
+            self._buckets = None
             # one conversion a step (a device sync on a GPU), once every bucket was reduced
             self.local_grad_norm = float(torch.linalg.vector_norm(torch.stack(self._local)))
             self.grad_norm = float(torch.linalg.vector_norm(torch.stack(self._reduced)))
@@ -67,13 +81,14 @@ class GradWatch:
 
 def _hook(watch, bucket):  # (unannotated: DDP checks real annotations, and this module's are strings)
     watch._before(bucket)
-    last = bucket.is_last()
+    if bucket.is_last():
+        watch._last_bucket()
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         reduced = fut.value()
         if isinstance(reduced, list):
             reduced = reduced[0]
-        watch._after(reduced, last)
+        watch._after(reduced)
         return reduced
 
     return allreduce_hook(watch.pg, bucket).then(done)
