@@ -21,7 +21,6 @@ reduction from step S on, as the SDK's `on_gradients` does for hand-written loop
 from __future__ import annotations
 
 import threading
-
 from typing import Any
 
 import torch

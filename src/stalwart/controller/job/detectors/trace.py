@@ -22,8 +22,10 @@ alert has named the machine seconds before its timeout.
 """
 from __future__ import annotations
 
+from statistics import median
+
 from stalwart import protocol
-from stalwart.analyzer.failslow import healthy_step_s, slowdown
+from stalwart.analyzer.failslow import healthy_step_s
 from stalwart.analyzer.traces import TraceWatch, describe, op_key
 from stalwart.controller.rules import hangstacks as implicit
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
@@ -204,11 +206,11 @@ def job_slowdown(st: JobState, now: float) -> float:
     median needs only some 270 healthy steps' time after the fault; the step under way says so
     within a window."""
     sig = st.signals
-    slowed = slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s)
     best = healthy_step_s(sig.step_durs, RECENT_N, sig.failslow_ref_s)
-    if best and sig.committed_at:
-        slowed = max(slowed, (now - sig.committed_at) / best)
-    return slowed
+    if not best:
+        return 1.0          # (as `slowdown`: nothing to compare with)
+    under_way = now - sig.committed_at if sig.committed_at else 0.0
+    return max(median(sig.step_durs[-RECENT_N:]), under_way) / best
 
 
 def why_not_evict(ctx: Ctx, st: JobState, machines: list[str], now: float) -> str | None:
