@@ -1,7 +1,8 @@
 """Overhead benchmark: the same job under bare torchrun, torchrun with the worker SDK, and
 `stalwart run`, in one invocation.
 
-    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE] [--ddp plain|dcp|dcp-overlap]
+    python bench/overhead.py [--quick] [--steps 300] [--repeat N] [--json FILE]
+                             [--ddp plain|dcp|dcp-overlap] [--batch B]
 
 For each layout (4 workers: tp 2, dp 2 on 2 machines x 2; 8 workers: tp 2, pp 2, dp 2 on 4 x 2;
 `--quick`: the 4-worker one alone) it runs the bundled GPT (rank 0 prints every step with its wall
@@ -31,6 +32,17 @@ or of the script with stalwart's DCP adapter taking an every-step in-memory chec
 row `sdk_s_per_step` is the adapter's blocking time per step, and `sdk_blocking_share` in the JSON
 that time over the step time). `dcp-overlap` is `dcp` with `STALWART_MEM_OVERLAP=1`: the copy runs
 beside the next step's forward and backward, and the optimizer step waits for it.
+
+`--batch B` (default 1024) is the samples per rank per step of the DDP job, a 4-layer MLP of width
+256 trained with AdamW. Its checkpoint holds 12 bytes a parameter (fp32 weights and two moments)
+and its step computes 6 FLOPs a parameter a sample, so its checkpoint bytes per FLOP are 2/B: the
+same as a language model's with B tokens per model replica per step. Pre-training steps take 64 k
+tokens a replica and more (0.5 M to 16 M tokens a step over a handful of replicas), so B = 1024
+checkpoints 64 times more bytes per unit of compute than such a job; B = 64 is a stress point
+(1,000 times). On this host the workers' compute and the checkpoint's copy, checksums and backups
+share the same CPU cores, so the throughput ratio measures the checkpoint's CPU against the
+compute's; on a GPU machine the copy is a device-to-host transfer beside the compute and the rest
+runs on cores training leaves idle.
 """
 from __future__ import annotations
 
@@ -226,30 +238,30 @@ def stalwart(tp: int, pp: int, dp: int, steps: int, work: str) -> dict:
     return measure(read_steps(log), launched, sampler)
 
 
-def torchrun_ddp(steps: int, work: str) -> dict:
+def torchrun_ddp(steps: int, batch: int, work: str) -> dict:
     """Bare torchrun of the DDP script (4 workers, no checkpoint)."""
     d = tempfile.mkdtemp(dir=work)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-            DDP_JOB, "--steps", str(steps)]
+            DDP_JOB, "--steps", str(steps), "--batch", str(batch)]
     log = os.path.join(d, "out.log")
     launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, log, 600)
     return measure(read_steps(log), launched, sampler)
 
 
-def stalwart_ddp(steps: int, dcp: bool, work: str, overlap: bool = False) -> dict:
+def stalwart_ddp(steps: int, batch: int, dcp: bool, work: str, overlap: bool = False) -> dict:
     """`stalwart run` of the same DDP script (2 machines x 2, one standby), with the DCP adapter's
     every-step in-memory checkpoint when `dcp` (its copy beside the next step when `overlap`)."""
     d = tempfile.mkdtemp(dir=work)
     argv = [sys.executable, "-m", "stalwart.cli", "run", "--state-dir", os.path.join(d, "sd"), "--fresh",
             "--machines", "2", "--gpus-per-machine", "2", "--dp", "4", "--steps", str(steps), "--standby", "1",
             "--ckpt-every", "10"] + (["--env", "STALWART_MEM_OVERLAP=1"] if overlap else []) + [
-            "--", sys.executable, DDP_JOB, "--steps", str(steps)] + (["--dcp"] if dcp else [])
+            "--", sys.executable, DDP_JOB, "--steps", str(steps), "--batch", str(batch)] + (["--dcp"] if dcp else [])
     launched, sampler = _run(argv, dict(os.environ, PYTHONUNBUFFERED="1"), d, os.path.join(d, "run.log"), 900)
     log = os.path.join(d, "sd", "machines", "m0", "logs", "run1_rank0.out")
     return measure(read_steps(log), launched, sampler)
 
 
-def ddp_main(kind: str, steps: int, repeat: int) -> dict:
+def ddp_main(kind: str, steps: int, batch: int, repeat: int) -> dict:
     """Bare torchrun against `stalwart run` of the DDP script (`kind`: plain or dcp); the ratios."""
     work = tempfile.mkdtemp(prefix="stalwart-overhead-ddp-")
     modes = ("bare", "stalwart")
@@ -260,14 +272,14 @@ def ddp_main(kind: str, steps: int, repeat: int) -> dict:
             for mode in modes[k % 2:] + modes[:k % 2]:
                 print(f"[DDP, 4 workers, {kind}] " + (f"round {k + 1}/{repeat}: " if repeat > 1 else "")
                       + f"{mode} ...", flush=True)
-                r[mode] = torchrun_ddp(steps, work) if mode == "bare" else \
-                    stalwart_ddp(steps, kind.startswith("dcp"), work, overlap=kind == "dcp-overlap")
+                r[mode] = torchrun_ddp(steps, batch, work) if mode == "bare" else \
+                    stalwart_ddp(steps, batch, kind.startswith("dcp"), work, overlap=kind == "dcp-overlap")
             rounds.append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r = {m: median_of([x[m] for x in rounds]) for m in modes}
     label = "stalwart + DCP" if kind.startswith("dcp") else "stalwart run"
-    print(f"\nDDP script, 4 workers (dp 4 on 2 machines x 2), {steps} steps; window 30%..90%"
+    print(f"\nDDP script, 4 workers (dp 4 on 2 machines x 2), batch {batch}, {steps} steps; window 30%..90%"
           + (f"; medians of {repeat} rounds" if repeat > 1 else ""))
     print(f"{'':34s}{'bare torchrun':>16s}{label:>16s}")
     for key, fmt in (("steps_per_s", "{:.2f}"), ("first_step_s", "{:.1f}"), ("step_s", "{:.4f}"),
@@ -279,7 +291,7 @@ def ddp_main(kind: str, steps: int, repeat: int) -> dict:
     print("stalwart's own CPU-s per step by role: "
           + (", ".join(f"{k} {v:.4f}" for k, v in st["own_by_role"].items()) or "none")
           + f"; spares' one-time warm-up in the window {st['spare_warmup_cpu_per_step']:.4f} (not counted)")
-    row = {"workers": 4, "tp": 1, "pp": 1, "dp": 4, "ddp": kind,
+    row = {"workers": 4, "tp": 1, "pp": 1, "dp": 4, "ddp": kind, "batch": batch,
            "throughput_ratio": round(st["steps_per_s"] / bare["steps_per_s"], 4),
            "own_cpu_share": round(st["own_cpu_per_step"] / st["worker_cpu_per_step"], 4),
            "sdk_blocking_share": round(st.get("sdk_s_per_step", 0.0) / st["step_s"], 4),
@@ -331,14 +343,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="an ordinary DDP script instead of the GPT: unchanged (plain), with the DCP adapter "
                          "(dcp), or with the adapter's copy beside the next step (dcp-overlap: "
                          "STALWART_MEM_OVERLAP=1)")
+    ap.add_argument("--batch", type=int, default=1024,
+                    help="--ddp: samples per rank per step (default 1024; see the module's docstring)")
     a = ap.parse_args(argv)
     steps = a.steps or (200 if a.quick else 300)
+    if a.batch < 1:
+        ap.error("--batch must be >= 1")
     if steps < 50:
         ap.error("--steps must be >= 50 (the window is 30%%..90%% of the steps)")
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
     if a.ddp:
-        row = ddp_main(a.ddp, steps, a.repeat)
+        row = ddp_main(a.ddp, steps, a.batch, a.repeat)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"layouts": [row]}, f, indent=1)
