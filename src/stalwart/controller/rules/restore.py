@@ -252,9 +252,14 @@ class Availability:
             return None
         out: dict[int, list[dict]] = {r: [] for r in range(world)}
         for tier, (has, who) in found.items():      # (in tier order: own, backup, durable)
+            made: dict[int, dict] = {}              # equal copies are one object (read only)
             for r in range(world):
                 if has[r]:
-                    out[r].append(_copy_dict(tier, step, names[who[r]]))
+                    h = who[r]
+                    c = made.get(h)
+                    if c is None:
+                        c = made[h] = _copy_dict(tier, step, names[h])
+                    out[r].append(c)
         return out
 
 
@@ -272,5 +277,7 @@ def candidates(av: Availability, rank: int, step: int, next_machine: str, alive:
 
 def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
          bad_steps: AbstractSet[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
-    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
+    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none.
+    Equal candidates are one dict (a holder's copy of the step, for every rank it holds): read
+    them, do not change them."""
     return av.plan(world, [next_machine[r] for r in range(world)], alive, bad_steps)
