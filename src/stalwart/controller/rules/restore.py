@@ -252,14 +252,9 @@ class Availability:
             return None
         out: dict[int, list[dict]] = {r: [] for r in range(world)}
         for tier, (has, who) in found.items():      # (in tier order: own, backup, durable)
-            made: dict[int, dict] = {}              # equal copies are one object (read only)
             for r in range(world):
                 if has[r]:
-                    h = who[r]
-                    c = made.get(h)
-                    if c is None:
-                        c = made[h] = _copy_dict(tier, step, names[h])
-                    out[r].append(c)
+                    out[r].append(_copy_dict(tier, step, names[who[r]]))
         return out
 
 
@@ -277,7 +272,5 @@ def candidates(av: Availability, rank: int, step: int, next_machine: str, alive:
 
 def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
          bad_steps: AbstractSet[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
-    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none.
-    Equal candidates are one dict (a holder's copy of the step, for every rank it holds): read
-    them, do not change them."""
+    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
     return av.plan(world, [next_machine[r] for r in range(world)], alive, bad_steps)

@@ -66,8 +66,7 @@ class RunFlow:
         for m in st.slots:          # the start takes their waiting workers (standby's or spares)
             st.pool.ready.pop(m, None)
         made: dict[tuple, RestoreCopy] = {}     # (equal copies are one object: a durable step's)
-        seen: dict[int, RestoreCopy] = {}       # a candidate dict met before (the plan shares them)
-        copies = {r: [seen.get(id(c)) or _copy(made, seen, c) for c in cs] for r, cs in cands.items() if cs}
+        copies = {r: [_copy(made, c) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
             StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
                      warm=warm, code_path=st.code_path, version=st.version_id, spares=not st.script),
@@ -418,14 +417,12 @@ class RunFlow:
         return None
 
 
-def _copy(made: dict[tuple, RestoreCopy], seen: dict[int, RestoreCopy], c: dict) -> RestoreCopy:
-    """A restore candidate as the StartRun action lists it (one object per distinct copy), kept
-    under the candidate dict's id too (`cands` holds the dict for as long as `seen` lives)."""
+def _copy(made: dict[tuple, RestoreCopy], c: dict) -> RestoreCopy:
+    """A restore candidate as the StartRun action lists it (one object per distinct copy)."""
     key = (c["tier"], c["step"], c.get("holder"), c.get("location"))
     got = made.get(key)
     if got is None:
         got = made[key] = RestoreCopy(*key)
-    seen[id(c)] = got
     return got
 
 
