@@ -48,6 +48,8 @@ class Availability:
                     self._put([int(rank)], tier, [int(step)], [holder])
 
     def __getattr__(self, name: str) -> Any:
+        """`copies`, built from the arrays: a field for the saved form (and the constructor), not
+        kept as an attribute, so every read (a save included) sees what the arrays hold."""
         if name != "copies":
             raise AttributeError(name)
         out: dict[int, dict[str, dict[int, str]]] = {}
