@@ -72,6 +72,135 @@ def test_a_whole_job_column_of_inventories_leaves_what_each_machine_alone_does()
                 one.replace_ranks(m, tier, rs, steps)
             many.replace_columns(tier, machines, ranks, steps)
             assert one.copies == many.copies, trial
-            assert {k: v for k, v in one._holders.items() if v} == {k: v for k, v in many._holders.items() if v}
         assert plan(one, 6, {r: f"m{r}" for r in range(6)}, {f"m{i}" for i in range(8)}) == \
             plan(many, 6, {r: f"m{r}" for r in range(6)}, {f"m{i}" for i in range(8)})
+
+
+class DictAvailability:
+    """The restore availability as plain tables (rank -> tier -> step -> holder), each operation
+    spelled out copy by copy: what the arrays of `Availability` must hold after the same calls."""
+
+    def __init__(self, keep=8, memory=None):
+        self.keep, self.memory, self.copies = keep, memory or {"own": 2, "backup": 2}, {}
+
+    def add(self, rank, tier, step, holder):
+        self.put(rank, tier, [step], holder)
+
+    def put(self, rank, tier, steps, holder):
+        table = self.copies.setdefault(rank, {}).setdefault(tier, {})
+        for s in steps:
+            table[s] = holder
+        keep = min(self.keep, self.memory.get(tier, self.keep))
+        for old in sorted(table)[:-keep]:
+            del table[old]
+
+    def forget(self, machine, tiers):
+        for by_tier in self.copies.values():
+            for tier in tiers:
+                table = by_tier.get(tier, {})
+                for s in [s for s, h in table.items() if h == machine]:
+                    del table[s]
+
+    def replace_columns(self, tier, machines, ranks, steps):
+        for m, rs in zip(machines, ranks):
+            self.forget(m, (tier,))
+            for r in rs:
+                if steps:
+                    self.put(r, tier, steps, m)
+
+    def forget_after(self, step):
+        for by_tier in self.copies.values():
+            for tier in ("own", "backup"):
+                table = by_tier.get(tier, {})
+                for s in [s for s in table if s > step]:
+                    del table[s]
+
+    def plan(self, world, next_machine, alive, bad):
+        steps = {s for by_tier in self.copies.values() for t in by_tier.values() for s in t}
+        for step in sorted(steps - set(bad), reverse=True):
+            cands = {}
+            for r in range(world):
+                tiers, got = self.copies.get(r, {}), []
+                h = tiers.get("own", {}).get(step)
+                if h is not None and h == next_machine[r] and h in alive:
+                    got.append({"tier": "own", "step": step, "holder": h})
+                h = tiers.get("backup", {}).get(step)
+                if h is not None and h in alive:
+                    got.append({"tier": "backup", "step": step, "holder": h})
+                h = tiers.get("durable", {}).get(step)
+                if h is not None:
+                    got.append({"tier": "durable", "step": step, "location": h})
+                if not got:
+                    break
+                cands[r] = got
+            else:
+                return step, cands
+        return -1, {}
+
+    def held(self):
+        return {r: {t: dict(tab) for t, tab in by_tier.items() if tab} for r, by_tier in self.copies.items()
+                if any(by_tier.values())}
+
+
+def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
+    """Random sequences of every operation (a rank's copy, a checkpoint's column of ranks, a
+    machine's inventory, a stop report's columns with machines listed twice, ranks in two machines'
+    lists and copies held by a machine listed later, a restart's forgetting, a lost machine) leave
+    the same copies in `Availability` as in plain tables, and the same restore plan, saved form
+    included."""
+    import random
+    from stalwart.controller.job.state import JobState, dumps, loads
+    rng = random.Random(11)
+    world, machines = 7, [f"m{i}" for i in range(9)]
+    for trial in range(80):
+        memory = {"own": rng.choice([2, 3]), "backup": 2}
+        keep = rng.choice([3, 8])
+        arr, ref = Availability(keep=keep, memory=dict(memory)), DictAvailability(keep, dict(memory))
+        for op in range(25):
+            kind = rng.randrange(7)
+            if kind == 0:
+                r, tier, s = rng.randrange(world), rng.choice(["own", "backup", "durable"]), rng.randrange(12)
+                h = rng.choice(machines) if tier != "durable" else f"/d/{s}"
+                arr.add(r, tier, s, h)
+                ref.add(r, tier, s, h)
+            elif kind == 1:
+                tier, s = rng.choice(["own", "durable"]), rng.randrange(12)
+                ranks = [rng.randrange(world) for _ in range(rng.randrange(1, 6))]
+                holders = [rng.choice(machines) for _ in ranks]
+                arr.add_column(tier, ranks, s, holders)
+                for r, h in zip(ranks, holders):
+                    ref.add(r, tier, s, h)
+            elif kind == 2:
+                m, tier = rng.choice(machines), rng.choice(["own", "backup"])
+                held = {rng.randrange(world): [rng.randrange(12) for _ in range(rng.randrange(0, 3))]
+                        for _ in range(rng.randrange(0, 3))}
+                arr.replace_held(m, tier, held)
+                ref.forget(m, (tier,))
+                for r, steps in held.items():
+                    if steps:
+                        ref.put(r, tier, steps, m)
+            elif kind in (3, 4):
+                tier = rng.choice(["own", "backup"])
+                ms = rng.sample(machines, rng.randrange(1, 6)) if kind == 3 else \
+                    [rng.choice(machines) for _ in range(rng.randrange(1, 6))]
+                ranks = [rng.sample(range(world), rng.randrange(0, 3)) for _ in ms]
+                lo = rng.randrange(0, 12)
+                steps = list(range(lo, lo + rng.randrange(0, 4)))
+                arr.replace_columns(tier, ms, ranks, steps)
+                ref.replace_columns(tier, ms, ranks, steps)
+            elif kind == 5:
+                s = rng.randrange(12)
+                arr.forget_after(s)
+                ref.forget_after(s)
+            else:
+                m = rng.choice(machines)
+                arr.drop_machine(m)
+                ref.forget(m, ("own", "backup"))
+            assert arr.copies == ref.held(), (trial, op)
+            nxt = {r: rng.choice(machines) for r in range(world)}
+            alive = set(rng.sample(machines, rng.randrange(3, 9)))
+            bad = set(rng.sample(range(12), rng.randrange(0, 2)))
+            assert plan(arr, world, nxt, alive, bad) == ref.plan(world, nxt, alive, bad), (trial, op)
+        st = JobState(job_id=1, created_at=0.0, avail=arr)
+        back = loads(dumps(st))
+        assert back.avail.copies == ref.held() and dumps(back) == dumps(st)

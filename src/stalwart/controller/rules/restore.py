@@ -9,183 +9,270 @@ order own -> backup -> durable, so the agent falls back tier by tier when a copy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import AbstractSet, Iterable, Sequence
+from typing import AbstractSet, Any, Iterable, Sequence
+
+import numpy as np
 
 TIERS = ("own", "backup", "durable")
+EMPTY = np.iinfo(np.int64).min      # a free slot's step (below every real step: sorted first)
 
 
 @dataclass
 class Availability:
-    """What the agents reported: rank -> tier -> step -> holder (machine id, or a durable URL)."""
+    """What the agents reported: rank -> tier -> step -> holder (machine id, or a durable URL).
+
+    Held per tier as two arrays of one row per rank and one column per copy the tier keeps (a
+    copy's step, and its holder as an index into the names seen): a whole-job stop report's
+    column is one write, the restore plan one comparison per candidate step. `copies` is the
+    saved form, built from the arrays when read (and read into them when given)."""
     keep: int = 8
     copies: dict[int, dict[str, dict[int, str]]] = field(default_factory=dict)
     # memory tiers physically hold only this many complete steps: own, the rank's slots less the
     # one being written (policy.mem_slots - 1); backup, what the agent keeps beyond reports in flight
     memory: dict[str, int] = field(default_factory=lambda: {"own": 2, "backup": 2})
 
-    @cached_property
-    def _holders(self) -> dict[str, set[tuple[int, str]]]:
-        """holder -> the (rank, tier) whose copies it may hold: every copy's (rank, tier) is under
-        its holder (entries may be stale, never missing), so a machine's copies are found without
-        looking at every rank. Not saved: rebuilt from `copies` after a load."""
-        out: dict[str, set[tuple[int, str]]] = {}
-        for rank, tiers in self.copies.items():
+    def __post_init__(self) -> None:
+        given = self.__dict__.pop("copies")
+        self._names: list[str] = []              # holder index -> machine id or durable location
+        self._index: dict[str, int] = {}
+        self._rows = 0
+        self._steps: dict[str, np.ndarray] = {}
+        self._holder: dict[str, np.ndarray] = {}
+        for tier in TIERS:
+            k = self._keep(tier)
+            self._steps[tier] = np.full((0, k), EMPTY, dtype=np.int64)
+            self._holder[tier] = np.full((0, k), -1, dtype=np.int64)
+        for rank, tiers in given.items():
             for tier, steps in tiers.items():
-                for holder in steps.values():
-                    out.setdefault(holder, set()).add((rank, tier))
+                for step, holder in sorted(steps.items()):
+                    self._put([int(rank)], tier, [int(step)], [holder])
+
+    def __getattr__(self, name: str) -> Any:
+        """`copies`, built from the arrays: a field for the saved form (and the constructor), not
+        kept as an attribute, so every read (a save included) sees what the arrays hold."""
+        if name != "copies":
+            raise AttributeError(name)
+        out: dict[int, dict[str, dict[int, str]]] = {}
+        names = self._names
+        for tier in self._steps:
+            steps, holder = self._steps[tier], self._holder[tier]
+            for r, k in zip(*np.nonzero(steps != EMPTY)):
+                out.setdefault(int(r), {}).setdefault(tier, {})[int(steps[r, k])] = names[holder[r, k]]
         return out
 
-    def add(self, rank: int, tier: str, step: int, holder: str) -> None:
-        self._put(rank, tier, (step,), holder)
+    def _keep(self, tier: str) -> int:
+        return min(self.keep, self.memory.get(tier, self.keep))
 
-    def _put(self, rank: int, tier: str, new: Iterable[int], holder: str) -> None:
-        """`holder` has `new` steps of the rank's tier; the tier keeps its newest ones (trimming once
-        after several steps leaves what trimming after each would)."""
-        tiers = self.copies.get(rank)
-        if tiers is None:
-            tiers = self.copies[rank] = {}
-        steps = tiers.get(tier)
-        if steps is None:
-            steps = tiers[tier] = {}
-        for step in new:
-            steps[step] = holder
-        held = self._holders.get(holder)
-        if held is None:
-            held = self._holders[holder] = set()
-        held.add((rank, tier))
-        keep = min(self.keep, self.memory.get(tier, self.keep))
-        if len(steps) > keep:
-            for old in sorted(steps)[:-keep]:
-                del steps[old]
+    def _tier(self, tier: str) -> tuple[np.ndarray, np.ndarray]:
+        if tier not in self._steps:
+            k = self._keep(tier)
+            self._steps[tier] = np.full((self._rows, k), EMPTY, dtype=np.int64)
+            self._holder[tier] = np.full((self._rows, k), -1, dtype=np.int64)
+        return self._steps[tier], self._holder[tier]
 
-    def _forget(self, machine: str, tiers: tuple[str, ...]) -> None:
-        """Delete every copy of `tiers` that `machine` holds (each in its own rank's and tier's
-        table: the order they are deleted in changes nothing)."""
-        held = self._holders.get(machine)
-        if not held:
+    def _grow(self, rows: int) -> None:
+        """Rows for the ranks below `rows` (a rank's row is its number)."""
+        if rows <= self._rows:
             return
-        for key in [x for x in held if x[1] in tiers]:
-            steps = self.copies.get(key[0], {}).get(key[1])
-            if steps:
-                for s in [s for s, h in steps.items() if h == machine]:
-                    del steps[s]
-            held.discard(key)
+        add = max(rows, 2 * self._rows) - self._rows
+        for tier in self._steps:
+            k = self._steps[tier].shape[1]
+            self._steps[tier] = np.concatenate([self._steps[tier], np.full((add, k), EMPTY, dtype=np.int64)])
+            self._holder[tier] = np.concatenate([self._holder[tier], np.full((add, k), -1, dtype=np.int64)])
+        self._rows += add
+
+    def _ids(self, holders: Iterable[str]) -> np.ndarray:
+        index, names = self._index, self._names
+        out = []
+        for h in holders:
+            i = index.get(h)
+            if i is None:
+                i = index[h] = len(names)
+                names.append(h)
+            out.append(i)
+        return np.asarray(out, dtype=np.int64)
+
+    def _put(self, ranks: Sequence[int], tier: str, new: Iterable[int], holders: Sequence[str]) -> None:
+        """Rank ranks[i]'s tier gets the `new` steps held by holders[i] (the ranks distinct); each
+        keeps its newest copies: a step it had takes the new holder, then the oldest go past the
+        tier's keep (trimming once after several steps leaves what trimming after each would)."""
+        new_steps = np.asarray(sorted({int(s) for s in new}), dtype=np.int64)
+        if not len(ranks) or not len(new_steps):
+            return
+        rows = np.asarray(ranks, dtype=np.int64)
+        self._grow(int(rows.max()) + 1)
+        steps, holder = self._tier(tier)
+        old_s, old_h = steps[rows], holder[rows]
+        taken = np.isin(old_s, new_steps)                                  # the new holder's now
+        old_s, old_h = np.where(taken, EMPTY, old_s), np.where(taken, -1, old_h)
+        n = len(new_steps)
+        all_s = np.concatenate([old_s, np.broadcast_to(new_steps, (len(rows), n))], axis=1)
+        all_h = np.concatenate([old_h, np.broadcast_to(self._ids(holders)[:, None], (len(rows), n))], axis=1)
+        k = steps.shape[1]
+        order = np.argsort(all_s, axis=1, kind="stable")[:, -k:]           # the newest k (free slots first)
+        steps[rows] = np.take_along_axis(all_s, order, axis=1)
+        holder[rows] = np.take_along_axis(all_h, order, axis=1)
+
+    def _forget(self, machines: Iterable[str], tiers: tuple[str, ...]) -> None:
+        """Delete every copy of `tiers` that one of `machines` holds."""
+        ids = [self._index[m] for m in machines if m in self._index]
+        if not ids:
+            return
+        for tier in tiers:
+            if tier in self._steps:
+                gone = np.isin(self._holder[tier], ids)
+                self._steps[tier][gone] = EMPTY
+                self._holder[tier][gone] = -1
+
+    def add(self, rank: int, tier: str, step: int, holder: str) -> None:
+        self._put([rank], tier, (step,), [holder])
+
+    def add_column(self, tier: str, ranks: Sequence[int], step: int, holders: Sequence[str]) -> None:
+        """`add(ranks[i], tier, step, holders[i])` for every i in order (every rank's report of
+        one checkpoint), in one write where the ranks are distinct."""
+        if len(set(ranks)) == len(ranks):
+            self._put(ranks, tier, (step,), holders)
+        else:
+            for rank, holder in zip(ranks, holders):
+                self.add(rank, tier, step, holder)
 
     def replace_held(self, machine: str, tier: str, steps_by_rank: dict[int, list[int]]) -> None:
         """What `machine` really holds in a memory tier (its inventory when its workers stopped):
         reports still in flight can make the running record stale."""
-        self._forget(machine, (tier,))
+        self._forget((machine,), (tier,))
         for rank, steps in steps_by_rank.items():
             if steps:
-                self._put(int(rank), tier, [int(s) for s in steps], machine)
+                self._put([int(rank)], tier, [int(s) for s in steps], [machine])
 
     def replace_ranks(self, machine: str, tier: str, ranks: Iterable[int], steps: Sequence[int]) -> None:
         """`replace_held` where every rank holds the same steps (a whole-job stop report's column)."""
-        self._forget(machine, (tier,))
-        if steps:
-            for rank in ranks:
-                self._put(rank, tier, steps, machine)
+        self.replace_columns(tier, [machine], [ranks], steps)
 
     def replace_columns(self, tier: str, machines: Sequence[str], ranks: Sequence[Iterable[int]],
                         steps: Sequence[int]) -> None:
         """`replace_ranks(machines[i], tier, ranks[i], steps)` for every i in order (a whole-job
-        stop report's column of one tier), in one pass: the same copies, without a call per
-        machine and rank."""
-        copies, index = self.copies, self._holders
-        keep = min(self.keep, self.memory.get(tier, self.keep))
-        steps = tuple(steps)
-        for machine, rs in zip(machines, ranks):
-            held = index.get(machine)
-            if held:                    # `_forget(machine, (tier,))`
-                for key in [x for x in held if x[1] == tier]:
-                    tiers = copies.get(key[0])
-                    by_step = tiers.get(tier) if tiers is not None else None
-                    if by_step:
-                        for s in [s for s, h in by_step.items() if h == machine]:
-                            del by_step[s]
-                    held.discard(key)
-            if not steps:
-                continue
-            for rank in rs:             # `_put(rank, tier, steps, machine)`
-                tiers = copies.get(rank)
-                if tiers is None:
-                    tiers = copies[rank] = {}
-                by_step = tiers.get(tier)
-                if by_step is None:
-                    by_step = tiers[tier] = {}
-                for s in steps:
-                    by_step[s] = machine
-                if held is None:
-                    held = index[machine] = set()
-                held.add((rank, tier))
-                if len(by_step) > keep:
-                    for old in sorted(by_step)[:-keep]:
-                        del by_step[old]
+        stop report's column of one tier). One write where the machines are distinct, no rank is
+        listed twice, and no listed rank holds a copy of a machine listed after its own: then
+        forgetting every machine's copies first and writing every rank's after leaves what the
+        machine-by-machine order does (otherwise it is that order, one machine at a time)."""
+        cols = [list(rs) for rs in ranks]
+        rows = [r for rs in cols for r in rs]
+        if len(set(machines)) == len(machines) and len(set(rows)) == len(rows) and \
+                not self._later_holders(tier, machines, cols):
+            self._forget(machines, (tier,))
+            self._put(rows, tier, steps, [m for m, rs in zip(machines, cols) for _ in rs])
+            return
+        for machine, rs in zip(machines, cols):
+            self._forget((machine,), (tier,))
+            self._put(rs, tier, steps, [machine] * len(rs))
+
+    def _later_holders(self, tier: str, machines: Sequence[str], cols: list[list[int]]) -> bool:
+        """Whether some rank in cols[i] holds a copy (in `tier`) of machines[j], j > i."""
+        if tier not in self._steps or not self._rows:
+            return False
+        pos = np.full(len(self._names) + 1, -1, dtype=np.int64)        # holder index -> position (+1: none)
+        for i, m in enumerate(machines):
+            if m in self._index:
+                pos[self._index[m]] = i
+        rows = np.asarray([r for rs in cols for r in rs], dtype=np.int64)
+        mine = np.asarray([i for i, rs in enumerate(cols) for _ in rs], dtype=np.int64)
+        inside = rows < self._rows
+        rows, mine = rows[inside], mine[inside]
+        if not len(rows):
+            return False
+        return bool((pos[self._holder[tier][rows]] > mine[:, None]).any())
 
     def held_steps(self) -> set[int]:
         """Every step some rank has a copy of, in any tier."""
-        steps: set[int] = set()
-        for tiers in self.copies.values():
-            for by_step in tiers.values():
-                steps.update(by_step)
-        return steps
+        out: set[int] = set()
+        for steps in self._steps.values():
+            out.update(int(s) for s in np.unique(steps) if s != EMPTY)
+        return out
 
     def forget_after(self, step: int) -> None:
         """A run starts after `step`: the memory copies of later steps are the stopped run's (its
         agents drop their own slots of them). Kept, they would outrank the new run's copies of
         the same steps (the memory tiers keep only the newest few), and every restore until the
         new run passed them would fall back to durable storage."""
-        for tiers in self.copies.values():
-            for tier in ("own", "backup"):
-                held = tiers.get(tier, {})
-                for s in [s for s in held if s > step]:
-                    del held[s]
+        for tier in ("own", "backup"):
+            if tier in self._steps:
+                gone = self._steps[tier] > step
+                self._steps[tier][gone] = EMPTY
+                self._holder[tier][gone] = -1
 
     def drop_machine(self, machine: str) -> None:
         """A machine's memory is gone (lost, evicted, or its workers' slots reused)."""
-        self._forget(machine, ("own", "backup"))
+        self._forget((machine,), ("own", "backup"))
+
+    def copies_of(self, rank: int, step: int, next_machine: str, alive: AbstractSet[str]) -> list[dict]:
+        """The valid copies of (rank, step), best first (see `candidates`)."""
+        if rank >= self._rows:
+            return []
+        return self._plan_at(rank + 1, [next_machine] * (rank + 1), alive, step, only=rank) or []
+
+    def plan(self, world: int, next_machine: Sequence[str], alive: AbstractSet[str],
+             bad_steps: AbstractSet[int]) -> tuple[int, dict[int, list[dict]]]:
+        """`plan` (see there), each candidate step one comparison per tier."""
+        for step in sorted(self.held_steps() - set(bad_steps), reverse=True):
+            if world == 0:
+                return step, {}
+            if world > self._rows:
+                break
+            got = self._plan_at(world, next_machine, alive, step)
+            if got is not None:
+                return step, got
+        return -1, {}
+
+    def _plan_at(self, world: int, next_machine: Sequence[str], alive: AbstractSet[str], step: int,
+                 only: int | None = None) -> Any:
+        """Every rank's valid copies of `step` (rank -> list, best first), or None when some rank
+        below `world` has none; with `only`, that rank's list alone, whatever the others hold."""
+        alive_ids = np.zeros(len(self._names) + 1, dtype=bool)      # (+1: a free slot's -1)
+        for m in alive:
+            i = self._index.get(m)
+            if i is not None:
+                alive_ids[i] = True
+        nxt = np.asarray([self._index.get(m, -2) for m in next_machine], dtype=np.int64)
+        found, names = {}, self._names
+        ok = np.zeros(world, dtype=bool)
+        for tier in TIERS:
+            if tier not in self._steps:
+                continue
+            steps, holder = self._steps[tier][:world], self._holder[tier][:world]
+            hit = steps == step
+            if tier == "backup":
+                hit &= alive_ids[holder]
+            elif tier == "own":
+                hit &= alive_ids[holder] & (holder == nxt[:, None])
+            has = hit.any(axis=1)
+            ok |= has
+            who = np.take_along_axis(holder, hit.argmax(axis=1)[:, None], axis=1)[:, 0]
+            found[tier] = (has.tolist(), who.tolist())
+        if only is not None:
+            return [_copy_dict(tier, step, names[who[only]]) for tier, (has, who) in found.items() if has[only]]
+        if not ok.all():
+            return None
+        out: dict[int, list[dict]] = {r: [] for r in range(world)}
+        for tier, (has, who) in found.items():      # (in tier order: own, backup, durable)
+            for r in range(world):
+                if has[r]:
+                    out[r].append(_copy_dict(tier, step, names[who[r]]))
+        return out
+
+
+def _copy_dict(tier: str, step: int, holder: str) -> dict:
+    if tier == "durable":
+        return {"tier": tier, "step": step, "location": holder}
+    return {"tier": tier, "step": step, "holder": holder}
 
 
 def candidates(av: Availability, rank: int, step: int, next_machine: str, alive: set[str]) -> list[dict]:
-    """The valid copies of (rank, step), best first."""
-    tiers = av.copies.get(rank, {})
-    out = []
-    holder = tiers.get("own", {}).get(step)
-    if holder is not None and holder == next_machine and holder in alive:
-        out.append({"tier": "own", "step": step, "holder": holder})
-    holder = tiers.get("backup", {}).get(step)
-    if holder is not None and holder in alive:
-        out.append({"tier": "backup", "step": step, "holder": holder})
-    loc = tiers.get("durable", {}).get(step)
-    if loc is not None:
-        out.append({"tier": "durable", "step": step, "location": loc})
-    return out
+    """The valid copies of (rank, step), best first: own (on the machine that will run the rank),
+    backup (a machine in service), durable."""
+    return av.copies_of(rank, step, next_machine, alive)
 
 
 def plan(av: Availability, world: int, next_machine: dict[int, str], alive: set[str],
          bad_steps: AbstractSet[int] = frozenset()) -> tuple[int, dict[int, list[dict]]]:
-    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none.
-    (Each rank's candidates are `candidates`', found here without a call per rank.)"""
-    copies = av.copies
-    none: dict = {}
-    for step in sorted(av.held_steps() - set(bad_steps), reverse=True):
-        cands: dict[int, list[dict]] = {}
-        for r in range(world):
-            tiers = copies.get(r, none)
-            got = []
-            holder = tiers.get("own", none).get(step)
-            if holder is not None and holder == next_machine[r] and holder in alive:
-                got.append({"tier": "own", "step": step, "holder": holder})
-            holder = tiers.get("backup", none).get(step)
-            if holder is not None and holder in alive:
-                got.append({"tier": "backup", "step": step, "holder": holder})
-            loc = tiers.get("durable", none).get(step)
-            if loc is not None:
-                got.append({"tier": "durable", "step": step, "location": loc})
-            if not got:
-                break               # a rank without a copy of this step: an older step, then
-            cands[r] = got
-        else:
-            return step, cands
-    return -1, {}
+    """(step, rank -> candidates) for the newest step every rank can restore; (-1, {}) if none."""
+    return av.plan(world, [next_machine[r] for r in range(world)], alive, bad_steps)

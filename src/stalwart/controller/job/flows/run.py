@@ -352,14 +352,28 @@ class RunFlow:
         durable copy is recorded; a memory copy counts unless a stopped run's, reported late (its
         slots are gone)."""
         acts: Actions = []
-        add = st.avail.add
+        # the copies go into the restore availability one column per run of reports of the same
+        # tier and step (every rank's report of one checkpoint: one write)
+        key: tuple[str, int] | None = None
+        ranks: list[int] = []
+        holders: list[str] = []
         for ev in evs:
             if ev.tier == "durable":
-                add(ev.rank, ev.tier, ev.step, ev.location or "")
-                acts.append(AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=ev.location or "",
+                holder = ev.location or ""
+                acts.append(AddCheckpoint(step=ev.step, rank=ev.rank, tier=ev.tier, location=holder,
                                           checksum=ev.checksum or "", t=ev.t))
             elif ev.run is None or ev.run == st.run_seq:
-                add(ev.rank, ev.tier, ev.step, ev.holder or "")
+                holder = ev.holder or ""
+            else:
+                continue
+            if key != (ev.tier, ev.step):
+                if key is not None:
+                    st.avail.add_column(key[0], ranks, key[1], holders)
+                key, ranks, holders = (ev.tier, ev.step), [], []
+            ranks.append(ev.rank)
+            holders.append(holder)
+        if key is not None:
+            st.avail.add_column(key[0], ranks, key[1], holders)
         return acts
 
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
