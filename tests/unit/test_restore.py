@@ -204,3 +204,31 @@ def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
         st = JobState(job_id=1, created_at=0.0, avail=arr)
         back = loads(dumps(st))
         assert back.avail.copies == ref.held() and dumps(back) == dumps(st)
+
+
+def test_a_long_jobs_durable_locations_do_not_pile_up_and_the_copies_stay():
+    """Every durable copy has a location of its own: after thousands of them the names the
+    availability keeps are about the ones its copies still refer to, and the copies, the plan
+    and the saved form are those of plain tables fed the same reports."""
+    from stalwart.controller.job.state import JobState, dumps, loads
+    from stalwart.controller.rules import restore
+    world, memory = 4, {"own": 2, "backup": 2}
+    arr, ref = Availability(keep=3, memory=dict(memory)), DictAvailability(3, dict(memory))
+    steps = 10 * (3 * restore.COMPACT_NAMES // world)     # three times the names kept before a compaction
+    for step in range(steps):
+        ranks = list(range(world))
+        arr.add_column("own", ranks, step, [f"m{r // 2}" for r in ranks])
+        for r in ranks:
+            ref.add(r, "own", step, f"m{r // 2}")
+        if step % 10 == 0:
+            urls = [f"/durable/rank{r}.step{step}" for r in ranks]
+            arr.add_column("durable", ranks, step, urls)
+            for r, u in zip(ranks, urls):
+                ref.add(r, "durable", step, u)
+    assert len(arr._names) <= restore.COMPACT_NAMES + world
+    assert arr.copies == ref.held()
+    nxt = {r: f"m{r // 2}" for r in range(world)}
+    for alive, bad in (({"m0", "m1"}, set()), ({"m0"}, set()), ({"m0"}, {steps - 10})):
+        assert plan(arr, world, nxt, alive, bad) == ref.plan(world, nxt, alive, bad)
+    st = JobState(job_id=1, created_at=0.0, avail=arr)
+    assert loads(dumps(st)).avail.copies == ref.held()

@@ -15,6 +15,7 @@ import numpy as np
 
 TIERS = ("own", "backup", "durable")
 EMPTY = np.iinfo(np.int64).min      # a free slot's step (below every real step: sorted first)
+COMPACT_NAMES = 1024                # holder names kept before unused ones are first dropped
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Availability:
         given = self.__dict__.pop("copies")
         self._names: list[str] = []              # holder index -> machine id or durable location
         self._index: dict[str, int] = {}
+        self._compact_at = COMPACT_NAMES        # names seen before those no copy refers to go
         self._rows = 0
         self._steps: dict[str, np.ndarray] = {}
         self._holder: dict[str, np.ndarray] = {}
@@ -82,6 +84,8 @@ class Availability:
         self._rows += add
 
     def _ids(self, holders: Iterable[str]) -> np.ndarray:
+        if len(self._names) >= self._compact_at:
+            self._compact()
         index, names = self._index, self._names
         out = []
         for h in holders:
@@ -91,6 +95,19 @@ class Availability:
                 names.append(h)
             out.append(i)
         return np.asarray(out, dtype=np.int64)
+
+    def _compact(self) -> None:
+        """Forget the names no copy refers to any more. Every durable copy has a location of its
+        own, so a long job's names would grow without end; dropped each time their count doubles
+        since the last time, the cost is one pass over the arrays per doubling."""
+        live = np.unique(np.concatenate([h[h >= 0] for h in self._holder.values()] + [np.zeros(0, np.int64)]))
+        remap = np.full(len(self._names) + 1, -1, dtype=np.int64)       # (+1: a free slot's -1 stays -1)
+        remap[live] = np.arange(len(live), dtype=np.int64)
+        for tier in self._holder:
+            self._holder[tier] = remap[self._holder[tier]]
+        self._names = [self._names[i] for i in live]
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._compact_at = max(COMPACT_NAMES, 2 * len(self._names))
 
     def _put(self, ranks: Sequence[int], tier: str, new: Iterable[int], holders: Sequence[str]) -> None:
         """Rank ranks[i]'s tier gets the `new` steps held by holders[i] (the ranks distinct); each
