@@ -56,10 +56,13 @@ class Availability:
             raise AttributeError(name)
         out: dict[int, dict[str, dict[int, str]]] = {}
         names = self._names
-        for tier in self._steps:
-            steps, holder = self._steps[tier], self._holder[tier]
-            for r, k in zip(*np.nonzero(steps != EMPTY)):
-                out.setdefault(int(r), {}).setdefault(tier, {})[int(steps[r, k])] = names[holder[r, k]]
+        for tier, steps in self._steps.items():
+            rows, cols = np.nonzero(steps != EMPTY)        # (row by row: a rank's copies in a run)
+            last, table = -1, {}
+            for r, s, h in zip(rows.tolist(), steps[rows, cols].tolist(), self._holder[tier][rows, cols].tolist()):
+                if r != last:
+                    last, table = r, out.setdefault(r, {}).setdefault(tier, {})
+                table[s] = names[h]
         return out
 
     def _keep(self, tier: str) -> int:
