@@ -77,26 +77,33 @@ def test_ss_output_parses_into_sockets():
 
 
 def test_per_peer_sums_since_the_previous_sample_and_leaves_loopback_out():
-    prev: dict[int, tuple[int, int]] = {}
+    prev: dict[int, tuple[int, int, int]] = {}
     first = per_peer(parse_ss(SS_HEALTHY + SS_SLOW), prev)
     assert [(s.local, s.peer) for s in first] == [("10.213.1.10", "10.213.1.11"), ("10.213.1.12", "10.213.1.10"),
                                                   ("10.213.1.12", "10.213.1.11")]
     assert all(s.retrans == 0 and s.acked == 0 and s.rtt_ms is None for s in first)   # counted from now
     assert set(prev) == {4196630, 4196629, 4214370}
     [parted] = per_peer(parse_ss(SS_PARTED), prev)
-    assert (parted.retrans, parted.acked, parted.rtt_ms) == (4, 1448, 90.742)
+    assert (parted.retrans, parted.acked, parted.rtt_ms) == (0, 1448, 90.742)   # 4 retransmitted: wait
     assert (parted.unacked, parted.backoff, parted.socks) == (333, 2, 1)
     assert set(prev) == {4214370}                               # the others are gone
+    [still] = per_peer(parse_ss(SS_PARTED), prev)               # a sample later, none reported a duplicate
+    assert (still.retrans, still.acked, still.rtt_ms) == (4, 0, None)
+    [again] = per_peer(parse_ss(SS_PARTED), prev)
+    assert again.retrans == 0                                   # each counted once
 
 
-def test_spurious_retransmissions_are_not_losses():
-    prev: dict[int, tuple[int, int]] = {}
+def test_spurious_retransmissions_are_not_losses_even_when_reported_a_sample_later():
+    prev: dict[int, tuple[int, int, int]] = {}
     per_peer(parse_ss(SS_HEALTHY), prev)
     more = SS_HEALTHY.replace("retrans:0/83 dsack_dups:83", "retrans:0/90 dsack_dups:85")
     by_peer = {s.peer: s for s in per_peer(parse_ss(more), prev)}
-    assert by_peer["10.213.1.11"].retrans == 5                  # 7 retransmitted, 2 of them duplicates
+    assert by_peer["10.213.1.11"].retrans == 0                  # 7 retransmitted, 2 reported duplicates so far
     later = more.replace("retrans:0/90 dsack_dups:85", "retrans:0/90 dsack_dups:90")
-    assert {s.peer: s.retrans for s in per_peer(parse_ss(later), prev)}["10.213.1.11"] == 0
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(later), prev)}["10.213.1.11"] == 0   # the other 5 now
+    lost = later.replace("retrans:0/90 dsack_dups:90", "retrans:0/92 dsack_dups:90")
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(lost), prev)}["10.213.1.11"] == 0    # 2 retransmitted
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(lost), prev)}["10.213.1.11"] == 2    # never reported
 
 
 # -- the pair analysis on synthetic figures ---------------------------------------------------------
