@@ -228,10 +228,23 @@ def test_the_pairs_found_within_the_memory_name_the_machine_together():
     lw = fitted(rng)
     first = window(rng, slow="m2")
     only = {k: w for k, w in first.items() if k != "m1|m2" and k != "m2|m3"}   # one of m2's pairs carried data
-    assert lw.judge(only, 100.0).machines == ["m0", "m2"]
+    assert lw.judge(only, 100.0).machines == []          # one pair slow by its RTT: not yet a machine's link
     second = {k: w for k, w in window(rng, slow="m2").items() if k != "m0|m2"}
     assert lw.judge(second, 101.0).machines == ["m2"]
     assert lw.judge(window(rng, slow="m3"), 200.0).machines == ["m3"]      # the old pairs are forgotten
+
+
+def test_a_lone_pair_slow_by_its_rtt_names_no_one_and_a_lone_lossy_pair_both_ends():
+    rng = random.Random(8)
+    lw = fitted(rng)
+    for t in range(12):                                   # two of its hosts' processes held off the CPU
+        w = window(rng)
+        w["m0|m3"] = PairWindow(rtt_ms=0.3 * 20)
+        f = lw.judge(w, 100.0 + t)
+        assert list(f.pairs) == ["m0|m3"] and f.machines == [] and lw.track(f) == 0
+    w = window(rng)
+    w["m0|m3"] = PairWindow(rtt_ms=None, retrans=4, stuck=True)
+    assert lw.judge(w, 112.0).machines == ["m0", "m3"]    # it loses packets: a partition
 
 
 def test_the_sampler_without_ss_is_off_and_samples_nothing(monkeypatch, caplog):
