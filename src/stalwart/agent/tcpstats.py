@@ -138,8 +138,8 @@ def per_peer(socks: Iterable[SockStat], prev: dict[int, tuple[int, int, int]]) -
     duplicate), a lost packet's retransmission is never a duplicate. A duplicate is reported one
     round trip after its retransmission, so a sample taken in between sees a spurious
     retransmission not yet reported: a retransmission counts only once it is still unreported a
-    sample later (a lost packet's is named one sample later; counted at once, a healthy pair of a
-    live job on the loaded host was once named for three of them). A socket to a loopback address
+    sample later (a lost packet's is named one sample later; counted at once, three spurious ones
+    name a healthy pair, the loss test needing no streak). A socket to a loopback address
     or to its own address is left out (not a link between machines); a socket seen for the first
     time counts its figures from now."""
     groups: dict[tuple[str, str], list[SockStat]] = {}
