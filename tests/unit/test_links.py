@@ -242,9 +242,14 @@ def test_a_lone_pair_slow_by_its_rtt_names_no_one_and_a_lone_lossy_pair_both_end
         w["m0|m3"] = PairWindow(rtt_ms=0.3 * 20)
         f = lw.judge(w, 100.0 + t)
         assert list(f.pairs) == ["m0|m3"] and f.machines == [] and lw.track(f) == 0
+    w = {k: PairWindow(rtt_ms=pw.rtt_ms, retrans=4) for k, pw in window(rng).items()}
+    w["m0|m3"] = PairWindow(rtt_ms=0.3 * 20, retrans=4)
+    f = lw.judge(w, 112.0)                                # every pair retransmits alike: no pair lost
+    assert list(f.pairs) == ["m0|m3"] and f.lossy == [] and f.machines == []
     w = window(rng)
     w["m0|m3"] = PairWindow(rtt_ms=None, retrans=4, stuck=True)
-    assert lw.judge(w, 112.0).machines == ["m0", "m3"]    # it loses packets: a partition
+    f = lw.judge(w, 113.0)
+    assert f.lossy == ["m0|m3"] and f.machines == ["m0", "m3"]    # it loses packets: a partition
 
 
 def test_the_sampler_without_ss_is_off_and_samples_nothing(monkeypatch, caplog):

@@ -111,8 +111,12 @@ class Finding:
     """A window's verdict: the abnormal pairs (key -> what was wrong) and the machines named."""
     pairs: dict[str, str]
     machines: list[str]
-    loss: bool = False            # some pair was named for its losses (not only for its RTT)
     lossy: list[str] = field(default_factory=list)    # the pairs named for their losses
+
+    @property
+    def loss(self) -> bool:
+        """Some pair was named for its losses (not only for its RTT)."""
+        return bool(self.lossy)
 
 
 def culprits(abnormal: Iterable[str]) -> list[str]:
@@ -153,7 +157,7 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
     deviation last judged within FRESH_S (this window's included), the references of the slow test;
     `known`: every pair of the job (a lossy pair is compared with those that did not lose)."""
     out: dict[str, str] = {}
-    lost = False
+    named_lossy: list[str] = []
     for key, w in window.items():
         if key not in model.pairs or w.rtt_ms is None or key not in recent:
             continue
@@ -172,8 +176,8 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
             w = window[key]
             what = f"{w.retrans} retransmissions" + (", backing off with data unacknowledged" if w.stuck else "")
             out[key] = (out[key] + "; " if key in out else "") + what
-            lost = True
-    return Finding(pairs=out, machines=culprits(out), loss=lost, lossy=sorted(k for k in lossy if k in out))
+            named_lossy.append(key)
+    return Finding(pairs=out, machines=culprits(out), lossy=sorted(named_lossy))
 
 
 def loss_bound(pm: PairModel) -> int:
