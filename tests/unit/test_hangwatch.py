@@ -1,13 +1,22 @@
 """HangWatch (explicit clock), the non-SDK activity test and the NaN / jump anomaly rules."""
 
+import dataclasses
 import math
+import random
 
 import pytest
+from plainhang import PlainHangWatch
 
 from stalwart.analyzer.activity import ActivitySample, progressed
-from stalwart.controller.rules.hangwatch import HangWatch, anomaly, culprit_machines, nan_culprits
+from stalwart.controller.rules.anomalies import anomaly, culprit_machines, nan_culprits
+from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.spec import Policy
 from stalwart.topology import Topology
+
+
+def saved(w):
+    """Every field of a hang watch, its marks per rank (`_state`, `_recent`) built from the arrays."""
+    return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
 
 
 def run_steps(hw, ranks, steps, step_s, t0=0.0, skip=None):
@@ -222,6 +231,77 @@ def test_one_step_of_many_ranks_leaves_the_state_of_each_rank_in_turn():
         many.on_steps(ranks, s, t)
         one.on_step(3, max(0, s - 1), t)       # stale: ignored by both
         many.on_steps([3], max(0, s - 1), t)
-        assert vars(one) == vars(many), s
+        assert saved(one) == saved(many), s
         assert one.check(t + 0.5) == many.check(t + 0.5)
     assert one.check(t + 100.0) == many.check(t + 100.0) is not None
+
+
+def _same(arr, ref, where):
+    assert saved(arr) == saved(ref), where
+    assert arr.calibrated == ref.calibrated and arr.done() == ref.done(), where
+    assert arr.timeout() == ref.timeout() and arr.warmup_timeout() == ref.warmup_timeout(), where
+
+
+def test_the_arrays_hold_what_a_record_per_rank_does():
+    """Random sequences of every operation (a rank's step, one step of many ranks with ranks listed
+    twice, stale steps, ranks first seen and time running backwards, collectives, activity, a
+    finished rank, a resume, checks at any time) leave `HangWatch`'s arrays with the marks, the
+    calibration, the verdicts and the errors of the record per rank it replaced
+    (`plainhang.PlainHangWatch`), and a saved state loads into the same watch."""
+    from stalwart.controller.job.state import JobState, RunState, dumps, loads
+
+    rng = random.Random(5)
+    for trial in range(120):
+        pol = Policy(hang_timeout_floor_s=rng.choice([1.0, 5.0]), hang_safety_factor=rng.choice([1.0, 3.0]),
+                     hang_warmup_steps=rng.choice([0, 1, 3]))
+        world = rng.randrange(1, 7)
+        listed = range(world) if rng.random() < 0.7 else rng.sample(range(9), world)
+        start = rng.choice([None, 0.0])
+        window = rng.choice([1, 3, 20])
+        arr = HangWatch(pol, ranks=listed, started_at=start, window=window)
+        ref = PlainHangWatch(pol, ranks=listed, started_at=start, window=window)
+        _same(arr, ref, (trial, "new"))
+        now, step = 0.0, 0
+        for op in range(60):
+            now += rng.choice([0.0, 0.1, 0.5, 1.0, 2.0, 7.0, 40.0])
+            kind = rng.random()
+            t = now - rng.choice([0.0, 0.0, 0.0, 3.0])         # now and then a report older than one seen
+            calls = []
+            if kind < 0.45:
+                step += rng.choice([0, 1, 1, 1, 2])
+                ranks = [r for r in range(world + 2) if rng.random() < 0.8]
+                if rng.random() < 0.2 and ranks:
+                    ranks.append(rng.choice(ranks))             # a rank listed twice
+                if rng.random() < 0.3:
+                    rng.shuffle(ranks)
+                s = max(0, step - rng.choice([0, 0, 0, 1, 5]))
+                calls = [("on_steps", (range(world) if rng.random() < 0.3 else ranks, s, t))]
+            elif kind < 0.6:
+                step += rng.choice([0, 1])
+                calls = [("on_step", (rng.randrange(world + 2), max(0, step - rng.choice([0, 1])), t))]
+            elif kind < 0.7:
+                calls = [("on_collectives", (rng.randrange(world + 2), rng.randrange(0, 30), t))]
+            elif kind < 0.8:
+                calls = [("on_activity", (rng.randrange(world + 2), t))]
+            elif kind < 0.84:
+                calls = [("on_done", (rng.randrange(world + 2),))]
+            elif kind < 0.87:
+                calls = [("resume", (now,))]
+            for name, args in calls:
+                outcome = []
+                for w in (arr, ref):
+                    try:
+                        getattr(w, name)(*args)
+                        outcome.append(None)
+                    except ValueError as e:
+                        outcome.append(str(e))
+                assert outcome[0] == outcome[1], (trial, op, name, args)
+            a, b = arr.check(now), ref.check(now)
+            assert a == b, (trial, op)
+            _same(arr, ref, (trial, op))
+        st = JobState(job_id=1, created_at=0.0)
+        st.run = RunState(seq=1, started_at=0.0, start_step=0, restore_step=-1, machines=[], hang=arr)
+        back = loads(dumps(st)).run.hang
+        assert back is not None and saved(back) == saved(arr) and dumps(loads(dumps(st))) == dumps(st)
+        later = now + 1000.0
+        assert back.check(later) == arr.check(later) == ref.check(later)
