@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 from stalwart import protocol
-from stalwart.controller.rules import restore
 from stalwart.controller.rules import scriptsteps
 from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.cluster.roles import Role
@@ -52,7 +51,9 @@ class RunFlow:
         return acts + self.start_run(st, -1, {}, now)
 
     # -- runs -------------------------------------------------------------------------------------
-    def start_run(self, st: JobState, restore_step: int, cands: dict[int, list[dict]], now: float) -> Actions:
+    def start_run(self, st: JobState, restore_step: int, copies: dict[int, list[RestoreCopy]], now: float) -> Actions:
+        """A new run on the slots from `restore_step` (-1: from the start), rank r restoring from
+        `copies[r]`, best first."""
         settled = self._settle(st, restore_step)
         if st.script and st.run is not None:
             st.script_unsettled = {s: acc for s, acc in st.run.pending.items() if s > st.run.last_committed}
@@ -65,8 +66,6 @@ class RunFlow:
         st.pool.warm -= set(warm)
         for m in st.slots:          # the start takes their waiting workers (standby's or spares)
             st.pool.ready.pop(m, None)
-        made: dict[tuple, RestoreCopy] = {}     # (equal copies are one object: a durable step's)
-        copies = {r: [_copy(made, c) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
             StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
                      warm=warm, code_path=st.code_path, version=st.version_id, spares=not st.script),
@@ -127,11 +126,11 @@ class RunFlow:
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
         slots, G = st.slots, self.ctx.G        # (rank r is on machine r // G: `Topology.machine_of`)
-        next_machine = {r: slots[r // G] for r in range(self.ctx.world)}
+        next_machine = [slots[r // G] for r in range(self.ctx.world)]
         alive = {m for m in st.slots if self.ctx.cluster.alive(m)}
         bad = st.bad_step_set(st.avail.held_steps()) if st.bad_steps else frozenset()
-        step, cands = restore.plan(st.avail, self.ctx.world, next_machine, alive, bad)
-        return self.start_run(st, step, cands, now)
+        step, cols = st.avail.plan_columns(self.ctx.world, next_machine, alive, bad)
+        return self.start_run(st, step, _copies(step, cols), now)
 
     # -- steps ------------------------------------------------------------------------------------
     def on_step(self, st: JobState, ev: protocol.Step, now: float) -> Actions:
@@ -417,13 +416,27 @@ class RunFlow:
         return None
 
 
-def _copy(made: dict[tuple, RestoreCopy], c: dict) -> RestoreCopy:
-    """A restore candidate as the StartRun action lists it (one object per distinct copy)."""
-    key = (c["tier"], c["step"], c.get("holder"), c.get("location"))
-    got = made.get(key)
-    if got is None:
-        got = made[key] = RestoreCopy(*key)
-    return got
+def _copies(step: int, cols: list[tuple[str, list[bool], list[str]]]) -> dict[int, list[RestoreCopy]]:
+    """Every rank's restore candidates as the StartRun action lists them, from the restore plan's
+    columns (`Availability.plan_columns`): rank -> its copies, best first (own, backup, durable);
+    equal copies (a durable step's) are one object."""
+    per_tier = []
+    for tier, has, who in cols:
+        made: dict[str, RestoreCopy] = {}
+        col: list[RestoreCopy | None] = []
+        durable = tier == "durable"
+        for h, holder in zip(has, who):
+            if not h:
+                col.append(None)
+                continue
+            c = made.get(holder)
+            if c is None:
+                c = made[holder] = RestoreCopy(tier, step, None, holder) if durable else RestoreCopy(tier, step, holder)
+            col.append(c)
+        per_tier.append(col)
+    if len(per_tier) == 1:
+        return {r: [c] for r, c in enumerate(per_tier[0]) if c is not None}
+    return {r: [c for c in cs if c is not None] for r, cs in enumerate(zip(*per_tier))}
 
 
 def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
