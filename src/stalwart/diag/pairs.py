@@ -21,7 +21,7 @@ def ring_edges(n: int) -> list[Pair]:
         return []
     if n == 2:
         return [(0, 1)]
-    return [(min(i, (i + 1) % n), max(i, (i + 1) % n)) for i in range(n)]
+    return [(i, i + 1) for i in range(n - 1)] + [(0, n - 1)]      # (the closing edge (n-1, 0) as (0, n-1))
 
 
 def pair_rounds(n: int) -> list[list[Pair]]:

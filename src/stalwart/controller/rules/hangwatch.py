@@ -406,8 +406,11 @@ class HangWatch:
             if found is None:
                 return None
             rows = found
-        if n > 1 and len(np.unique(rows)) != n:
-            return None
+        if n > 1:
+            seen = np.zeros(self._n, dtype=np.bool_)        # (listed twice: fewer rows marked than listed)
+            seen[rows] = True
+            if int(np.count_nonzero(seen)) != n:
+                return None
         return rows
 
     def _lookup(self, ranks: Sequence[int]) -> np.ndarray | None:
