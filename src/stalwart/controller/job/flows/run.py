@@ -4,6 +4,7 @@ and the checkpoint copies the agents announce."""
 from __future__ import annotations
 
 import logging
+from itertools import compress
 
 from stalwart import protocol
 from stalwart.controller.rules import scriptsteps
@@ -419,24 +420,17 @@ class RunFlow:
 def _copies(step: int, cols: list[tuple[str, list[bool], list[str]]]) -> dict[int, list[RestoreCopy]]:
     """Every rank's restore candidates as the StartRun action lists them, from the restore plan's
     columns (`Availability.plan_columns`): rank -> its copies, best first (own, backup, durable);
-    equal copies (a durable step's) are one object."""
+    equal copies (a durable step's) are one object. Where every rank has a copy in every tier
+    listed (a restart on the same machines), the lists are the tiers' columns zipped."""
     per_tier = []
     for tier, has, who in cols:
-        made: dict[str, RestoreCopy] = {}
-        col: list[RestoreCopy | None] = []
-        durable = tier == "durable"
-        for h, holder in zip(has, who):
-            if not h:
-                col.append(None)
-                continue
-            c = made.get(holder)
-            if c is None:
-                c = made[holder] = RestoreCopy(tier, step, None, holder) if durable else RestoreCopy(tier, step, holder)
-            col.append(c)
-        per_tier.append(col)
-    if len(per_tier) == 1:
-        return {r: [c] for r, c in enumerate(per_tier[0]) if c is not None}
-    return {r: [c for c in cs if c is not None] for r, cs in enumerate(zip(*per_tier))}
+        made = {h: RestoreCopy(tier, step, None, h) if tier == "durable" else RestoreCopy(tier, step, h)
+                for h in set(compress(who, has))}
+        per_tier.append(list(map(made.__getitem__, who)) if all(has) else
+                        [made[h] if x else None for x, h in zip(has, who)])
+    if all(all(has) for _, has, _ in cols):
+        return dict(enumerate(map(list, zip(*per_tier))))
+    return {r: got for r, cs in enumerate(zip(*per_tier)) if (got := [c for c in cs if c is not None])}
 
 
 def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
