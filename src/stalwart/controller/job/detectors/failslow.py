@@ -67,7 +67,8 @@ class FailSlowDetector(BaseDetector):
     def _watch_throughput(self, st: JobState, acc: PendingStep) -> Actions:
         """Starts fail-slow rounds when throughput drops."""
         sig, dur = st.signals, acc.dur
-        sig.rank_times = (sig.rank_times + [dict(acc.times)])[-RANK_TIMES_N:]
+        # (the step's own times, not a copy: a committed step left the pending ones, nothing changes them)
+        sig.rank_times = (sig.rank_times + [acc.times])[-RANK_TIMES_N:]
         if dur <= 0:
             return []
         sig.step_durs = (sig.step_durs + [dur])[-200:]

@@ -188,8 +188,10 @@ class RunFlow:
             return []
         acc.ranks |= new
         acc.local.update(dict.fromkeys(ranks, rep.local_grad_norm))
-        comp = rep.compute_s[:n] if rep.compute_s is not None else (None,) * n
-        acc.times.update(zip(ranks, zip((rep.dur,) * n, comp)))
+        if rep.compute_s is None:       # (every rank's times the same pair: one tuple for all)
+            acc.times.update(dict.fromkeys(ranks, (rep.dur, None)))
+        else:
+            acc.times.update(zip(ranks, zip((rep.dur,) * n, rep.compute_s[:n])))
         if run.hang is not None:
             run.hang.on_steps(ranks, rep.step, now)
         acc.t = max(acc.t, rep.t)
