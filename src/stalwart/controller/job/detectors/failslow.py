@@ -120,10 +120,12 @@ class FailSlowDetector(BaseDetector):
         st.signals.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
         if len(step) < world:
             return []
+        # (each group's one tuple for all its ranks: `compute_outliers` sorts a group's times once)
         if topo.size("dp") > 1:
-            slow = compute_outliers(compute, {r: topo.group("dp", r) for r in compute}, ratio=SLOW_COMPUTE_RATIO)
+            slow = compute_outliers(compute, {r: g for g in topo.groups("dp") for r in g}, ratio=SLOW_COMPUTE_RATIO)
         else:
-            slow = compute_outliers(compute, {r: list(compute) for r in compute}, ratio=SLOW_STAGE_RATIO)
+            everyone = list(compute)
+            slow = compute_outliers(compute, dict.fromkeys(compute, everyone), ratio=SLOW_STAGE_RATIO)
         return sorted(set(slow) | set(slow_ranks(step, {r: step[r] - compute[r] for r in step})))
 
     def failslow_round(self, st: JobState, now: float) -> Actions:
