@@ -275,7 +275,8 @@ def test_the_arrays_hold_what_a_record_per_rank_does():
                 if rng.random() < 0.3:
                     rng.shuffle(ranks)
                 s = max(0, step - rng.choice([0, 0, 0, 1, 5]))
-                calls = [("on_steps", (range(world) if rng.random() < 0.3 else ranks, s, t))]
+                listed = rng.choice([range(world), tuple(range(world)), tuple(ranks), ranks, ranks])
+                calls = [("on_steps", (listed, s, t))]
             elif kind < 0.6:
                 step += rng.choice([0, 1])
                 calls = [("on_step", (rng.randrange(world + 2), max(0, step - rng.choice([0, 1])), t))]

@@ -186,12 +186,25 @@ class RunFlow:
             new = set(ranks)
         if n == 0:
             return []
-        acc.ranks |= new
-        acc.local.update(dict.fromkeys(ranks, rep.local_grad_norm))
-        if rep.compute_s is None:       # (every rank's times the same pair: one tuple for all)
-            acc.times.update(dict.fromkeys(ranks, (rep.dur, None)))
+        # (a step's first report, the usual one of every rank: its columns become the step's tables)
+        if acc.ranks:
+            acc.ranks |= new
         else:
-            acc.times.update(zip(ranks, zip((rep.dur,) * n, rep.compute_s[:n])))
+            acc.ranks = new
+        local: dict[int, float | None] = dict.fromkeys(ranks, rep.local_grad_norm)
+        if acc.local:
+            acc.local.update(local)
+        else:
+            acc.local = local
+        times: dict[int, tuple[float | None, float | None]]
+        if rep.compute_s is None:       # (every rank's times the same pair: one tuple for all)
+            times = dict.fromkeys(ranks, (rep.dur, None))
+        else:
+            times = dict(zip(ranks, zip((rep.dur,) * n, rep.compute_s[:n])))
+        if acc.times:
+            acc.times.update(times)
+        else:
+            acc.times = times
         if run.hang is not None:
             run.hang.on_steps(ranks, rep.step, now)
         acc.t = max(acc.t, rep.t)
