@@ -33,16 +33,16 @@ row `sdk_s_per_step` is the adapter's blocking time per step, and `sdk_blocking_
 that time over the step time). `dcp-overlap` is `dcp` with `STALWART_MEM_OVERLAP=1`: the copy runs
 beside the next step's forward and backward, and the optimizer step waits for it.
 
-`--batch B` (default 1024) is the samples per rank per step of the DDP job, a 4-layer MLP of width
+`--batch B` (default 8192) is the samples per rank per step of the DDP job, a 4-layer MLP of width
 256 trained with AdamW. Its checkpoint holds 12 bytes a parameter (fp32 weights and two moments)
 and its step computes 6 FLOPs a parameter a sample, so its checkpoint bytes per FLOP are 2/B: the
 same as a language model's with B tokens per model replica per step. Pre-training steps take 64 k
-tokens a replica and more (0.5 M to 16 M tokens a step over a handful of replicas), so B = 1024
-checkpoints 64 times more bytes per unit of compute than such a job; B = 64 is a stress point
-(1,000 times). On this host the workers' compute and the checkpoint's copy, checksums and backups
-share the same CPU cores, so the throughput ratio measures the checkpoint's CPU against the
-compute's; on a GPU machine the copy is a device-to-host transfer beside the compute and the rest
-runs on cores training leaves idle.
+tokens a replica and more (0.5 M to 16 M tokens a step over a handful of replicas), so the default
+checkpoints 8 times more bytes per unit of compute than such a job; B = 1024 (64 times) and B = 64
+(1,000 times) are stress points. On this host the workers' compute and the checkpoint's copy,
+checksums and backups share the same CPU cores, so the throughput ratio measures the checkpoint's
+CPU against the compute's; on a GPU machine the copy is a device-to-host transfer beside the
+compute and the rest runs on cores training leaves idle.
 """
 from __future__ import annotations
 
@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="an ordinary DDP script instead of the GPT: unchanged (plain), with the DCP adapter "
                          "(dcp), or with the adapter's copy beside the next step (dcp-overlap: "
                          "STALWART_MEM_OVERLAP=1)")
-    ap.add_argument("--batch", type=int, default=1024,
-                    help="--ddp: samples per rank per step (default 1024; see the module's docstring)")
+    ap.add_argument("--batch", type=int, default=8192,
+                    help="--ddp: samples per rank per step (default 8192; see the module's docstring)")
     a = ap.parse_args(argv)
     steps = a.steps or (200 if a.quick else 300)
     if a.batch < 1:

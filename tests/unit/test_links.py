@@ -77,26 +77,33 @@ def test_ss_output_parses_into_sockets():
 
 
 def test_per_peer_sums_since_the_previous_sample_and_leaves_loopback_out():
-    prev: dict[int, tuple[int, int]] = {}
+    prev: dict[int, tuple[int, int, int]] = {}
     first = per_peer(parse_ss(SS_HEALTHY + SS_SLOW), prev)
     assert [(s.local, s.peer) for s in first] == [("10.213.1.10", "10.213.1.11"), ("10.213.1.12", "10.213.1.10"),
                                                   ("10.213.1.12", "10.213.1.11")]
     assert all(s.retrans == 0 and s.acked == 0 and s.rtt_ms is None for s in first)   # counted from now
     assert set(prev) == {4196630, 4196629, 4214370}
     [parted] = per_peer(parse_ss(SS_PARTED), prev)
-    assert (parted.retrans, parted.acked, parted.rtt_ms) == (4, 1448, 90.742)
+    assert (parted.retrans, parted.acked, parted.rtt_ms) == (0, 1448, 90.742)   # 4 retransmitted: wait
     assert (parted.unacked, parted.backoff, parted.socks) == (333, 2, 1)
     assert set(prev) == {4214370}                               # the others are gone
+    [still] = per_peer(parse_ss(SS_PARTED), prev)               # a sample later, none reported a duplicate
+    assert (still.retrans, still.acked, still.rtt_ms) == (4, 0, None)
+    [again] = per_peer(parse_ss(SS_PARTED), prev)
+    assert again.retrans == 0                                   # each counted once
 
 
-def test_spurious_retransmissions_are_not_losses():
-    prev: dict[int, tuple[int, int]] = {}
+def test_spurious_retransmissions_are_not_losses_even_when_reported_a_sample_later():
+    prev: dict[int, tuple[int, int, int]] = {}
     per_peer(parse_ss(SS_HEALTHY), prev)
     more = SS_HEALTHY.replace("retrans:0/83 dsack_dups:83", "retrans:0/90 dsack_dups:85")
     by_peer = {s.peer: s for s in per_peer(parse_ss(more), prev)}
-    assert by_peer["10.213.1.11"].retrans == 5                  # 7 retransmitted, 2 of them duplicates
+    assert by_peer["10.213.1.11"].retrans == 0                  # 7 retransmitted, 2 reported duplicates so far
     later = more.replace("retrans:0/90 dsack_dups:85", "retrans:0/90 dsack_dups:90")
-    assert {s.peer: s.retrans for s in per_peer(parse_ss(later), prev)}["10.213.1.11"] == 0
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(later), prev)}["10.213.1.11"] == 0   # the other 5 now
+    lost = later.replace("retrans:0/90 dsack_dups:90", "retrans:0/92 dsack_dups:90")
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(lost), prev)}["10.213.1.11"] == 0    # 2 retransmitted
+    assert {s.peer: s.retrans for s in per_peer(parse_ss(lost), prev)}["10.213.1.11"] == 2    # never reported
 
 
 # -- the pair analysis on synthetic figures ---------------------------------------------------------
@@ -221,10 +228,28 @@ def test_the_pairs_found_within_the_memory_name_the_machine_together():
     lw = fitted(rng)
     first = window(rng, slow="m2")
     only = {k: w for k, w in first.items() if k != "m1|m2" and k != "m2|m3"}   # one of m2's pairs carried data
-    assert lw.judge(only, 100.0).machines == ["m0", "m2"]
+    assert lw.judge(only, 100.0).machines == []          # one pair slow by its RTT: not yet a machine's link
     second = {k: w for k, w in window(rng, slow="m2").items() if k != "m0|m2"}
     assert lw.judge(second, 101.0).machines == ["m2"]
     assert lw.judge(window(rng, slow="m3"), 200.0).machines == ["m3"]      # the old pairs are forgotten
+
+
+def test_a_lone_pair_slow_by_its_rtt_names_no_one_and_a_lone_lossy_pair_both_ends():
+    rng = random.Random(8)
+    lw = fitted(rng)
+    for t in range(12):                                   # two of its hosts' processes held off the CPU
+        w = window(rng)
+        w["m0|m3"] = PairWindow(rtt_ms=0.3 * 20)
+        f = lw.judge(w, 100.0 + t)
+        assert list(f.pairs) == ["m0|m3"] and f.machines == [] and lw.track(f) == 0
+    w = {k: PairWindow(rtt_ms=pw.rtt_ms, retrans=4) for k, pw in window(rng).items()}
+    w["m0|m3"] = PairWindow(rtt_ms=0.3 * 20, retrans=4)
+    f = lw.judge(w, 112.0)                                # every pair retransmits alike: no pair lost
+    assert list(f.pairs) == ["m0|m3"] and f.lossy == [] and f.machines == []
+    w = window(rng)
+    w["m0|m3"] = PairWindow(rtt_ms=None, retrans=4, stuck=True)
+    f = lw.judge(w, 113.0)
+    assert f.lossy == ["m0|m3"] and f.machines == ["m0", "m3"]    # it loses packets: a partition
 
 
 def test_the_sampler_without_ss_is_off_and_samples_nothing(monkeypatch, caplog):

@@ -149,6 +149,50 @@ def test_a_large_slowdown_nobody_is_blamed_for_goes_to_the_checks():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m2", "evicted"), ("m4", "active")]
 
 
+def _answer_traces(h: Harness, acts: list) -> None:
+    for t in of(acts, a.TraceStacks):
+        for m in t.machines:
+            h.agent(m, p.Stacks(run=h.st.run_seq, records=[{"rank": int(m[1:]), "role": "worker",
+                                                           "threads": [], "status": "running"}]))
+
+
+def test_a_busy_hosts_stalls_are_measured_against_the_usual_pace_not_its_fastest_stretch():
+    """A plain script on a busy host: steps of 0.12-0.32 s (0.21 s their median), then stalls of
+    0.62-0.74 s, compute unchanged. Against the healthy pace the rounds start from, the fastest
+    20-step median (0.15 s), they are at most 4.9x, under the checks' factor; against the fastest
+    5-step stretch of those 200 steps (0.13 s) they were 5x and more, and stopped the job."""
+    import random
+    h = started(Harness(machines=2, gpus=1, standby=1, steps=1000,
+                        policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))
+    rng, compute = random.Random(7), {0: 0.05, 1: 0.05}
+    for _ in range(200):
+        _answer_traces(h, h.step(dur=rng.uniform(0.12, 0.32), compute=compute))
+    for _ in range(40):
+        _answer_traces(h, h.step(dur=rng.uniform(0.62, 0.74), compute=compute))
+    assert len(records(h.log, "failslow_round")) >= 3
+    assert not records(h.log, "incident_opened")
+
+
+def test_rounds_without_a_new_step_do_not_count_toward_the_checks():
+    """A script that stops stepping after a slow stretch (it saves, evaluates, or has ended): the
+    rounds keep seeing the same last steps, which is no new evidence of a slow link."""
+    h = started(Harness(machines=2, gpus=1, standby=1, steps=1000,
+                        policy={"failslow_rounds": 5, "failslow_period_s": 1.0}))
+    compute = {0: 0.05, 1: 0.05}
+    h.steps(30, dur=0.1, compute=compute)
+    for _ in range(3):                   # 6x slower: the rounds start, the first one counts
+        _answer_traces(h, h.step(dur=0.6, compute=compute))
+    assert len(records(h.log, "failslow_round")) == 1
+    for _ in range(8):                   # four rounds' time, no step
+        _answer_traces(h, h.advance(0.5))
+    assert len(records(h.log, "failslow_round")) >= 4 and not records(h.log, "incident_opened")
+    for _ in range(10):                  # slow steps again: the next round is the second, then the checks
+        _answer_traces(h, h.step(dur=0.6, compute=compute))
+        if h.st.incident is not None:
+            break
+    assert h.st.incident is not None and "the time went to communication" in h.st.incident.reason
+
+
 def test_a_rank_a_little_slower_than_its_peers_is_not_blamed_for_a_far_slower_job():
     """The matrix's link-slow case under load: the steps take 3.5x longer (a slow link, under the
     checks' factor) and m2's rank computes 1.8x its peers, 0.04 s a step more, before and after: that

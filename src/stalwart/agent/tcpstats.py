@@ -129,15 +129,19 @@ def _local_only(addr: str) -> bool:
         return True
 
 
-def per_peer(socks: Iterable[SockStat], prev: dict[int, tuple[int, int]]) -> list[p.LinkStat]:
+def per_peer(socks: Iterable[SockStat], prev: dict[int, tuple[int, int, int]]) -> list[p.LinkStat]:
     """The sockets summed per (local, peer) address since the previous sample (pure): `prev` holds
-    each socket's (retransmissions, bytes acked) then, by inode, and is updated. Retransmissions the
-    peer reported as duplicates (DSACK) are not counted: a healthy connection on a loaded host
-    retransmits spuriously (measured: a healthy gloo pair of a 4-machine job on this 2-core host
-    had retransmitted 83 segments, every one reported as a duplicate),
-    a lost packet's retransmission is never a duplicate. A socket to a loopback address or to its
-    own address is left out (not a link between machines); a socket seen for the first time counts
-    its figures from now."""
+    each socket's (retransmissions counted, retransmissions then, bytes acked), by inode, and is
+    updated. Retransmissions the peer reported as duplicates (DSACK) are not counted: a healthy
+    connection on a loaded host retransmits spuriously (measured: a healthy gloo pair of a
+    4-machine job on this 2-core host had retransmitted 83 segments, every one reported as a
+    duplicate), a lost packet's retransmission is never a duplicate. A duplicate is reported one
+    round trip after its retransmission, so a sample taken in between sees a spurious
+    retransmission not yet reported: a retransmission counts only once it is still unreported a
+    sample later (a lost packet's is named one sample later; counted at once, three spurious ones
+    name a healthy pair, the loss test needing no streak). A socket to a loopback address
+    or to its own address is left out (not a link between machines); a socket seen for the first
+    time counts its figures from now."""
     groups: dict[tuple[str, str], list[SockStat]] = {}
     for s in socks:
         if s.peer == s.local or _local_only(s.peer):
@@ -151,13 +155,14 @@ def per_peer(socks: Iterable[SockStat], prev: dict[int, tuple[int, int]]) -> lis
         for s in ss:
             seen.add(s.inode)
             lost = s.total_retrans - s.dsack_dups
-            r0, a0 = prev.get(s.inode, (lost, s.bytes_acked))
+            counted, last, a0 = prev.get(s.inode, (lost, lost, s.bytes_acked))
+            unreported = min(lost, last)        # retransmitted by the last sample, still no duplicate
             d_acked = max(0, s.bytes_acked - a0)
-            retrans += max(0, lost - r0)
+            retrans += max(0, unreported - counted)
             acked += d_acked
             if d_acked > 0 and s.rtt_ms > 0:
                 rtts.append(s.rtt_ms)
-            prev[s.inode] = (max(lost, r0), s.bytes_acked)
+            prev[s.inode] = (max(counted, unreported), lost, s.bytes_acked)
         out.append(p.LinkStat(local=local, peer=peer, socks=len(ss), rtt_ms=max(rtts) if rtts else None,
                               retrans=retrans, unacked=sum(s.unacked for s in ss),
                               backoff=max(s.backoff for s in ss), acked=acked))
@@ -198,7 +203,7 @@ class TcpSampler:
 
     def __init__(self) -> None:
         self.off: str | None = None if shutil.which("ss") else "ss not found (iproute2)"
-        self._prev: dict[int, tuple[int, int]] = {}
+        self._prev: dict[int, tuple[int, int, int]] = {}
         self._own_ns = _netns("self")
         if self.off:
             log.info("per-peer TCP figures off: %s", self.off)

@@ -17,7 +17,8 @@ and its largest retransmissions in a window during the job's first healthy minut
 abnormal when it leaves that distribution **and** stands out from the pairs it shares no machine
 with (its reference: a busy host, which slows every pair alike, names nothing). The machine common
 to the pairs found abnormal in the last MEMORY_S is named (`culprits`): one pair alone names both
-its ends (a partition: either end is right).
+its ends when it lost packets (a partition: either end is right), and no one when only its RTT
+rose (a machine's link slows all its pairs that carry data).
 
 All of it is pure: `LinkWatch` is the state (saved with the job's signals), its methods are fed the
 events and `now`.
@@ -110,7 +111,12 @@ class Finding:
     """A window's verdict: the abnormal pairs (key -> what was wrong) and the machines named."""
     pairs: dict[str, str]
     machines: list[str]
-    loss: bool = False            # some pair was named for its losses (not only for its RTT)
+    lossy: list[str] = field(default_factory=list)    # the pairs named for their losses
+
+    @property
+    def loss(self) -> bool:
+        """Some pair was named for its losses (not only for its RTT)."""
+        return bool(self.lossy)
 
 
 def culprits(abnormal: Iterable[str]) -> list[str]:
@@ -151,7 +157,7 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
     deviation last judged within FRESH_S (this window's included), the references of the slow test;
     `known`: every pair of the job (a lossy pair is compared with those that did not lose)."""
     out: dict[str, str] = {}
-    lost = False
+    named_lossy: list[str] = []
     for key, w in window.items():
         if key not in model.pairs or w.rtt_ms is None or key not in recent:
             continue
@@ -170,8 +176,8 @@ def judge(model: LinkModel, window: dict[str, PairWindow], recent: dict[str, flo
             w = window[key]
             what = f"{w.retrans} retransmissions" + (", backing off with data unacknowledged" if w.stuck else "")
             out[key] = (out[key] + "; " if key in out else "") + what
-            lost = True
-    return Finding(pairs=out, machines=culprits(out), loss=lost)
+            named_lossy.append(key)
+    return Finding(pairs=out, machines=culprits(out), lossy=sorted(named_lossy))
 
 
 def loss_bound(pm: PairModel) -> int:
@@ -198,6 +204,7 @@ class LinkWatch:
     model: LinkModel | None = None
     last: dict[str, tuple[float, float]] = field(default_factory=dict)   # pair -> (deviation, when)
     abnormal: dict[str, float] = field(default_factory=dict)             # pair -> when last found so
+    lost: dict[str, float] = field(default_factory=dict)                 # ... for its losses
     named: tuple[str, ...] = ()
     streak: int = 0
     last_alert: dict[str, float] = field(default_factory=dict)
@@ -260,10 +267,18 @@ class LinkWatch:
         # ring nearly stops, and one window may see only one of the culprit's pairs carry data
         for k in found.pairs:
             self.abnormal[k] = now
-        for k in [k for k, t in self.abnormal.items() if now - t > MEMORY_S]:
-            del self.abnormal[k]
+        for k in found.lossy:
+            self.lost[k] = now
+        for seen in (self.abnormal, self.lost):
+            for k in [k for k, t in seen.items() if now - t > MEMORY_S]:
+                del seen[k]
         if found.pairs:
-            found.machines = culprits(self.abnormal)
+            # one pair slow by its RTT alone names no one: a machine's slow link or NIC slows every
+            # pair of it that carries data, and a partition loses; a lone pair's RTT that left its
+            # healthy range is its two hosts' scheduling (delayed acknowledgements on a loaded
+            # host: a healthy pair measured 5x its healthy RTT for two windows) or its path
+            alone = len(self.abnormal) == 1 and not self.lost
+            found.machines = [] if alone else culprits(self.abnormal)
         return found
 
     def track(self, finding: Finding) -> int:

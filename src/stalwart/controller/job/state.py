@@ -246,6 +246,7 @@ class FailSlow:
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     compute_s: float | None = None       # the slowest rank's compute per step before the drop (SDK)
     comm_rounds: int = 0                 # rounds in a row that found the time gone to communication
+    new_steps: int = 0                   # steps the rounds have not judged yet
 
 
 @dataclass

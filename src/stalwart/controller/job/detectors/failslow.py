@@ -73,6 +73,7 @@ class FailSlowDetector(BaseDetector):
             return []
         sig.step_durs = (sig.step_durs + [dur])[-200:]
         if sig.failslow is not None:
+            sig.failslow.new_steps += 1
             return []
         sig.failslow_ref_s = healthy_pace(sig.failslow_ref_s, sig.step_durs[:-RECENT_N], BASELINE_N)
         if acc.t < sig.failslow_quiet_until:
@@ -89,7 +90,8 @@ class FailSlowDetector(BaseDetector):
                 if len(sig.step_durs) >= BASELINE_N + RECENT_N else
                 median(sig.step_durs[-RECENT_N:]) / slowdown(sig.step_durs, RECENT_N, sig.failslow_ref_s))
         sig.failslow = FailSlow(rounds=FailSlowRounds(rounds=p.failslow_rounds), started=acc.t,
-                                baseline_s=base, next=acc.t, compute_s=step_compute(sig.rank_times[:-RECENT_N]))
+                                baseline_s=base, next=acc.t, compute_s=step_compute(sig.rank_times[:-RECENT_N]),
+                                new_steps=1)
         return [record("failslow_suspected", acc.t, run=st.run_seq, recent_step_s=dur,
                        baseline_s=round(base, 4))]
 
@@ -151,7 +153,11 @@ class FailSlowDetector(BaseDetector):
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
-        fs.comm_rounds = fs.comm_rounds + 1 if self._unexplained(st, fs) is not None else 0
+        if fs.new_steps:
+            # a round without a step since the one before has nothing new to judge (a script
+            # saving or evaluating after its last step; a job that stopped is the hang watch's)
+            fs.comm_rounds = fs.comm_rounds + 1 if self._unexplained(st, fs) is not None else 0
+        fs.new_steps = 0
         if fs.comm_rounds >= COMM_ROUNDS:
             # far slower, round after round, and the time went to communication: no rank's
             # compute explains it, and stacks of a job waiting on a slow link are noise (ranks
@@ -199,8 +205,14 @@ class FailSlowDetector(BaseDetector):
         FAILSLOW_CHECK_FACTOR, the time went to communication, not computation, and the stop-time
         checks may run (None otherwise). A busy host slows every rank's computation with its
         collectives: the SDK's compute times grow alike, and so does the time the ranks wait for a
-        CPU (the agents' `cpu_wait`, which a plain script has too); that is no fault to stop for."""
-        factor = slowdown(st.signals.step_durs, RECENT_N, fs.baseline_s)
+        CPU (the agents' `cpu_wait`, which a plain script has too); that is no fault to stop for.
+
+        The healthy pace is the one the rounds started from (a median of `BASELINE_N` steps), not
+        the fastest `RECENT_N`-step stretch of the last 200 steps: on a busy host that stretch is
+        the extreme of the noise, far faster than the steps' usual pace, and a passing stall looked
+        five times slower against it."""
+        recent = st.signals.step_durs[-RECENT_N:]
+        factor = median(recent) / fs.baseline_s if recent and fs.baseline_s > 0 else 1.0
         if factor < FAILSLOW_CHECK_FACTOR or not self.ctx.policy.stop_time_checks:
             return None
         now = step_compute(st.signals.rank_times[-RECENT_N:])

@@ -93,7 +93,8 @@ class LinkDetector(AlertingDetector):
         pairs = [f"{' - '.join(ends(k))}: {why}" for k, why in sorted(finding.pairs.items())]
         reason = (f"the workers' connections between {'; '.join(pairs)} left what they showed while healthy, "
                   f"and the pairs without {', '.join(machines)} did not: {', '.join(machines)} named (common "
-                  f"to the pairs found abnormal in the last {MEMORY_S:g} s; a lone pair names both its ends)")
+                  f"to the pairs found abnormal in the last {MEMORY_S:g} s; a lone pair names both its ends when "
+                  "it loses packets)")
         acts: Actions = [record("trace_suspect", now, run=st.run_seq, machines=machines, ranks=[],
                                 group="", score=float(streak), collectives=[], reason=reason, link=True,
                                 pairs=dict(sorted(finding.pairs.items())))]
