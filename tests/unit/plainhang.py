@@ -58,6 +58,7 @@ class PlainHangWatch:
             raise ValueError(f"window must be a positive integer (got {self.window!r})")
         if self.started_at is not None:
             self.started_at = _time("started_at", self.started_at)
+        self._start_grace = float(getattr(self.policy, "worker_start_s", 0.0))
         for r in list(self.ranks):
             self._state.setdefault(_rank(r), _RankState())   # kept when loaded from a saved state
         self.ranks = tuple(sorted(self._state))
@@ -103,9 +104,10 @@ class PlainHangWatch:
             st.reports += 1
             self._interval(rank, st.reports, t - st.step_t)
         else:
-            # the first report's distance from the start is a warm-up interval too
-            if self.started_at is not None:
-                self._warmup_max = max(self._warmup_max, t - self.started_at)
+            # the first report's distance from its worker's start is a warm-up interval too
+            start = self._start_of(st)
+            if start is not None:
+                self._warmup_max = max(self._warmup_max, t - start)
             self._lower = None
         st.step, st.step_t = step, t
         self._latched = None
@@ -180,8 +182,10 @@ class PlainHangWatch:
         if st.coll_t is not None:
             st.coll_marks += 1
             self._interval(rank, st.coll_marks, t - st.coll_t)
-        elif self.started_at is not None:
-            self._warmup_max = max(self._warmup_max, t - self.started_at)
+        else:
+            start = self._start_of(st)
+            if start is not None:
+                self._warmup_max = max(self._warmup_max, t - start)
         st.coll, st.coll_t = count, t
         self._latched = None
 
@@ -194,6 +198,21 @@ class PlainHangWatch:
             st.activity_t = t
             if st.step is None or not self._calibrated:
                 self._latched = None
+
+    def on_started(self, ranks: Sequence[int], t: float) -> None:
+        """The workers of ``ranks`` were started at ``t``: their clocks count from then."""
+        t = _time("t", t)
+        for rank in ranks:
+            st = self._touch(_rank(rank), t)
+            if st.start_t is None or t > st.start_t:
+                st.start_t = t
+        self._lower = None
+        self._latched = None
+
+    def _start_of(self, st: _RankState) -> float | None:
+        if st.start_t is None:
+            return self.started_at
+        return st.start_t if self.started_at is None else max(st.start_t, self.started_at)
 
     def on_done(self, rank: int) -> None:
         """Rank ``rank``'s worker finished (exit 0): it makes no more progress and is never stalled;
@@ -242,7 +261,7 @@ class PlainHangWatch:
         are `warmup_timeout()` and `timeout()`, computed once per check (each looks at every
         rank's history: per rank, a check over thousands of ranks would be quadratic)."""
         if st.step is None:
-            times = [x for x in (st.activity_t, st.coll_t, self.started_at, self._resumed_at) if x is not None]
+            times = [x for x in (st.activity_t, st.coll_t, self._start_of(st), self._resumed_at) if x is not None]
             # a rank calibrated on its collectives is judged on the calibrated timeout
             return (max(times) if times else None), current if self._calibrated and st.coll is not None \
                 else warmup
@@ -271,6 +290,12 @@ class PlainHangWatch:
         timeouts = []
         warmup, current = self.warmup_timeout(), self.timeout()
         progress = {rank: self._progress(st, warmup, current) for rank, st in self._state.items() if not st.done}
+        if self._start_grace > 0 and any(
+                st.step is None and st.start_t is None and st.activity_t is None and st.coll_t is None
+                for st in self._state.values() if not st.done):
+            # a worker not started yet: the ranks without steps may all be waiting for it
+            progress = {r: (last, limit + self._start_grace if self._state[r].step is None else limit)
+                        for r, (last, limit) in progress.items()}
         # step-less ranks are judged together (see the module docstring): the newest progress of any
         shared = max((last for r, (last, _) in progress.items()
                       if last is not None and self._state[r].step is None), default=None)

@@ -10,7 +10,8 @@ The controller feeds a :class:`HangWatch` per run:
 * ``on_activity(rank, t)`` when the agent sees a worker make progress without the SDK
   (its CPU time or its log file grew outside a collective, see :func:`stalwart.analyzer.activity.progressed`);
 * ``on_collectives(rank, count, t)`` for a rank without the SDK: how many collectives it has
-  entered (its flight recorder, sampled by the agent), when that grew.
+  entered (its flight recorder, sampled by the agent), when that grew;
+* ``on_started(ranks, t)`` when a machine's agent has started its workers.
 
 and calls ``check(now)`` periodically (every second is enough to fire within
 ``timeout + 1 s`` of the last progress).
@@ -41,6 +42,13 @@ inside a collective may be waiting for another rank that computes, so step-less 
 only when none of them has progressed within the timeout (a data-parallel job stops as a whole
 when one rank stops; which rank it was is the flight recorder's and the stacks' business, not
 this timer's).
+
+A rank's clock starts when its machine's agent reports its worker started, not when the run was
+asked for: the agent may first wait for its fork server to import torch, which on a loaded machine
+can outlast a short warm-up timeout. Until then the rank is the agent's
+(it starts the worker or reports why not within ``policy.worker_start_s``), and it and the other
+ranks without steps, which may be waiting for it, are judged on the warm-up timeout plus that
+bound, from the run's start or their own (a report lost on the way leaves no rank unwatched).
 """
 
 from __future__ import annotations
@@ -118,6 +126,7 @@ class _RankState:
     coll_t: float | None = None
     coll_marks: int = 0
     done: bool = False               # its worker exited 0: never stalled again
+    start_t: float | None = None     # its worker started (None: not reported)
 
 
 NO_STEP = -1                     # a rank's step or collective count before its first (None)
@@ -128,11 +137,12 @@ class HangWatch:
     """Per-run hang detector; see the module docstring for the timeout rules.
 
     policy: any object with ``hang_timeout_floor_s``, ``hang_safety_factor`` and
-        ``hang_warmup_steps`` (a :class:`stalwart.spec.Policy`).
+        ``hang_warmup_steps``, and optionally ``worker_start_s`` (0 without) (a
+        :class:`stalwart.spec.Policy`).
     ranks: the ranks expected to report (the run's world); a listed rank that has never
-        shown any progress counts from ``started_at``.  Ranks not listed are added when
-        they first report.
-    started_at: when the run's workers were started (default: the first event seen).
+        shown any progress counts from its worker's start, else from ``started_at``.  Ranks
+        not listed are added when they first report.
+    started_at: when the run was started (default: the first event seen).
     warmup_factor: the uncalibrated timeout is this times the floor (>= 1).
     window: recent intervals kept per rank for calibration (>= 1).
 
@@ -177,6 +187,7 @@ class HangWatch:
             raise ValueError(f"window must be a positive integer (got {self.window!r})")
         if self.started_at is not None:
             self.started_at = _time("started_at", self.started_at)
+        self._start_grace = float(getattr(self.policy, "worker_start_s", 0.0))
         given: dict[Any, Any] = self.__dict__.pop("_state", None) or {}
         recent: dict[Any, Any] = self.__dict__.pop("_recent", None) or {}
         self._n = 0                     # rows in use: row i holds rank self._rank_at[i]
@@ -202,6 +213,7 @@ class HangWatch:
             self._coll_t[i] = math.nan if st.coll_t is None else st.coll_t
             self._coll_marks[i] = st.coll_marks
             self._done[i] = st.done
+            self._start_t[i] = math.nan if st.start_t is None else st.start_t
         for r, intervals in recent.items():
             row = self._row.get(int(r))
             at = self._add(int(r)) if row is None else row
@@ -229,6 +241,7 @@ class HangWatch:
         self._coll_t = grown("_coll_t", math.nan, np.float64)
         self._coll_marks = grown("_coll_marks", 0, np.int64)
         self._done = grown("_done", False, np.bool_)
+        self._start_t = grown("_start_t", math.nan, np.float64)
         self._rec = grown("_rec", math.nan, np.float64, (w,))     # ring of recent intervals
         self._nrec = grown("_nrec", 0, np.int64)                   # intervals pushed (ring position)
         self._step = grown("_step", NO_STEP, np.int64)
@@ -260,10 +273,12 @@ class HangWatch:
     def _marks(self, i: int) -> _RankState:
         step, coll = int(self._step[i]), int(self._coll[i])
         step_t, act_t, coll_t = float(self._step_t[i]), float(self._act_t[i]), float(self._coll_t[i])
+        start_t = float(self._start_t[i])
         return _RankState(step=None if step == NO_STEP else step, step_t=None if math.isnan(step_t) else step_t,
                           reports=int(self._reports[i]), activity_t=None if math.isnan(act_t) else act_t,
                           coll=None if coll == NO_STEP else coll, coll_t=None if math.isnan(coll_t) else coll_t,
-                          coll_marks=int(self._coll_marks[i]), done=bool(self._done[i]))
+                          coll_marks=int(self._coll_marks[i]), done=bool(self._done[i]),
+                          start_t=None if math.isnan(start_t) else start_t)
 
     def __getattr__(self, name: str) -> Any:
         """`_state` and `_recent`, built from the arrays: fields for the saved form, not kept as
@@ -323,9 +338,10 @@ class HangWatch:
             self._reports[i] += 1
             self._interval(i, int(self._reports[i]), t - last)
         else:
-            # the first report's distance from the start is a warm-up interval too
-            if self.started_at is not None:
-                self._warmup_max = max(self._warmup_max, t - self.started_at)
+            # the first report's distance from its worker's start is a warm-up interval too
+            start = self._start_of(i)
+            if start is not None:
+                self._warmup_max = max(self._warmup_max, t - start)
             self._lower = None
         self._step[i], self._step_t[i] = step, t
         self._latched = None
@@ -357,9 +373,10 @@ class HangWatch:
             return
         self._woken(t)
         if first.any():
-            # a first report's distance from the start is a warm-up interval (`_advance`)
+            # a first report's distance from its worker's start is a warm-up interval (`_advance`)
             assert self.started_at is not None
-            self._warmup_max = max(self._warmup_max, t - self.started_at)
+            starts = np.fmax(self._start_t[sel[first]], self.started_at)
+            self._warmup_max = max(self._warmup_max, t - float(starts.min()))
             self._lower = None
         again = sel[~first]
         if len(again):
@@ -449,8 +466,10 @@ class HangWatch:
         if not math.isnan(coll_t):
             self._coll_marks[i] += 1
             self._interval(i, int(self._coll_marks[i]), t - coll_t)
-        elif self.started_at is not None:
-            self._warmup_max = max(self._warmup_max, t - self.started_at)
+        else:
+            start = self._start_of(i)
+            if start is not None:
+                self._warmup_max = max(self._warmup_max, t - start)
         self._coll[i], self._coll_t[i] = count, t
         self._latched = None
 
@@ -464,6 +483,25 @@ class HangWatch:
             self._act_t[i] = t
             if self._step[i] == NO_STEP or not self._calibrated:
                 self._latched = None
+
+    def on_started(self, ranks: Sequence[int], t: float) -> None:
+        """The workers of ``ranks`` were started at ``t`` (their machine's agent says so): their
+        clocks count from then, not from the run's start."""
+        t = _time("t", t)
+        for rank in ranks:
+            i = self._touch(_rank(rank), t)
+            start = float(self._start_t[i])
+            if math.isnan(start) or t > start:
+                self._start_t[i] = t
+        self._lower = None
+        self._latched = None
+
+    def _start_of(self, i: int) -> float | None:
+        """When row `i`'s worker started: its report, else the run's start (None: neither)."""
+        start = float(self._start_t[i])
+        if math.isnan(start):
+            return self.started_at
+        return start if self.started_at is None else max(start, self.started_at)
 
     def on_done(self, rank: int) -> None:
         """Rank ``rank``'s worker finished (exit 0): it makes no more progress and is never stalled;
@@ -521,12 +559,21 @@ class HangWatch:
         # it does: no more steps come then), or the resume
         stepped = np.fmax(step_t, act_t) if not self._calibrated or self._ending else step_t
         stepped = np.fmax(stepped, resumed)
-        # a rank without steps: its activity, its collectives, the start, the resume
-        stepless = np.fmax(np.fmax(np.fmax(act_t, self._coll_t[:n]), started), resumed)
+        # a rank without steps: its activity, its collectives, its worker's start (else the run's),
+        # the resume
+        start_t = self._start_t[:n]
+        stepless = np.fmax(np.fmax(np.fmax(act_t, self._coll_t[:n]), np.fmax(start_t, started)), resumed)
         last = np.where(has_step, stepped, stepless)
         # a rank calibrated on its collectives is judged on the calibrated timeout
         calibrated_coll = (self._coll[:n] != NO_STEP) if self._calibrated else np.zeros(n, dtype=np.bool_)
         limit = np.where(has_step | calibrated_coll, current, warmup)
+        grace = self._start_grace
+        if grace > 0:
+            # a worker not reported started that has shown nothing either is its agent's to start,
+            # and the ranks without steps, judged together, may all be waiting for it
+            unstarted = ~has_step & ~self._done[:n] & np.isnan(start_t) & np.isnan(act_t) & np.isnan(self._coll_t[:n])
+            if unstarted.any():
+                limit = np.where(has_step, limit, limit + grace)
         return last, limit
 
     # ------------------------------------------------------------------ check

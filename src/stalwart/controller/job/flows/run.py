@@ -394,6 +394,11 @@ class RunFlow:
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
+        if st.run is not None and st.run.hang is not None and machine in st.slots:
+            # the hang watch counts these workers' time from their start (not the run's: the
+            # agent may have waited for its fork server's preload first); received: no other
+            # host's clock
+            st.run.hang.on_started(self.ctx.topo.ranks_of_machine(st.slots.index(machine)), now)
         return [record("workers_started", ev.t or now, run=ev.run, machine=machine, warm=bool(ev.warm),
                        preload_s=ev.preload_s)]
 
