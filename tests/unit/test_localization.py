@@ -173,6 +173,26 @@ def test_a_busy_hosts_stalls_are_measured_against_the_usual_pace_not_its_fastest
     assert not records(h.log, "incident_opened")
 
 
+def test_a_busy_hosts_bursts_before_each_round_are_not_taken_for_a_slow_link():
+    """Each round's stacks come back right after five steps 8x slower, the steps between them at
+    the usual pace (a host shared with others slows the job in bursts): the steps since the round
+    before are mostly at pace, so no round counts toward the checks; a slow link slows them all."""
+    h = started(Harness(machines=2, gpus=1, standby=1, steps=1000,
+                        policy={"failslow_rounds": 3, "failslow_period_s": 1.0}))
+    compute = {0: 0.05, 1: 0.05}
+    h.steps(30, dur=0.1, compute=compute)
+    acts = h.steps(5, dur=0.8, compute=compute)
+    for _ in range(300):
+        if of(acts, a.TraceStacks):
+            h.steps(5, dur=0.8, compute=compute)        # a burst, then the round
+            _answer_traces(h, acts)
+        if records(h.log, "failslow_cleared") or h.st.incident is not None:
+            break
+        acts = h.step(dur=0.1, compute=compute)
+    assert len(records(h.log, "failslow_round")) >= 3
+    assert not records(h.log, "incident_opened")
+
+
 def test_rounds_without_a_new_step_do_not_count_toward_the_checks():
     """A script that stops stepping after a slow stretch (it saves, evaluates, or has ended): the
     rounds keep seeing the same last steps, which is no new evidence of a slow link."""

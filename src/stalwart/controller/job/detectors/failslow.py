@@ -210,8 +210,11 @@ class FailSlowDetector(BaseDetector):
         The healthy pace is the one the rounds started from (a median of `BASELINE_N` steps), not
         the fastest `RECENT_N`-step stretch of the last 200 steps: on a busy host that stretch is
         the extreme of the noise, far faster than the steps' usual pace, and a passing stall looked
-        five times slower against it."""
-        recent = st.signals.step_durs[-RECENT_N:]
+        five times slower against it. And the slow pace is the median of every step since the
+        round before (at least `RECENT_N`): a slow link slows every step, where a host the job
+        shares with others slows it in bursts (a 2-core host beside a test suite: steps of 0.05 s
+        and of 1.5 s within seconds), and the last few steps before a round may be a burst's."""
+        recent = st.signals.step_durs[-max(RECENT_N, fs.new_steps):]
         factor = median(recent) / fs.baseline_s if recent and fs.baseline_s > 0 else 1.0
         if factor < FAILSLOW_CHECK_FACTOR or not self.ctx.policy.stop_time_checks:
             return None
