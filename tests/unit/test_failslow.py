@@ -233,3 +233,40 @@ def test_slowdown_exceeds_takes_the_quick_answers_on_a_healthy_job(monkeypatch):
     assert failslow.slowdown_exceeds(slow, 5.0, 5, 0.1)         # against the baseline alone
     assert not calls                                             # no stretch's median was taken
     assert failslow.slowdown_exceeds(slow, 5.0, 5, None) and calls   # (no baseline: the stretches)
+
+
+def test_compute_outliers_from_a_groups_sorted_times_are_those_of_each_ranks_list():
+    """`compute_outliers` reads each rank's median of its peers from its group's sorted times
+    (ranks given one peers object); on random jobs (groups shared or one list per rank, ranks
+    outside their own group or missing times, equal times, a group listing a rank twice, a NaN)
+    it names the ranks a list of each rank's peers' times names."""
+    import math
+    import random
+    from statistics import median
+
+    def plain(compute, peers, ratio, floor_s):
+        slow = []
+        for r, c in compute.items():
+            others = [compute[p] for p in peers.get(r, ()) if p != r and p in compute]
+            if others:
+                med = median(others)
+                if c >= ratio * med and c - med > floor_s:
+                    slow.append(r)
+        return sorted(slow)
+
+    rng = random.Random(23)
+    for trial in range(500):
+        world = rng.randrange(1, 30)
+        size = rng.choice([1, 2, 3, 4, world])
+        compute = {r: rng.choice([0.1, 0.1, 0.2, 0.3, 1.0, 0.0, 2]) for r in range(world) if rng.random() < 0.95}
+        if rng.random() < 0.05 and compute:
+            compute[rng.choice(list(compute))] = math.nan
+        groups = [tuple(range(lo, min(world, lo + size))) for lo in range(0, world, size)]
+        if rng.random() < 0.1:
+            groups[0] = groups[0] + groups[0][:1]           # a rank listed twice
+        shared = rng.random() < 0.7
+        peers = {r: (g if shared else list(g)) for g in groups for r in g if rng.random() < 0.95}
+        if rng.random() < 0.2 and world > 1:
+            peers[0] = groups[-1]                           # a rank outside its own group
+        ratio, floor_s = rng.choice([1.25, 1.5, 3.0]), rng.choice([0.0, 0.01])
+        assert compute_outliers(compute, peers, ratio, floor_s) == plain(compute, peers, ratio, floor_s), trial

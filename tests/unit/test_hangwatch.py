@@ -1,13 +1,22 @@
 """HangWatch (explicit clock), the non-SDK activity test and the NaN / jump anomaly rules."""
 
+import dataclasses
 import math
+import random
 
 import pytest
+from plainhang import PlainHangWatch
 
 from stalwart.analyzer.activity import ActivitySample, progressed
-from stalwart.controller.rules.hangwatch import HangWatch, anomaly, culprit_machines, nan_culprits
+from stalwart.controller.rules.anomalies import anomaly, culprit_machines, nan_culprits
+from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.spec import Policy
 from stalwart.topology import Topology
+
+
+def saved(w):
+    """Every field of a hang watch, its marks per rank (`_state`, `_recent`) built from the arrays."""
+    return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
 
 
 def run_steps(hw, ranks, steps, step_s, t0=0.0, skip=None):
@@ -95,6 +104,27 @@ def test_ten_minute_steps_no_false_positive_then_a_real_hang():
     assert v is not None and 3000 < v.detected_at - last <= 3000 + 5  # polled every 5 s
 
 
+def test_a_rank_counts_from_its_workers_start_and_an_unstarted_one_has_its_agents_bound():
+    """A loaded machine's agent waits for its fork server to import torch before it starts the
+    workers: their warm-up clock starts then, not at the run's start; a worker never reported
+    started (nor seen doing anything) is the agent's for `worker_start_s` more."""
+    pol = Policy(hang_timeout_floor_s=1.0, worker_start_s=30.0)
+    hw = HangWatch(pol, ranks=range(2), started_at=0.0)
+    assert hw.check(11.0) is None                   # 10 s warm-up, nobody started: the agents' time
+    hw.on_started([0], 12.0)                        # machine 0's worker; machine 1's still starting
+    assert hw.check(21.0) is None                   # rank 0 may be waiting for rank 1
+    hw.on_started([1], 15.0)
+    assert hw.check(24.9) is None                   # both started: 10 s from the later start
+    v = hw.check(25.1)
+    assert v and sorted(v.stalled) == [0, 1] and v.timeout_s == 10.0
+    hw.on_step(0, 0, 20.0)                          # a first step 8 s after its start, not 20 s
+    assert hw.warmup_timeout() == pol.hang_safety_factor * 8.0
+    never = HangWatch(pol, ranks=range(2), started_at=0.0)
+    assert never.check(39.9) is None and never.check(40.1) is not None    # 10 s + 30 s: lost report
+    plain = HangWatch(Policy(hang_timeout_floor_s=1.0, worker_start_s=0.0), ranks=range(2), started_at=0.0)
+    assert plain.check(10.1) is not None            # no start bound: the run's start, as before
+
+
 def test_warmup_timeout_is_generous_then_calibrates():
     p = Policy(hang_timeout_floor_s=2.0, hang_safety_factor=5.0, hang_warmup_steps=3)
     hw = HangWatch(p, ranks=[0], started_at=0.0)
@@ -111,11 +141,13 @@ def test_warmup_timeout_is_generous_then_calibrates():
 
 def test_hang_before_any_step_and_rank_that_never_reported():
     hw = HangWatch(Policy(), ranks=range(3), started_at=100.0)
+    hw.on_started(range(3), 100.0)
     assert hw.check(199.0) is None
     v = hw.check(200.5)
     assert v and sorted(v.stalled) == [0, 1, 2] and v.waiting_step is None
     assert "no rank has reported a step" in v.reason
     hw2 = HangWatch(Policy(), ranks=range(3), started_at=0.0)
+    hw2.on_started(range(3), 0.0)
     run_steps(hw2, [0, 1], 120, 1.0)          # ranks 0 and 1 step on, rank 2 is silent
     assert hw2.check(100.0) is None           # rank 2 still within the warm-up timeout
     v2 = hw2.check(101.0)
@@ -222,6 +254,80 @@ def test_one_step_of_many_ranks_leaves_the_state_of_each_rank_in_turn():
         many.on_steps(ranks, s, t)
         one.on_step(3, max(0, s - 1), t)       # stale: ignored by both
         many.on_steps([3], max(0, s - 1), t)
-        assert vars(one) == vars(many), s
+        assert saved(one) == saved(many), s
         assert one.check(t + 0.5) == many.check(t + 0.5)
     assert one.check(t + 100.0) == many.check(t + 100.0) is not None
+
+
+def _same(arr, ref, where):
+    assert saved(arr) == saved(ref), where
+    assert arr.calibrated == ref.calibrated and arr.done() == ref.done(), where
+    assert arr.timeout() == ref.timeout() and arr.warmup_timeout() == ref.warmup_timeout(), where
+
+
+def test_the_arrays_hold_what_a_record_per_rank_does():
+    """Random sequences of every operation (a rank's step, one step of many ranks with ranks listed
+    twice, stale steps, ranks first seen and time running backwards, collectives, activity, a
+    finished rank, a resume, workers reported started, checks at any time) leave `HangWatch`'s
+    arrays with the marks, the calibration, the verdicts and the errors of the record per rank it replaced
+    (`plainhang.PlainHangWatch`), and a saved state loads into the same watch."""
+    from stalwart.controller.job.state import JobState, RunState, dumps, loads
+
+    rng = random.Random(5)
+    for trial in range(120):
+        pol = Policy(hang_timeout_floor_s=rng.choice([1.0, 5.0]), hang_safety_factor=rng.choice([1.0, 3.0]),
+                     hang_warmup_steps=rng.choice([0, 1, 3]), worker_start_s=rng.choice([0.0, 30.0]))
+        world = rng.randrange(1, 7)
+        listed = range(world) if rng.random() < 0.7 else rng.sample(range(9), world)
+        start = rng.choice([None, 0.0])
+        window = rng.choice([1, 3, 20])
+        arr = HangWatch(pol, ranks=listed, started_at=start, window=window)
+        ref = PlainHangWatch(pol, ranks=listed, started_at=start, window=window)
+        _same(arr, ref, (trial, "new"))
+        now, step = 0.0, 0
+        for op in range(60):
+            now += rng.choice([0.0, 0.1, 0.5, 1.0, 2.0, 7.0, 40.0])
+            kind = rng.random()
+            t = now - rng.choice([0.0, 0.0, 0.0, 3.0])         # now and then a report older than one seen
+            calls = []
+            if kind < 0.45:
+                step += rng.choice([0, 1, 1, 1, 2])
+                ranks = [r for r in range(world + 2) if rng.random() < 0.8]
+                if rng.random() < 0.2 and ranks:
+                    ranks.append(rng.choice(ranks))             # a rank listed twice
+                if rng.random() < 0.3:
+                    rng.shuffle(ranks)
+                s = max(0, step - rng.choice([0, 0, 0, 1, 5]))
+                listed = rng.choice([range(world), tuple(range(world)), tuple(ranks), ranks, ranks])
+                calls = [("on_steps", (listed, s, t))]
+            elif kind < 0.6:
+                step += rng.choice([0, 1])
+                calls = [("on_step", (rng.randrange(world + 2), max(0, step - rng.choice([0, 1])), t))]
+            elif kind < 0.7:
+                calls = [("on_collectives", (rng.randrange(world + 2), rng.randrange(0, 30), t))]
+            elif kind < 0.8:
+                calls = [("on_activity", (rng.randrange(world + 2), t))]
+            elif kind < 0.84:
+                calls = [("on_done", (rng.randrange(world + 2),))]
+            elif kind < 0.87:
+                calls = [("resume", (now,))]
+            elif kind < 0.92:
+                calls = [("on_started", ([r for r in range(world + 2) if rng.random() < 0.5], t))]
+            for name, args in calls:
+                outcome = []
+                for w in (arr, ref):
+                    try:
+                        getattr(w, name)(*args)
+                        outcome.append(None)
+                    except ValueError as e:
+                        outcome.append(str(e))
+                assert outcome[0] == outcome[1], (trial, op, name, args)
+            a, b = arr.check(now), ref.check(now)
+            assert a == b, (trial, op)
+            _same(arr, ref, (trial, op))
+        st = JobState(job_id=1, created_at=0.0)
+        st.run = RunState(seq=1, started_at=0.0, start_step=0, restore_step=-1, machines=[], hang=arr)
+        back = loads(dumps(st)).run.hang
+        assert back is not None and saved(back) == saved(arr) and dumps(loads(dumps(st))) == dumps(st)
+        later = now + 1000.0
+        assert back.check(later) == arr.check(later) == ref.check(later)

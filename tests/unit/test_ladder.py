@@ -133,3 +133,61 @@ def test_next_rung_reattempt_then_replay_once():
     assert ladder.next_rung(["reattempt"], False) == "reattempt"
     assert ladder.next_rung(["rollback", "reattempt"], True) == "replay"
     assert ladder.next_rung(["reattempt", "replay", "reattempt"], True) == "reattempt"
+
+
+def test_the_verdict_is_the_one_its_plain_loops_give():
+    """`verdict` and `judge_pairs` give, key by key and in the same order, what their plain loops
+    (`plainladder`) give, on random check results: failed, slow, missing, repeated and one-ended
+    pairs, pairs named backwards or outside the ring, latencies, self-tests, alignment digests,
+    machines missing or lost."""
+    import json
+    import random
+
+    from plainladder import plain_judge_pairs, plain_verdict
+
+    from stalwart.diag.pairs import judge_pairs, pair_rounds
+    rng = random.Random(17)
+
+    def measure():
+        m = {}
+        if rng.random() < 0.9:
+            m["mbps"] = rng.choice([0.5, 3.0, 40.0, 100.0, 100.0, 100.0, 2000.0, float("nan")])
+        if rng.random() < 0.3:
+            m["latency_s"] = rng.choice([0.001, 0.01, 0.6, 2.0])
+        return m if rng.random() < 0.95 else None
+
+    for trial in range(400):
+        n = rng.randrange(1, 8)
+        slots = [f"m{i}" for i in range(n)]
+        index = {}
+        for r, round_pairs in enumerate(pair_rounds(n)):
+            for i, j in round_pairs:
+                index[(r, slots[i], slots[j])] = (i, j)
+        rows = []
+        for m in slots:
+            if rng.random() < 0.9:
+                rows.append({"check": "selftest", "machine": m, "ok": rng.random() < 0.9,
+                             "measure": {"gflops": rng.choice([0.0, 5.0, 100.0, 100.0])}, "detail": "x"})
+                rows.append({"check": "intra", "machine": m, "ok": rng.random() < 0.9, "measure": {}})
+            if rng.random() < 0.2:
+                rows.append({"check": "align", "machine": m, "ok": True, "local_rank": 0,
+                             "measure": {"digest": rng.choice(["a", "a", "b"])}})
+        for key in index:
+            for end in (key[1], key[2]):
+                for _ in range(rng.choice([0, 1, 1, 1, 1, 2])):
+                    rows.append({"check": "inter", "machine": end, "ok": rng.random() < 0.9, "detail": "timeout",
+                                 "pair": list(key), "measure": measure()})
+        rng.shuffle(rows) if rng.random() < 0.3 else None
+        missing = rng.sample(slots, rng.randrange(0, min(3, n) + 1)) if rng.random() < 0.3 else []
+        lost = rng.sample(slots, 1) if rng.random() < 0.1 else []
+        if rng.random() < 0.05:
+            rows = []
+        got, want = ladder.verdict(rows, slots, index, missing, lost), plain_verdict(rows, slots, index, missing, lost)
+        assert json.dumps(got) == json.dumps(want), trial
+        results = {}
+        for _ in range(rng.randrange(0, 2 * n + 2)):
+            i, j = rng.randrange(n), rng.randrange(n)
+            results[(i, j)] = {"ok": rng.random() < 0.85, "detail": "d", **(measure() or {})}
+            results[(i, j)].setdefault("mbps", None)
+        kw = dict(min_ratio=0.25, min_mbps=rng.choice([5.0, 50.0, float("nan")]), max_latency_s=0.5, latency_ratio=20.0)
+        assert json.dumps(judge_pairs(results, n, **kw)) == json.dumps(plain_judge_pairs(results, n, **kw)), trial

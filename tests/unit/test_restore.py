@@ -147,8 +147,10 @@ def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
     machine's inventory, a stop report's columns with machines listed twice, ranks in two machines'
     lists and copies held by a machine listed later, a restart's forgetting, a lost machine) leave
     the same copies in `Availability` as in plain tables, and the same restore plan, saved form
-    included."""
+    included, and the restart's candidates built from the plan's columns."""
     import random
+    from stalwart.controller.job.actions import RestoreCopy
+    from stalwart.controller.job.flows.run import _copies
     from stalwart.controller.job.state import JobState, dumps, loads
     rng = random.Random(11)
     world, machines = 7, [f"m{i}" for i in range(9)]
@@ -200,7 +202,12 @@ def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
             nxt = {r: rng.choice(machines) for r in range(world)}
             alive = set(rng.sample(machines, rng.randrange(3, 9)))
             bad = set(rng.sample(range(12), rng.randrange(0, 2)))
-            assert plan(arr, world, nxt, alive, bad) == ref.plan(world, nxt, alive, bad), (trial, op)
+            want = ref.plan(world, nxt, alive, bad)
+            assert plan(arr, world, nxt, alive, bad) == want, (trial, op)
+            step, cols = arr.plan_columns(world, [nxt[r] for r in range(world)], alive, bad)
+            assert step == want[0] and _copies(step, cols) == {   # what a restart's StartRun lists
+                r: [RestoreCopy(c["tier"], c["step"], c.get("holder"), c.get("location")) for c in cs]
+                for r, cs in want[1].items() if cs}, (trial, op)
         st = JobState(job_id=1, created_at=0.0, avail=arr)
         back = loads(dumps(st))
         assert back.avail.copies == ref.held() and dumps(back) == dumps(st)
@@ -232,3 +239,35 @@ def test_a_long_jobs_durable_locations_do_not_pile_up_and_the_copies_stay():
         assert plan(arr, world, nxt, alive, bad) == ref.plan(world, nxt, alive, bad)
     st = JobState(job_id=1, created_at=0.0, avail=arr)
     assert loads(dumps(st)).avail.copies == ref.held()
+
+
+def test_a_restarts_candidates_from_the_plans_columns_are_the_plans_lists():
+    """`_copies` (the StartRun's candidates, built from `plan_columns`) lists for every rank the
+    copies `plan` lists, in its order (own, backup, durable), with equal copies one object, on
+    random availabilities where every rank holds some copy of the newest steps."""
+    import random
+    from stalwart.controller.job.actions import RestoreCopy
+    from stalwart.controller.job.flows.run import _copies
+    rng = random.Random(3)
+    machines = [f"m{i}" for i in range(6)]
+    for trial in range(200):
+        world = rng.randrange(0, 6)
+        av = Availability(keep=4, memory={"own": 2, "backup": 2})
+        for r in range(world):
+            for s in (4, 5):
+                if rng.random() < 0.6:
+                    av.add(r, "own", s, rng.choice(machines))
+                if rng.random() < 0.6:
+                    av.add(r, "backup", s, rng.choice(machines))
+                if rng.random() < 0.7:
+                    av.add(r, "durable", s, rng.choice(["/d/shared", f"/d/{r}/{s}"]))
+        nxt = [rng.choice(machines) for _ in range(world)]
+        alive = set(rng.sample(machines, rng.randrange(2, 7)))
+        step, lists = av.plan(world, nxt, alive, set())
+        got_step, cols = av.plan_columns(world, nxt, alive, set())
+        got = _copies(got_step, cols)
+        assert got_step == step and got == {
+            r: [RestoreCopy(c["tier"], c["step"], c.get("holder"), c.get("location")) for c in cs]
+            for r, cs in lists.items() if cs}, trial
+        shared = [c for cs in got.values() for c in cs if c.location == "/d/shared"]
+        assert all(c is shared[0] for c in shared), trial

@@ -35,10 +35,11 @@ import time
 from typing import Callable
 
 from stalwart.protocol import WARM_TITLE_MARK, Env
+from stalwart.protocol.events import WORKER_START_S
 
 log = logging.getLogger("stalwart.agent")
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
-READY_TIMEOUT_S = 120.0      # the server's preload (import torch) on a loaded machine
+READY_TIMEOUT_S = WORKER_START_S      # the server's preload (import torch) on a loaded machine
 SPAWN_TIMEOUT_S = 30.0       # a fork, once the server is ready
 DISABLE_ENV = "STALWART_FORK_SERVER"      # "0": no preloading server (workers are exec'd, see EXEC_DISABLE_ENV)
 EXEC_DISABLE_ENV = "STALWART_EXEC_SERVER"  # "0": no exec server (what is not forked is the agent's own child)

@@ -18,6 +18,7 @@ times, and :func:`slow_ranks` from per-rank compute/wait split.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from statistics import median
@@ -231,18 +232,57 @@ def compute_outliers(compute: Mapping[int, float], peers: Mapping[int, Sequence[
     exceeds it by ``floor_s`` (timer noise).  A starved rank is slow in its
     collectives too, so the compute/wait split of :func:`slow_ranks` can miss it;
     against its own peers its compute stands out.
+
+    Ranks given the same peers object (one group's tuple for all its members) share one sorted
+    list of its members' times, each rank's median of the others read from it: a group of g ranks
+    costs a sort, not g lists of g - 1 (a job's data-parallel groups of thousands of ranks).
     """
     if ratio <= 1:
         raise ValueError(f"ratio must be > 1, got {ratio}")
     slow = []
-    for r, c in compute.items():
-        others = [compute[p] for p in peers.get(r, ()) if p != r and p in compute]
+    shared: dict[int, tuple[Sequence[int], list[int]]] = {}
+    for r in compute:
+        group = peers.get(r, ())
+        got = shared.get(id(group))
+        if got is None:
+            shared[id(group)] = (group, [r])
+        else:
+            got[1].append(r)
+    for group, ranks in shared.values():
+        times = sorted(compute[p] for p in group if p in compute)
+        if len(set(group)) != len(group) or any(t != t for t in times):
+            slow += _outliers_one_by_one(compute, {r: group for r in ranks}, ratio, floor_s)
+            continue
+        members = set(group)
+        for r in ranks:
+            c = compute[r]
+            skip = bisect_left(times, c) if r in members else len(times)    # (r's own time: not a peer's)
+            n = len(times) - (r in members)
+            if not n:
+                continue
+            k = n // 2
+            at = [k - 1, k] if n % 2 == 0 else [k]
+            mid = [times[i] if i < skip else times[i + 1] for i in at]
+            med = mid[0] if len(mid) == 1 else (mid[0] + mid[1]) / 2
+            if c >= ratio * med and c - med > floor_s:
+                slow.append(r)
+    return sorted(slow)
+
+
+def _outliers_one_by_one(compute: Mapping[int, float], peers: Mapping[int, Sequence[int]], ratio: float,
+                         floor_s: float) -> list[int]:
+    """`compute_outliers` for the ranks in `peers`, each against a list of its peers' times (a
+    group listing a rank twice, or a time that is not a number, which no sorted list orders)."""
+    slow = []
+    for r, group in peers.items():
+        c = compute[r]
+        others = [compute[p] for p in group if p != r and p in compute]
         if not others:
             continue
         med = median(others)
         if c >= ratio * med and c - med > floor_s:
             slow.append(r)
-    return sorted(slow)
+    return slow
 
 
 def slow_ranks(per_rank_step_time: Mapping[int, float], per_rank_wait_time: Mapping[int, float],

@@ -21,7 +21,7 @@ def ring_edges(n: int) -> list[Pair]:
         return []
     if n == 2:
         return [(0, 1)]
-    return [(min(i, (i + 1) % n), max(i, (i + 1) % n)) for i in range(n)]
+    return [(i, i + 1) for i in range(n - 1)] + [(0, n - 1)]      # (the closing edge (n-1, 0) as (0, n-1))
 
 
 def pair_rounds(n: int) -> list[list[Pair]]:
@@ -79,14 +79,19 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
     it is bad while both of its machines passed some other pair (or, n == 2, when the single pair
     is bad: two machines cannot tell which end is at fault).
     """
-    merged: dict[Pair, dict] = {e: {"ok": False, "mbps": None, "detail": "missing"}
-                                for e in ring_edges(n)}
+    given: dict[Pair, dict] = {}
     for (i, j), res in results.items():
-        merged[(i, j) if i <= j else (j, i)] = res     # (read only: `pairs` below are new dicts)
+        given[(i, j) if i <= j else (j, i)] = res     # (read only: `pairs` below are new dicts)
+    missing = {"ok": False, "mbps": None, "detail": "missing"}
+    merged: dict[Pair, dict] = {e: given.get(e, missing) for e in ring_edges(n)}
+    for p, res in given.items():
+        if p not in merged:
+            merged[p] = res
     passed_pairs = {p: r for p, r in merged.items() if r.get("ok")}
     speed = _reference({p: r["mbps"] for p, r in passed_pairs.items() if r.get("mbps") is not None}, max)
     latency = _reference({p: r["latency_s"] for p, r in passed_pairs.items()
                           if r.get("latency_s") is not None}, min)
+    fast = min_mbps if speed is None else max(min_mbps, min_ratio * speed)
 
     def why_bad(r: dict) -> str | None:
         if not r.get("ok"):
@@ -101,14 +106,22 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
                    f"{(latency or 0) * 1e3:.2f} ms"
         return None
 
-    verdicts = {p: why_bad(r) for p, r in merged.items()}
-    bad = {p: v is not None for p, v in verdicts.items()}
+    verdicts: dict[Pair, str | None] = {}
     member: dict[int, int] = {}         # machine -> its pairs, and how many of them are bad
     failed: dict[int, int] = {}
-    for p, b in bad.items():
-        for m in p:
-            member[m] = member.get(m, 0) + 1
-            failed[m] = failed.get(m, 0) + b
+    for p, r in merged.items():
+        mbps = r.get("mbps")
+        # (the usual pair: passed, fast enough, no latency measured; else `why_bad` says)
+        v = None if r.get("ok") and mbps is not None and mbps >= fast and r.get("latency_s") is None \
+            else why_bad(r)
+        verdicts[p] = v
+        b = v is not None
+        i, j = p
+        member[i] = member.get(i, 0) + 1
+        failed[i] = failed.get(i, 0) + b
+        member[j] = member.get(j, 0) + 1
+        failed[j] = failed.get(j, 0) + b
+    bad = {p: v is not None for p, v in verdicts.items()}
     bad_machines = sorted(m for m, k in member.items() if k >= 2 and failed[m] == k)
     passed = {m for m, k in member.items() if failed[m] < k}
     if n == 2:
@@ -117,9 +130,10 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
         bad_links = sorted(p for p in merged if bad[p] and p[0] in passed and p[1] in passed)
     pairs = {}
     for i, j in sorted(merged):
-        pairs[f"{i}-{j}"] = {**merged[(i, j)], "bad": bad[(i, j)]}
-        if verdicts[(i, j)] not in (None, "failed"):
-            pairs[f"{i}-{j}"]["why"] = verdicts[(i, j)]
+        v = verdicts[(i, j)]
+        entry = pairs[f"{i}-{j}"] = {**merged[(i, j)], "bad": v is not None}
+        if v not in (None, "failed"):
+            entry["why"] = v
     return {
         "bad_machines": bad_machines,
         "bad_links": bad_links,

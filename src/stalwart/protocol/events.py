@@ -160,6 +160,12 @@ class ChaosApplied(Message, tag="chaos_applied", kw_only=True):
     t: float = 0.0
 
 
+# The longest an agent takes to start a run's workers: it waits this long for its fork server's
+# preload (import torch), then starts them without the server. The controller's hang watch waits
+# this much longer than its warm-up timeout for a worker not reported started (policy.worker_start_s).
+WORKER_START_S = 120.0
+
+
 class Started(Message, tag="started", kw_only=True):
     """`preload_s`: of the time to start the workers, how long the machine's fork server was
     still importing (torch...) for them: import time, not spawn time."""

@@ -131,7 +131,10 @@ class Sim:
         floor = max(HANG_FLOOR_S, 1.05 * start_s / 10.0)
         policy: dict[str, Any] = {"hang_timeout_floor_s": floor,
                                   "replay_timeout_s": max(90.0, 2 * pr.bound("replay_phase_s")),
-                                  "diag_timeout_s": max(10.0, pr.bound("checks_s"))}
+                                  "diag_timeout_s": max(10.0, pr.bound("checks_s")),
+                                  # the simulated agents start their workers at once (restart_s is
+                                  # the whole time to the first step) and send no start report
+                                  "worker_start_s": 0.0}
         if plat.nccl_hang:
             # a hang is seen when the collective times out (nccl_timeout_s: ByteRobust's 10 minutes of
             # zero RDMA traffic, PyTorch's NCCL timeout), from the first step on: the hang watch's

@@ -30,6 +30,7 @@ from msgspec import Meta
 from stalwart.spec.duration import PATTERN as DURATION_PATTERN
 from stalwart.spec.duration import parse_duration
 from stalwart.spec.messages import explain, unknown_key_error, what_failed
+from stalwart.protocol.events import WORKER_START_S
 from stalwart.topology import Topology
 
 __all__ = ["JobSpec", "Policy", "parse_duration", "MAX_INT", "MAX_MACHINES", "MAX_GPUS_PER_MACHINE",
@@ -105,6 +106,9 @@ class Policy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hang_warmup_steps: Annotated[Count0, _doc(
         "steps observed before the hang timeout is calibrated; until then only the floor applies "
         "to the first steps' compile/warm-up.")] = 3
+    worker_start_s: Annotated[Seconds, _doc(
+        "the longest an agent takes to start a run's workers (its fork server's import of torch); "
+        "the hang watch waits this much longer for a worker not yet reported started.")] = WORKER_START_S
     loss_jump_factor: Annotated[float, Meta(gt=1, le=MAX_FLOAT), _doc(
         "a loss or grad-norm jump of at least this factor over the recent baseline is an "
         "anomaly.")] = 5.0

@@ -95,11 +95,10 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
     for m in missing:
         bad.setdefault(m, "did not finish its checks in time")
     by_check: dict[str, list[Mapping]] = defaultdict(list)
-    answered: set[str] = set()
     for r in results:
         by_check[r["check"]].append(r)
-        answered.add(r["machine"])
     if results:
+        answered = {r["machine"] for r in results}
         for m in slots:
             if m not in answered:
                 bad.setdefault(m, "its checks produced no result (their processes died)")
@@ -116,24 +115,25 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
     links: list[list[str]] = []
     pairs_summary: dict = {}
     if pair_index:
-        pair_res: dict[tuple[int, int], dict] = {}
-        by_pair: dict[tuple, list[Mapping]] = defaultdict(list)
+        by_pair: dict[tuple, list[Mapping]] = {}
         for r in by_check.get("inter", []):
-            by_pair[tuple(r.get("pair", ()))].append(r)
-        none: list[Mapping] = []
-        for key, (i, j) in pair_index.items():
-            rows = by_pair.get(key, none)
-            if rows and all(r.get("ok") for r in rows):    # (no row failed: no detail to tell)
-                measures = [r.get("measure") or {} for r in rows]
-                mbps = [m.get("mbps") for m in measures]        # the worse of both ends' measures
-                latency = [m.get("latency_s") for m in measures]      # (None unless both measured)
-                pair_res[(i, j)] = {"ok": True, "mbps": None if None in mbps else min(mbps),  # type: ignore[type-var]
-                                    "latency_s": None if None in latency else max(latency),  # type: ignore[type-var]
-                                    "detail": ""}
+            key = tuple(r.get("pair", ()))
+            got = by_pair.get(key)
+            if got is None:
+                by_pair[key] = [r]
             else:
-                pair_res[(i, j)] = {"ok": False, "mbps": None, "latency_s": None,
-                                    "detail": "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
-                                    or ("no result" if not rows else "")}
+                got.append(r)
+        pair_res = {}
+        for key, (i, j) in pair_index.items():
+            rows = by_pair.get(key)
+            if rows is not None and len(rows) == 2 and rows[0].get("ok") and rows[1].get("ok"):
+                # (the usual pair: both ends passed; their worse measures, as `_pair_result` takes)
+                ma, mb = rows[0].get("measure") or {}, rows[1].get("measure") or {}
+                x, y, lx, ly = ma.get("mbps"), mb.get("mbps"), ma.get("latency_s"), mb.get("latency_s")
+                pair_res[(i, j)] = {"ok": True, "mbps": None if x is None or y is None else min(x, y),
+                                    "latency_s": None if lx is None or ly is None else max(lx, ly), "detail": ""}
+            else:
+                pair_res[(i, j)] = _pair_result(rows or [])
         judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS,
                              max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
         pairs_summary = judged["pairs"]
@@ -149,6 +149,20 @@ def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mappin
         bad.setdefault(m, "bitwise alignment: its result differs from the other machines'")
     return {"bad": bad, "links": links, "pairs": pairs_summary,
             "checks": sorted(by_check)}
+
+
+def _pair_result(rows: Sequence[Mapping]) -> dict:
+    """A pair's result from its ends' `inter` rows: passed when some row came and none failed, with
+    the worse of the ends' measures (None unless every end measured it); else failed, with what
+    the failed rows said (or "no result")."""
+    if rows and all(r.get("ok") for r in rows):    # (no row failed: no detail to tell)
+        measures = [r.get("measure") or {} for r in rows]
+        mbps = [m.get("mbps") for m in measures]
+        latency = [m.get("latency_s") for m in measures]
+        return {"ok": True, "mbps": None if None in mbps else min(mbps),  # type: ignore[type-var]
+                "latency_s": None if None in latency else max(latency), "detail": ""}  # type: ignore[type-var]
+    detail = "; ".join(r.get("detail", "") for r in rows if not r.get("ok"))
+    return {"ok": False, "mbps": None, "latency_s": None, "detail": detail or ("no result" if not rows else "")}
 
 
 def _partners(pairs: Mapping[str, Mapping], i: int) -> list[tuple[int, str]]:

@@ -233,20 +233,35 @@ class Availability:
     def plan(self, world: int, next_machine: Sequence[str], alive: AbstractSet[str],
              bad_steps: AbstractSet[int]) -> tuple[int, dict[int, list[dict]]]:
         """`plan` (see there), each candidate step one comparison per tier."""
+        step, cols = self.plan_columns(world, next_machine, alive, bad_steps)
+        if step < 0 or world == 0:
+            return step, {}
+        out: dict[int, list[dict]] = {r: [] for r in range(world)}
+        for tier, has, who in cols:      # (in tier order: own, backup, durable)
+            for r in range(world):
+                if has[r]:
+                    out[r].append(_copy_dict(tier, step, who[r]))
+        return step, out
+
+    def plan_columns(self, world: int, next_machine: Sequence[str], alive: AbstractSet[str],
+                     bad_steps: AbstractSet[int]) -> tuple[int, list[tuple[str, list[bool], list[str]]]]:
+        """`plan` as columns: (step, [(tier, has, holder)] in tier order), rank r having a copy in
+        `tier` where has[r], held by (or, durable, at) holder[r]; (-1, []) when no step will do.
+        What a restart of every rank reads without a list of copies per rank in between."""
         for step in sorted(self.held_steps() - set(bad_steps), reverse=True):
             if world == 0:
-                return step, {}
+                return step, []
             if world > self._rows:
                 break
             got = self._plan_at(world, next_machine, alive, step)
             if got is not None:
                 return step, got
-        return -1, {}
+        return -1, []
 
     def _plan_at(self, world: int, next_machine: Sequence[str], alive: AbstractSet[str], step: int,
                  only: int | None = None) -> Any:
-        """Every rank's valid copies of `step` (rank -> list, best first), or None when some rank
-        below `world` has none; with `only`, that rank's list alone, whatever the others hold."""
+        """Every rank's valid copies of `step` as columns (see `plan_columns`), or None when some
+        rank below `world` has none; with `only`, that rank's list alone, whatever the others hold."""
         alive_ids = np.zeros(len(self._names) + 1, dtype=bool)      # (+1: a free slot's -1)
         for m in alive:
             i = self._index.get(m)
@@ -267,17 +282,14 @@ class Availability:
             has = hit.any(axis=1)
             ok |= has
             who = np.take_along_axis(holder, hit.argmax(axis=1)[:, None], axis=1)[:, 0]
-            found[tier] = (has.tolist(), who.tolist())
+            found[tier] = (has, who)
         if only is not None:
-            return [_copy_dict(tier, step, names[who[only]]) for tier, (has, who) in found.items() if has[only]]
+            return [_copy_dict(tier, step, names[int(who[only])]) for tier, (has, who) in found.items()
+                    if has[only]]
         if not ok.all():
             return None
-        out: dict[int, list[dict]] = {r: [] for r in range(world)}
-        for tier, (has, who) in found.items():      # (in tier order: own, backup, durable)
-            for r in range(world):
-                if has[r]:
-                    out[r].append(_copy_dict(tier, step, names[who[r]]))
-        return out
+        table = np.asarray(names + [""], dtype=object)      # (a free slot's -1: the last, never read)
+        return [(tier, has.tolist(), table[who].tolist()) for tier, (has, who) in found.items()]
 
 
 def _copy_dict(tier: str, step: int, holder: str) -> dict:

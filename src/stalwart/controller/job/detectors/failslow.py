@@ -67,7 +67,8 @@ class FailSlowDetector(BaseDetector):
     def _watch_throughput(self, st: JobState, acc: PendingStep) -> Actions:
         """Starts fail-slow rounds when throughput drops."""
         sig, dur = st.signals, acc.dur
-        sig.rank_times = (sig.rank_times + [dict(acc.times)])[-RANK_TIMES_N:]
+        # (the step's own times, not a copy: a committed step left the pending ones, nothing changes them)
+        sig.rank_times = (sig.rank_times + [acc.times])[-RANK_TIMES_N:]
         if dur <= 0:
             return []
         sig.step_durs = (sig.step_durs + [dur])[-200:]
@@ -121,10 +122,12 @@ class FailSlowDetector(BaseDetector):
         st.signals.failslow_compute = {r: round(c, 4) for r, c in compute.items()}
         if len(step) < world:
             return []
+        # (each group's one tuple for all its ranks: `compute_outliers` sorts a group's times once)
         if topo.size("dp") > 1:
-            slow = compute_outliers(compute, {r: topo.group("dp", r) for r in compute}, ratio=SLOW_COMPUTE_RATIO)
+            slow = compute_outliers(compute, {r: g for g in topo.groups("dp") for r in g}, ratio=SLOW_COMPUTE_RATIO)
         else:
-            slow = compute_outliers(compute, {r: list(compute) for r in compute}, ratio=SLOW_STAGE_RATIO)
+            everyone = list(compute)
+            slow = compute_outliers(compute, dict.fromkeys(compute, everyone), ratio=SLOW_STAGE_RATIO)
         return sorted(set(slow) | set(slow_ranks(step, {r: step[r] - compute[r] for r in step})))
 
     def failslow_round(self, st: JobState, now: float) -> Actions:

@@ -1,10 +1,10 @@
-"""Training anomalies: NaN/inf or a jump in loss or gradient norm (`hangwatch.anomaly`); the
+"""Training anomalies: NaN/inf or a jump in loss or gradient norm (`anomalies.anomaly`); the
 ranks whose local gradient norm is not finite name the machine that corrupted the update."""
 from __future__ import annotations
 
 import math
 
-from stalwart.controller.rules.hangwatch import anomaly, culprit_machines
+from stalwart.controller.rules.anomalies import anomaly, culprit_machines
 from stalwart.controller.job.detectors.base import Actions, BaseDetector
 from stalwart.controller.job.flows.base import record
 from stalwart.controller.job.state import OPEN_END, BadSteps, JobState, PendingStep

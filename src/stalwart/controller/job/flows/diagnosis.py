@@ -80,15 +80,17 @@ class DiagnosisFlow:
         st.diag_seq += 1
         name = f"job{st.job_id}-diag{st.diag_seq}"
         pairs: list[PairKey] = []
-        inter: dict[str, list[InterPair]] = {m: [] for m in st.slots}
+        slots = st.slots
+        inter: dict[str, list[InterPair]] = {m: [] for m in slots}
         if "inter" in checks:
-            for r, round_pairs in enumerate(pair_rounds(len(st.slots))):
+            # (positional: a pair's three objects are most of the checks' start on a large job)
+            for r, round_pairs in enumerate(pair_rounds(len(slots))):
                 for i, j in round_pairs:
-                    a, b = st.slots[i], st.slots[j]
-                    pairs.append(PairKey(round=r, a=a, b=b, i=i, j=j))
+                    a, b = slots[i], slots[j]
+                    pairs.append(PairKey(r, a, b, i, j))
                     prefix = f"{name}/r{r}/{a}-{b}/"
-                    inter[a].append(InterPair(round=r, peer=b, rank=0, prefix=prefix))
-                    inter[b].append(InterPair(round=r, peer=a, rank=1, prefix=prefix))
+                    inter[a].append(InterPair(r, b, 0, prefix))
+                    inter[b].append(InterPair(r, a, 1, prefix))
         bound = self.ctx.policy.diag_timeout_s
         rounds = len({k.round for k in pairs}) or 1
         st.diag = Diagnosis(name=name, checks=checks, pairs=pairs, wait=set(st.slots) if checks else set(),

@@ -4,9 +4,9 @@ and the checkpoint copies the agents announce."""
 from __future__ import annotations
 
 import logging
+from itertools import compress
 
 from stalwart import protocol
-from stalwart.controller.rules import restore
 from stalwart.controller.rules import scriptsteps
 from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.cluster.roles import Role
@@ -52,7 +52,9 @@ class RunFlow:
         return acts + self.start_run(st, -1, {}, now)
 
     # -- runs -------------------------------------------------------------------------------------
-    def start_run(self, st: JobState, restore_step: int, cands: dict[int, list[dict]], now: float) -> Actions:
+    def start_run(self, st: JobState, restore_step: int, copies: dict[int, list[RestoreCopy]], now: float) -> Actions:
+        """A new run on the slots from `restore_step` (-1: from the start), rank r restoring from
+        `copies[r]`, best first."""
         settled = self._settle(st, restore_step)
         if st.script and st.run is not None:
             st.script_unsettled = {s: acc for s, acc in st.run.pending.items() if s > st.run.last_committed}
@@ -65,8 +67,6 @@ class RunFlow:
         st.pool.warm -= set(warm)
         for m in st.slots:          # the start takes their waiting workers (standby's or spares)
             st.pool.ready.pop(m, None)
-        made: dict[tuple, RestoreCopy] = {}     # (equal copies are one object: a durable step's)
-        copies = {r: [_copy(made, c) for c in cs] for r, cs in cands.items() if cs}
         acts: Actions = [
             StartRun(run=st.run_seq, slots=list(st.slots), restore_step=restore_step, restore=copies,
                      warm=warm, code_path=st.code_path, version=st.version_id, spares=not st.script),
@@ -127,11 +127,11 @@ class RunFlow:
     def restart(self, st: JobState, now: float) -> Actions:
         """A new run on the current slots from the newest step every rank can restore."""
         slots, G = st.slots, self.ctx.G        # (rank r is on machine r // G: `Topology.machine_of`)
-        next_machine = {r: slots[r // G] for r in range(self.ctx.world)}
+        next_machine = [slots[r // G] for r in range(self.ctx.world)]
         alive = {m for m in st.slots if self.ctx.cluster.alive(m)}
         bad = st.bad_step_set(st.avail.held_steps()) if st.bad_steps else frozenset()
-        step, cands = restore.plan(st.avail, self.ctx.world, next_machine, alive, bad)
-        return self.start_run(st, step, cands, now)
+        step, cols = st.avail.plan_columns(self.ctx.world, next_machine, alive, bad)
+        return self.start_run(st, step, _copies(step, cols), now)
 
     # -- steps ------------------------------------------------------------------------------------
     def on_step(self, st: JobState, ev: protocol.Step, now: float) -> Actions:
@@ -186,10 +186,25 @@ class RunFlow:
             new = set(ranks)
         if n == 0:
             return []
-        acc.ranks |= new
-        acc.local.update(dict.fromkeys(ranks, rep.local_grad_norm))
-        comp = rep.compute_s[:n] if rep.compute_s is not None else (None,) * n
-        acc.times.update(zip(ranks, zip((rep.dur,) * n, comp)))
+        # (a step's first report, the usual one of every rank: its columns become the step's tables)
+        if acc.ranks:
+            acc.ranks |= new
+        else:
+            acc.ranks = new
+        local: dict[int, float | None] = dict.fromkeys(ranks, rep.local_grad_norm)
+        if acc.local:
+            acc.local.update(local)
+        else:
+            acc.local = local
+        times: dict[int, tuple[float | None, float | None]]
+        if rep.compute_s is None:       # (every rank's times the same pair: one tuple for all)
+            times = dict.fromkeys(ranks, (rep.dur, None))
+        else:
+            times = dict(zip(ranks, zip((rep.dur,) * n, rep.compute_s[:n])))
+        if acc.times:
+            acc.times.update(times)
+        else:
+            acc.times = times
         if run.hang is not None:
             run.hang.on_steps(ranks, rep.step, now)
         acc.t = max(acc.t, rep.t)
@@ -379,6 +394,11 @@ class RunFlow:
     def on_started(self, st: JobState, machine: str, ev: protocol.Started, now: float) -> Actions:
         if ev.run != st.run_seq:
             return []
+        if st.run is not None and st.run.hang is not None and machine in st.slots:
+            # the hang watch counts these workers' time from their start (not the run's: the
+            # agent may have waited for its fork server's preload first); received: no other
+            # host's clock
+            st.run.hang.on_started(self.ctx.topo.ranks_of_machine(st.slots.index(machine)), now)
         return [record("workers_started", ev.t or now, run=ev.run, machine=machine, warm=bool(ev.warm),
                        preload_s=ev.preload_s)]
 
@@ -417,13 +437,20 @@ class RunFlow:
         return None
 
 
-def _copy(made: dict[tuple, RestoreCopy], c: dict) -> RestoreCopy:
-    """A restore candidate as the StartRun action lists it (one object per distinct copy)."""
-    key = (c["tier"], c["step"], c.get("holder"), c.get("location"))
-    got = made.get(key)
-    if got is None:
-        got = made[key] = RestoreCopy(*key)
-    return got
+def _copies(step: int, cols: list[tuple[str, list[bool], list[str]]]) -> dict[int, list[RestoreCopy]]:
+    """Every rank's restore candidates as the StartRun action lists them, from the restore plan's
+    columns (`Availability.plan_columns`): rank -> its copies, best first (own, backup, durable);
+    equal copies (a durable step's) are one object. Where every rank has a copy in every tier
+    listed (a restart on the same machines), the lists are the tiers' columns zipped."""
+    per_tier = []
+    for tier, has, who in cols:
+        made = {h: RestoreCopy(tier, step, None, h) if tier == "durable" else RestoreCopy(tier, step, h)
+                for h in set(compress(who, has))}
+        per_tier.append(list(map(made.__getitem__, who)) if all(has) else
+                        [made[h] if x else None for x, h in zip(has, who)])
+    if all(all(has) for _, has, _ in cols):
+        return dict(enumerate(map(list, zip(*per_tier))))
+    return {r: got for r, cs in enumerate(zip(*per_tier)) if (got := [c for c in cs if c is not None])}
 
 
 def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
