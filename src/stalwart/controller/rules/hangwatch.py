@@ -338,10 +338,7 @@ class HangWatch:
             self._reports[i] += 1
             self._interval(i, int(self._reports[i]), t - last)
         else:
-            # the first report's distance from its worker's start is a warm-up interval too
-            start = self._start_of(i)
-            if start is not None:
-                self._warmup_max = max(self._warmup_max, t - start)
+            self._first_mark(i, t)
             self._lower = None
         self._step[i], self._step_t[i] = step, t
         self._latched = None
@@ -467,9 +464,7 @@ class HangWatch:
             self._coll_marks[i] += 1
             self._interval(i, int(self._coll_marks[i]), t - coll_t)
         else:
-            start = self._start_of(i)
-            if start is not None:
-                self._warmup_max = max(self._warmup_max, t - start)
+            self._first_mark(i, t)
         self._coll[i], self._coll_t[i] = count, t
         self._latched = None
 
@@ -495,6 +490,13 @@ class HangWatch:
                 self._start_t[i] = t
         self._lower = None
         self._latched = None
+
+    def _first_mark(self, i: int, t: float) -> None:
+        """Row `i`'s first step or collectives at `t`: the distance from its worker's start is a
+        warm-up interval too."""
+        start = self._start_of(i)
+        if start is not None:
+            self._warmup_max = max(self._warmup_max, t - start)
 
     def _start_of(self, i: int) -> float | None:
         """When row `i`'s worker started: its report, else the run's start (None: neither)."""
