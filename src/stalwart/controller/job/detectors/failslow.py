@@ -153,16 +153,17 @@ class FailSlowDetector(BaseDetector):
         fs.by_compute.append({st.slots[i] for i in topo.machines_of(by_compute)})
         fs.done += 1
         fs.next = now + p.failslow_period_s
+        # a round without a step since the one before has nothing new to judge (a script saving or
+        # evaluating after its last step; a job that stopped is the hang watch's)
+        factor = self._unexplained(st, fs) if fs.new_steps else None
         if fs.new_steps:
-            # a round without a step since the one before has nothing new to judge (a script
-            # saving or evaluating after its last step; a job that stopped is the hang watch's)
-            fs.comm_rounds = fs.comm_rounds + 1 if self._unexplained(st, fs) is not None else 0
+            fs.comm_rounds = fs.comm_rounds + 1 if factor is not None else 0
         fs.new_steps = 0
-        if fs.comm_rounds >= COMM_ROUNDS:
+        if fs.comm_rounds >= COMM_ROUNDS and factor is not None:
             # far slower, round after round, and the time went to communication: no rank's
             # compute explains it, and stacks of a job waiting on a slow link are noise (ranks
             # caught mid-step); more rounds will not help, the pair test will
-            return acts + self._to_checks(st, fs, round_stacks, now)
+            return acts + self._to_checks(st, fs, round_stacks, factor, now)
         if fs.done < p.failslow_rounds:
             return acts
         machines, why = self._failslow_verdict(st, fs)
@@ -228,11 +229,11 @@ class FailSlowDetector(BaseDetector):
             return None
         return factor
 
-    def _to_checks(self, st: JobState, fs: FailSlow, round_stacks: dict, now: float) -> Actions:
-        """Stop the run for the stop-time checks: a slowdown this large with nobody to blame is
-        a fault the stacks cannot see (a slow link: every rank waits in the same collective)."""
-        factor = self._unexplained(st, fs) or FAILSLOW_CHECK_FACTOR
-        recent = median(st.signals.step_durs[-RECENT_N:])
+    def _to_checks(self, st: JobState, fs: FailSlow, round_stacks: dict, factor: float, now: float) -> Actions:
+        """Stop the run for the stop-time checks: a slowdown this large (`factor`, from
+        `_unexplained`) with nobody to blame is a fault the stacks cannot see (a slow link: every
+        rank waits in the same collective)."""
+        recent = factor * fs.baseline_s
         st.signals.failslow = None
         st.signals.failslow_quiet_until = now + FAILSLOW_QUIET_S
         acts = self.incidents.open(st, "fail_slow", now)
