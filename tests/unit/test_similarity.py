@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from stalwart.analyzer.similarity import (Continuity, align, all_window_scores, detect,
-                                          find_suspects, normalize, window_scores)
+                                          find_suspects, normalize, reference_rows, window_scores)
 
 METRICS = ["cpu", "step_time", "gpu_util", "pfc_tx"]
 
@@ -124,6 +124,29 @@ def test_out_of_rhythm_machine_is_flagged():
     s["m1"][150:] = healthy(rng, phase=np.pi)[150:]
     reports = find_suspects(s, METRICS, now_index=479, continuity_s=240)
     assert [m for _, m in reports] == ["m1"] and reports[0][0] >= 390
+
+
+@pytest.mark.parametrize("outlier", [0, 7, 1999])      # 0 and 1999 are references, 7 is not
+def test_sampled_scores_find_the_outlier_of_a_large_group(outlier):
+    rng = np.random.default_rng(outlier)
+    x = 0.2 * np.sin(np.arange(8))[None] + rng.normal(0, 0.03, (2000, 8))
+    x[outlier] += rng.normal(0, 0.15, 8)
+    exact, sampled = window_scores(x, max_refs=2000), window_scores(x, max_refs=256)
+    assert len(reference_rows(2000, 256)) == 256 and reference_rows(256, 256) is None
+    assert exact.argmax() == sampled.argmax() == outlier
+    healthy = np.delete(np.arange(2000), outlier)
+    # every healthy machine's estimate within a small fraction of the spread between machines
+    spread = exact[healthy].std()
+    assert np.abs(sampled[healthy] - exact[healthy]).max() < 0.5 * spread
+    assert np.corrcoef(sampled[healthy], exact[healthy])[0, 1] > 0.95
+    z = [(s[outlier] - s[healthy].mean()) / s[healthy].std() for s in (exact, sampled)]
+    assert z[0] > 10 and abs(z[1] - z[0]) < 0.05 * z[0]
+
+
+def test_scores_of_a_small_group_compare_every_pair():
+    x = np.random.default_rng(2).normal(size=(256, 8))
+    d = np.sqrt(((x[:, None, :] - x[None, :, :]) ** 2).sum(axis=2))
+    assert np.allclose(window_scores(x), d.sum(axis=1) / 255)
 
 
 def test_all_window_scores_match_one_window_at_a_time():

@@ -15,7 +15,8 @@ Algorithm, per call of :func:`detect`:
 3. slide a window (default 8 samples); for each metric, in the order given
    (priority order, most fault-sensitive first), each machine's window is a
    vector, its score is the summed Euclidean distance to every other machine
-   divided by the cluster size minus one;
+   divided by the cluster size minus one (beyond 256 machines, the mean distance
+   to 256 of them evenly spaced: :func:`window_scores`);
 4. the machine with the maximal score is the window's candidate when that score
    is an outlier: ``z = (max - mean(rest)) / std(rest) > z_threshold`` (default
    3; ``std(rest)`` is floored at ``min_std`` so a perfectly flat peer set does
@@ -40,6 +41,7 @@ DEFAULT_WINDOW = 8
 DEFAULT_Z = 3.0
 DEFAULT_CONTINUITY_S = 240.0
 DEFAULT_MIN_GAP = 0.2
+MAX_REFERENCES = 256        # peers a machine's score compares it with, at most (`window_scores`)
 
 
 def _fill_nearest(col: np.ndarray) -> np.ndarray:
@@ -75,11 +77,16 @@ def align(series: Mapping[Hashable, np.ndarray], n_metrics: int) -> tuple[list, 
     t = min(a.shape[0] for a in arrays)
     if t == 0:
         raise ValueError("peer similarity needs at least one sample per machine")
-    out = np.stack([a[:t] for a in arrays])
-    gaps = np.isnan(out).any(axis=1)          # (machine, metric) columns with a gap to fill
+    return machines, fill_gaps(np.stack([a[:t] for a in arrays]))
+
+
+def fill_gaps(data: np.ndarray) -> np.ndarray:
+    """`data` (machines, T, M) with each NaN filled from the nearest valid sample of the same
+    machine and metric (in place; returned)."""
+    gaps = np.isnan(data).any(axis=1)          # (machine, metric) columns with a gap to fill
     for i, j in zip(*np.nonzero(gaps)):
-        out[i, :, j] = _fill_nearest(out[i, :, j].copy())
-    return machines, out
+        data[i, :, j] = _fill_nearest(data[i, :, j].copy())
+    return data
 
 
 def normalize(data: np.ndarray, rel_floor: float = 0.0) -> np.ndarray:
@@ -96,14 +103,35 @@ def normalize(data: np.ndarray, rel_floor: float = 0.0) -> np.ndarray:
     return (data - lo) / span
 
 
-def window_scores(windows: np.ndarray) -> np.ndarray:
-    """Per-machine summed Euclidean distance to its peers, divided by (N - 1).
+def reference_rows(n: int, max_refs: int = MAX_REFERENCES) -> np.ndarray | None:
+    """The machines every machine is compared with in a group of `n`: None (all of them) up to
+    `max_refs`, else `max_refs` machines evenly spaced through the group (see `window_scores`)."""
+    if n <= max_refs:
+        return None
+    return np.unique(np.linspace(0, n - 1, max_refs).round().astype(np.int64))
 
-    ``windows`` has shape (machines, window_len).
+
+def window_scores(windows: np.ndarray, max_refs: int = MAX_REFERENCES) -> np.ndarray:
+    """Per-machine mean Euclidean distance to its peers: the summed distance divided by (N - 1).
+
+    ``windows`` has shape (machines, window_len). Beyond ``max_refs`` machines the peers a machine
+    is compared with are ``max_refs`` machines evenly spaced through the group (`reference_rows`;
+    a reference is not compared with itself): the mean over them estimates the mean over all
+    peers without bias, and all pairs would cost the square of the group. A healthy machine's
+    score is a mean of hundreds of distances either way, so the estimate moves it by a small
+    fraction of the spread between machines, and an outlier stays far off (the test
+    `test_sampled_scores_find_the_outlier_of_a_large_group`). Measured on this host: 2,500 machines
+    (a stage of a 100,000-GPU job) and 8 samples, all pairs 56 ms a window and metric, 256
+    references 4.1 ms; 512 machines 1.6 ms and 0.6 ms.
     """
     from scipy.spatial.distance import cdist   # here: importing scipy slows the controller's start
-    d = cdist(windows, windows)
-    return d.sum(axis=1) / (windows.shape[0] - 1)
+    n = windows.shape[0]
+    refs = reference_rows(n, max_refs)
+    if refs is None:
+        return cdist(windows, windows).sum(axis=1) / (n - 1)
+    others = np.full(n, float(len(refs)))
+    others[refs] -= 1.0                         # (a reference's distance to itself is 0)
+    return cdist(windows, windows[refs]).sum(axis=1) / others
 
 
 def outlier_z(scores: np.ndarray, min_std: float) -> tuple[int, float]:
@@ -134,11 +162,22 @@ def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_in
     the last ``lookback`` samples up to ``now_index`` are used (normalization
     included), like Minder's "last 15 minutes".
     """
+    machines, data = align(series, len(metrics))
+    return detect_aligned(machines, data, now_index, window, z_threshold, min_std, min_gap, start_index,
+                          lookback, rel_floor)
+
+
+def detect_aligned(machines: Sequence[Hashable], data: np.ndarray, now_index: int,
+                   window: int = DEFAULT_WINDOW, z_threshold: float = DEFAULT_Z,
+                   min_std: float = 1e-3, min_gap: float = DEFAULT_MIN_GAP,
+                   start_index: int = 0, lookback: int | None = None,
+                   rel_floor: float = 0.0) -> list[tuple[int, Hashable, float]]:
+    """:func:`detect` over data already aligned (`align`: shape (machines, T, metrics), no gaps),
+    machine i named ``machines[i]``."""
     if window < 2:
         raise ValueError(f"window must be at least 2 samples, got {window}")
     if lookback is not None and lookback < window:
         raise ValueError(f"lookback ({lookback}) must cover at least one window ({window})")
-    machines, data = align(series, len(metrics))
     if not 0 <= now_index < data.shape[1]:
         raise ValueError(f"now_index {now_index} outside the data (0..{data.shape[1] - 1})")
     first = 0 if lookback is None else max(0, now_index + 1 - lookback)
@@ -149,7 +188,7 @@ def detect(series: Mapping[Hashable, np.ndarray], metrics: Sequence[str], now_in
     n = len(machines)
     decided = np.full(data.shape[1] - lo, -1)
     score_of = np.zeros(data.shape[1] - lo)
-    for j in range(len(metrics)):
+    for j in range(data.shape[2]):
         open_ = decided < 0
         if not open_.any():
             break
