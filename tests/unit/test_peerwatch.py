@@ -143,3 +143,51 @@ def test_the_samples_are_not_saved_with_the_state_and_the_window_fills_again():
     back.conts = [type(c)(continuity_s=c.continuity_s, grace_s=c.grace_s) for c in back.conts]
     assert back.check(61.0) == (None, {0: {"samples": 0}})     # the window starts empty after a restart
     assert run_from(back, 61.0, odd_from=61.0, odd="m2")[1] == "m2"
+
+
+def test_a_rows_columns_go_where_its_rows_would_go_one_by_one():
+    """`add_columns` leaves the window as `add` of each machine's row does: unknown machines
+    ignored, non-finite values left out, a bucket older than the one a slot holds dropped, rows
+    before the start ignored."""
+    rng = np.random.default_rng(3)
+    groups = [[f"m{i}" for i in range(g * 5, g * 5 + 5)] for g in range(3)]
+    one, cols = (PeerWatch.create(groups, period_s=1.0, lookback_s=8, continuity_s=10, not_before=2.0)
+                 for _ in range(2))
+    for t in [0.5, 3.0, 4.2, 4.9, 20.0, 4.5, 21.0, 37.0]:        # 4.5: older than what its slot holds
+        machines = [f"m{i}" for i in rng.permutation(16)[:12]]      # (m15 is nobody's)
+        step = rng.choice([0.1, 0.2, np.nan, np.inf], size=12, p=[0.45, 0.45, 0.05, 0.05])
+        comp = rng.random(12)
+        for m, s, c in zip(machines, step, comp):
+            one.add(m, t, {"step_s": float(s), "compute_s": float(c)})
+        cols.add_columns(machines, t, {"step_s": step, "compute_s": comp})
+        a, b = one._samples, cols._samples
+        assert a.empty == b.empty == (t < 2.0)
+        assert a.empty or (np.array_equal(a.ids, b.ids) and np.array_equal(a.vals, b.vals, equal_nan=True))
+    assert (one._samples.ids >= 0).sum() > 20
+
+
+def test_a_committed_step_gives_the_same_window_by_columns_and_rank_by_rank(monkeypatch):
+    """The peer detector's column path and its rank-by-rank path (a time that is None) leave the
+    same rows in the watch."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from corekit import Harness
+
+    from stalwart.controller.job.detectors.peers import PeerDetector
+    from stalwart.controller.job.state import JobPhase
+
+    def window(by_columns: bool):
+        if not by_columns:
+            monkeypatch.setattr(PeerDetector, "_add_columns", lambda self, st, acc: False)
+        h = Harness(machines=6, gpus=2, standby=0, steps=500)
+        h.tick()
+        assert h.st.phase == JobPhase.RUNNING
+        rng = np.random.default_rng(5)
+        for _ in range(30):
+            h.step(dur=0.5, compute={r: float(x) for r, x in enumerate(rng.random(12))})
+        monkeypatch.undo()
+        return h.st.signals.peerwatch._samples
+
+    cols, rows = window(True), window(False)
+    assert (cols.ids >= 0).sum() >= 6 * 10
+    assert np.array_equal(cols.ids, rows.ids) and np.array_equal(cols.vals, rows.vals, equal_nan=True)

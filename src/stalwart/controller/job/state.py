@@ -109,6 +109,7 @@ class PendingStep:
     tokens: int | None = None
     local: dict[int, float | None] = field(default_factory=dict)       # local grad norms
     times: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # (step, compute)
+    timed: bool = False         # some rank reported its compute time (else `times` has none to read)
 
 
 @dataclass

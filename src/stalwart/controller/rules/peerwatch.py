@@ -23,7 +23,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from stalwart.analyzer.similarity import Continuity, detect
+from stalwart.analyzer.similarity import Continuity, detect_aligned, fill_gaps
 
 # Priority order (most fault-sensitive first): the first metric with an outlier decides a window.
 METRICS = ("compute_s", "step_s", "gpu_clock", "gpu_temp", "cpu", "net_mbps", "rss_mb")
@@ -68,6 +68,25 @@ class _Samples:
                 row[col] = float(v)
 
 
+    def put_columns(self, rows: np.ndarray, bucket: int, values: Mapping[str, np.ndarray]) -> None:
+        """`put` for many machines (`rows`, distinct) at once, `values[k][i]` row i's metric k."""
+        if self.empty:
+            self._make()
+        s = bucket % self.size
+        held = self.ids[rows, s]
+        keep = held <= bucket               # (an older bucket than the slot holds: out of the window)
+        rows, fresh = rows[keep], held[keep] != bucket
+        self.ids[rows[fresh], s] = bucket
+        self.vals[rows[fresh], s] = np.nan
+        for k, v in values.items():
+            col = _COLUMN.get(k)
+            if col is None:
+                continue
+            v = np.asarray(v, dtype=float)[keep]
+            ok = np.isfinite(v)
+            self.vals[rows[ok], s, col] = v[ok]
+
+
 @dataclass
 class PeerWatch:
     """The groups, the window and one continuity tracker per stage (plain data, saved with the
@@ -95,6 +114,9 @@ class PeerWatch:
 
     def __post_init__(self) -> None:
         self._samples = _Samples([m for g in self.groups for m in g], self.lookback + RING_SLACK)
+        # a group's machines are consecutive rows of the samples: its rows are a slice
+        ends = np.cumsum([len(g) for g in self.groups]).tolist()
+        self._rows = [slice(end - len(g), end) for g, end in zip(self.groups, ends)]
 
     @property
     def not_before(self) -> float:
@@ -113,39 +135,50 @@ class PeerWatch:
             return
         self._samples.put(i, int(t // self.period_s), values)
 
+    def add_columns(self, machines: Sequence[str], t: float, values: Mapping[str, np.ndarray]) -> None:
+        """`add` for many machines at once: `values[k][i]` is `machines[i]`'s metric k."""
+        if t < self.not_before:
+            return
+        index = self._samples.index
+        rows = [index.get(m, -1) for m in machines]
+        at = np.flatnonzero(np.array(rows, dtype=np.int64) >= 0)
+        if len(at) == 0:
+            return
+        self._samples.put_columns(np.asarray(rows, dtype=np.int64)[at], int(t // self.period_s),
+                                  {k: np.asarray(v, dtype=float)[at] for k, v in values.items()})
+
     def check(self, now: float) -> tuple[Hashable | None, dict]:
         """The suspect (if any) after observing the latest complete bucket, and what was seen."""
         last = int(now // self.period_s) - 1
         first = last - self.lookback + 1
         seen: dict = {}
         for g, (machines, cont) in enumerate(zip(self.groups, self.conts)):
-            candidate, detail = self._candidate(machines, first, last)
+            candidate, detail = self._candidate(machines, self._rows[g], first, last)
             seen[g] = detail
             suspect = cont.observe(now, candidate)
             if suspect is not None:
                 return suspect, {"group": machines, **detail}
         return None, seen
 
-    def _candidate(self, machines: list[str], first: int, last: int) -> tuple[Hashable | None, dict]:
+    def _candidate(self, machines: list[str], rows: slice, first: int, last: int) -> tuple[Hashable | None, dict]:
         sm = self._samples
         if sm.empty:            # every slot holds bucket -1 (none): only that bucket is "held"
             return None, {"samples": int(first <= -1 <= last)}
-        rows = np.array([sm.index[m] for m in machines])
         buckets = np.arange(first, last + 1)
         slots = buckets % sm.size
-        held = (sm.ids[np.ix_(rows, slots)] == buckets).all(axis=0)    # buckets every machine has
+        held = (sm.ids[rows, slots] == buckets).all(axis=0)     # buckets every machine has
         have = slots[held]
         if len(have) < WINDOW:
             return None, {"samples": int(len(have))}
-        data = sm.vals[np.ix_(rows, have)]                              # (machines, buckets, METRICS)
-        shared = (~np.isnan(data)).any(axis=1).all(axis=0)              # each machine has it somewhere
+        data = sm.vals[rows, have]                              # (machines, buckets, METRICS)
+        shared = (~np.isnan(data)).any(axis=1).all(axis=0)      # each machine has it somewhere
         metrics = [k for k, ok in zip(METRICS, shared) if ok]
         if not metrics:
             return None, {"samples": int(len(have))}
-        data = data[:, :, shared]
-        series: dict[Hashable, np.ndarray] = {m: data[i] for i, m in enumerate(machines)}
-        found = detect(series, metrics, now_index=len(have) - 1, window=WINDOW,
-                       start_index=len(have) - 1, rel_floor=REL_FLOOR)
+        if not shared.all():
+            data = data[:, :, shared]
+        found = detect_aligned(machines, fill_gaps(data), now_index=len(have) - 1, window=WINDOW,
+                               start_index=len(have) - 1, rel_floor=REL_FLOOR)
         if not found:
             return None, {"samples": int(len(have)), "metrics": metrics}
         _, machine, score = found[-1]

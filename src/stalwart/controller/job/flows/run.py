@@ -149,6 +149,8 @@ class RunFlow:
         acc.ranks.add(ev.rank)
         acc.local[ev.rank] = ev.local_grad_norm
         acc.times[ev.rank] = (ev.dur, ev.compute_s)
+        if ev.compute_s is not None:
+            acc.timed = True
         if run.hang is not None:
             run.hang.on_step(ev.rank, ev.step, now)     # (received: no other host's clock)
         acc.t = max(acc.t, ev.t)
@@ -201,6 +203,7 @@ class RunFlow:
             times = dict.fromkeys(ranks, (rep.dur, None))
         else:
             times = dict(zip(ranks, zip((rep.dur,) * n, rep.compute_s[:n])))
+            acc.timed = acc.timed or rep.compute_s[:n].count(None) < n
         if acc.times:
             acc.times.update(times)
         else:
