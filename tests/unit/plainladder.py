@@ -1,5 +1,7 @@
 """The stop-time verdict as it was written before its loops were tightened (`ladder.verdict`,
-`pairs.judge_pairs`): the unit tests hold the current ones to these on random check results."""
+`pairs.judge_pairs`): the unit tests hold the current ones to these on random check results.
+The plain verdict reads flat rows, each with its machine and an `inter` row with its pair as the
+schedule names it (`plain_result_rows` makes them from a machine's answer)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -8,6 +10,21 @@ from typing import Iterable, Mapping, Sequence
 from stalwart.controller.rules.ladder import (LINK_LATENCY_RATIO, LINK_MAX_LATENCY_S, LINK_MIN_MBPS, LINK_MIN_RATIO,
                                               SPEED_MIN_RATIO, _partners)
 from stalwart.diag.pairs import Pair, _reference, judge_digests, judge_speed, ring_edges
+
+
+def plain_result_rows(machine: str, rows: Sequence[Mapping], pair_keys) -> list[dict]:
+    """A machine's check results as flat rows: each with its machine, and a pair test's result
+    with its pair in the order the checks named it (`pair_keys`: the scheduled (round, a, b))."""
+    out = []
+    for raw in rows:
+        r = dict(raw, machine=machine)
+        if r.get("check") == "inter":
+            a, b = machine, str(r.get("peer"))
+            if (r.get("round"), b, a) in pair_keys:
+                a, b = b, a
+            r["pair"] = [r.get("round"), a, b]
+        out.append(r)
+    return out
 
 
 def plain_judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float = 0.25,

@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 
-from stalwart.diag.pairs import judge_digests, judge_pairs, judge_speed, pair_rounds, ring_edges
+from stalwart.diag.pairs import (edge_of, edge_round, judge_digests, judge_pairs, judge_speed, pair_rounds,
+                                 pairs_of, ring_edges, round_count)
 from stalwart.diag.worker import PlanError, load_plan
 
 # -- pair_rounds ----------------------------------------------------------------------------
@@ -32,6 +33,32 @@ def test_pair_rounds_cover_the_ring_with_disjoint_rounds(n):
         for m in range(n):                             # ... with two different partners
             partners = {p[0] if p[1] == m else p[1] for p in pairs if m in p}
             assert len(partners) == 2 and m not in partners
+
+
+def test_one_machine_s_pairs_are_what_the_whole_schedule_gives_it():
+    """`pairs_of`, `edge_of`, `edge_round` and `round_count` answer for one machine or one edge
+    what scheduling the whole ring (`pair_rounds`) gives, for every ring size up to 60; and the
+    checks' action gives each machine its side of its pairs with their rendezvous prefixes."""
+    from stalwart.controller.job.actions import RunChecks
+    for n in range(0, 61):
+        rounds = pair_rounds(n)
+        assert round_count(n) == len(rounds)
+        want: dict[int, list] = {i: [] for i in range(n)}
+        for r, round_pairs in enumerate(rounds):
+            for i, j in round_pairs:
+                want[i].append((r, j, 0))
+                want[j].append((r, i, 1))
+        assert [pairs_of(n, i) for i in range(n)] == [want[i] for i in range(n)], n
+        edges = ring_edges(n)
+        for e, (i, j) in enumerate(edges):
+            assert edge_of(n, i, j) == edge_of(n, j, i) == e and (i, j) in rounds[edge_round(n, e)]
+        assert sum(edge_of(n, i, j) is not None for i in range(n) for j in range(n)) == 2 * len(edges)
+    ring = [f"m{i}" for i in range(5)]
+    act = RunChecks(name="d", checks=["inter"], machines=ring, ring=ring)
+    assert [(x.round, x.peer, x.rank, x.prefix) for x in act.inter_of("m0")] == [
+        (0, "m1", 0, "d/r0/m0-m1/"), (2, "m4", 0, "d/r2/m0-m4/")]
+    assert [(x.round, x.peer, x.rank) for x in act.inter_of("m4")] == [(1, "m3", 1), (2, "m0", 1)]
+    assert act.pairs_of("elsewhere") == [] and RunChecks(name="d", checks=[], machines=ring).inter_of("m0") == []
 
 
 def test_pair_rounds_even_split_by_parity():

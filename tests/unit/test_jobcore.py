@@ -192,7 +192,7 @@ def test_a_machine_whose_checks_died_without_a_result_is_the_one_evicted():
         {"check": "selftest", "ok": True, "detail": "ok", "measure": {"gflops": 10.0}},
         {"check": "intra", "ok": True, "detail": "ok", "measure": {}}] + [
         {"check": "inter", "ok": False, "detail": "peer m1 did not join", "round": x.round, "peer": x.peer,
-         "measure": {}} for x in checks.inter["m0"]]))
+         "measure": {}} for x in checks.inter_of("m0")]))
     acts = h.agent("m1", p.DiagResult(id=checks.name, results=[]))     # its check process was killed
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m1", "evicted"), ("m2", "active")]
     assert "produced no result" in of(acts, a.AssignMachine)[0].reason
@@ -772,7 +772,7 @@ def test_several_agents_events_together_decide_as_each_one_alone():
             {"check": "selftest", "ok": m != "m1", "detail": "ok" if m != "m1" else "failed",
              "measure": {"gflops": 10.0}}, {"check": "intra", "ok": True, "detail": "ok", "measure": {}}]
             + [{"check": "inter", "ok": True, "detail": "ok", "round": x.round, "peer": x.peer,
-                "measure": {"mbps": 100.0}} for x in checks.inter.get(m, [])])) for m in checks.machines]
+                "measure": {"mbps": 100.0}} for x in checks.inter_of(m)])) for m in checks.machines]
         # among them: another check's result, a machine answering twice, answers after the last
         # one awaited (the checks are over: they change nothing), a durable copy in between
         stray = (answers[0][0], p.DiagResult(id="another", results=[{"check": "selftest", "ok": False}]))

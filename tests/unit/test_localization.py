@@ -82,7 +82,7 @@ def pair_results(checks: a.RunChecks, slow: str, mbps: float = 0.9) -> dict[str,
     for m in checks.machines:
         rows = [{"check": "selftest", "ok": True, "detail": "ok", "measure": {"gflops": 10.0}},
                 {"check": "intra", "ok": True, "detail": "ok", "measure": {}}]
-        for x in checks.inter.get(m, []):
+        for x in checks.inter_of(m):
             speed = mbps if slow in (m, x.peer) else 9000.0
             rows.append({"check": "inter", "ok": True, "detail": "ok", "round": x.round, "peer": x.peer,
                          "measure": {"mbps": speed, "latency_s": 0.0004, "bytes": 65536}})

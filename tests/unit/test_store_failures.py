@@ -126,7 +126,7 @@ def test_timers_of_a_decision_that_waited_start_when_its_commands_leave():
     st = S.JobState(job_id=1, created_at=0.0)
     st.pool.next_refill = 110.0          # set by the decision at now=100
     st.pool.next_request = 50.0          # history: before the decision
-    st.diag = S.Diagnosis(name="d", checks=[], pairs=[], wait=set(), started=100.0, deadline=160.0)
+    st.diag = S.Diagnosis(name="d", checks=[], wait=set(), started=100.0, deadline=160.0)
     moved = S.shift_timers(st, 100.0, 40.0)
     assert (st.pool.next_refill, st.pool.next_request) == (150.0, 50.0)
     assert (st.diag.started, st.diag.deadline) == (140.0, 200.0)

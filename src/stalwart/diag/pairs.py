@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from typing import Sequence
 
 Pair = tuple[int, int]
 
@@ -47,6 +48,51 @@ def pair_rounds(n: int) -> list[list[Pair]]:
             rounds.append([e])
             busy.append(set(e))
     return rounds
+
+
+def round_count(n: int) -> int:
+    """How many rounds `pair_rounds(n)` has."""
+    return 0 if n < 2 else 1 if n == 2 else 2 if n % 2 == 0 else 3
+
+
+def edge_round(n: int, e: int) -> int:
+    """The round `pair_rounds(n)` schedules ring edge `e` (an index into `ring_edges(n)`) in."""
+    if n % 2 == 0 or e < n - 1:
+        return e % 2
+    return 2                    # odd n: the closing edge meets both of the first two rounds
+
+
+def edge_of(n: int, i: int, j: int) -> int | None:
+    """The index in `ring_edges(n)` of the edge between machines `i` and `j` (either order), None
+    when they are not neighbours on the ring."""
+    lo, hi = (i, j) if i <= j else (j, i)
+    if lo < 0 or hi >= n or lo == hi:
+        return None
+    if hi == lo + 1:
+        return lo
+    return n - 1 if lo == 0 and hi == n - 1 and n > 2 else None
+
+
+def pairs_of(n: int, i: int) -> list[tuple[int, int, int]]:
+    """Machine `i`'s pair tests in a ring of `n`, in round order: (round, partner, end), end 0 for
+    the pair's lower machine (as `pair_rounds` orders it) and 1 for the higher. What
+    `pair_rounds(n)` gives machine `i`, without scheduling the whole ring (the simulated agents
+    ask it for each of 12,500 machines)."""
+    if n < 2 or not 0 <= i < n:
+        return []
+    if n == 2:
+        return [(0, 1 - i, i)]
+    out = []
+    if i > 0:                                           # the edge (i - 1, i)
+        out.append((edge_round(n, i - 1), i - 1, 1))
+    if i < n - 1:                                       # the edge (i, i + 1)
+        out.append((edge_round(n, i), i + 1, 0))
+    if i == 0:                                          # the closing edge (0, n - 1)
+        out.append((edge_round(n, n - 1), n - 1, 0))
+    elif i == n - 1:
+        out.append((edge_round(n, n - 1), 0, 1))
+    out.sort()
+    return out
 
 
 def _key(pair: tuple[int, int]) -> Pair:
@@ -87,47 +133,12 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
     for p, res in given.items():
         if p not in merged:
             merged[p] = res
-    passed_pairs = {p: r for p, r in merged.items() if r.get("ok")}
-    speed = _reference({p: r["mbps"] for p, r in passed_pairs.items() if r.get("mbps") is not None}, max)
-    latency = _reference({p: r["latency_s"] for p, r in passed_pairs.items()
-                          if r.get("latency_s") is not None}, min)
-    fast = min_mbps if speed is None else max(min_mbps, min_ratio * speed)
-
-    def why_bad(r: dict) -> str | None:
-        if not r.get("ok"):
-            return "failed"
-        mbps, lat = r.get("mbps"), r.get("latency_s")
-        if mbps is not None and mbps < min_mbps:
-            return f"{mbps:.2f} Mbit/s is below {min_mbps:g}"
-        if mbps is not None and speed is not None and mbps < min_ratio * speed:
-            return f"{mbps:.2f} Mbit/s is below {min_ratio:g} x the others' {speed:.1f}"
-        if lat is not None and lat > max_latency_s and (latency is None or lat > latency_ratio * latency):
-            return f"latency {lat * 1e3:.1f} ms is above {latency_ratio:g} x the others' " \
-                   f"{(latency or 0) * 1e3:.2f} ms"
-        return None
-
-    verdicts: dict[Pair, str | None] = {}
-    member: dict[int, int] = {}         # machine -> its pairs, and how many of them are bad
-    failed: dict[int, int] = {}
-    for p, r in merged.items():
-        mbps = r.get("mbps")
-        # (the usual pair: passed, fast enough, no latency measured; else `why_bad` says)
-        v = None if r.get("ok") and mbps is not None and mbps >= fast and r.get("latency_s") is None \
-            else why_bad(r)
-        verdicts[p] = v
-        b = v is not None
-        i, j = p
-        member[i] = member.get(i, 0) + 1
-        failed[i] = failed.get(i, 0) + b
-        member[j] = member.get(j, 0) + 1
-        failed[j] = failed.get(j, 0) + b
-    bad = {p: v is not None for p, v in verdicts.items()}
-    bad_machines = sorted(m for m, k in member.items() if k >= 2 and failed[m] == k)
-    passed = {m for m, k in member.items() if failed[m] < k}
-    if n == 2:
-        bad_links = sorted(p for p in merged if bad[p])
-    else:
-        bad_links = sorted(p for p in merged if bad[p] and p[0] in passed and p[1] in passed)
+    edges = list(merged)
+    rows = list(merged.values())
+    judged = judge_columns(edges, [r.get("ok") for r in rows], [r.get("mbps") for r in rows],
+                           [r.get("latency_s") for r in rows], n, min_ratio=min_ratio, min_mbps=min_mbps,
+                           max_latency_s=max_latency_s, latency_ratio=latency_ratio)
+    verdicts = dict(zip(edges, judged.pop("verdicts")))
     pairs = {}
     for i, j in sorted(merged):
         v = verdicts[(i, j)]
@@ -135,12 +146,61 @@ def judge_pairs(results: dict[tuple[int, int], dict], n: int, min_ratio: float =
         if v not in (None, "failed"):
             entry["why"] = v
     return {
-        "bad_machines": bad_machines,
-        "bad_links": bad_links,
+        "bad_machines": judged["bad_machines"],
+        "bad_links": judged["bad_links"],
         "pairs": pairs,
-        "reference_mbps": speed,
-        "reference_latency_s": latency,
+        "reference_mbps": judged["reference_mbps"],
+        "reference_latency_s": judged["reference_latency_s"],
     }
+
+
+def judge_columns(edges: Sequence[Pair], ok: Sequence, mbps: Sequence[float | None],
+                  latency: Sequence[float | None], n: int, min_ratio: float = 0.25, min_mbps: float = 50.0,
+                  max_latency_s: float = 0.1, latency_ratio: float = 10.0) -> dict:
+    """`judge_pairs` over columns: pair k is `edges[k]` (low, high) with its result `ok[k]`,
+    `mbps[k]` and `latency[k]` (None: not measured); every pair listed once. Returns "verdicts"
+    (pair k's reason to be bad, "failed" when it failed, None when it is good) with
+    "bad_machines", "bad_links", "reference_mbps" and "reference_latency_s" as `judge_pairs`.
+    (Columns: the stop-time verdict of a 12,500-machine job judges its pairs without a dict each.)"""
+    speed = _reference({p: v for p, good, v in zip(edges, ok, mbps) if good and v is not None}, max)
+    lat_ref = _reference({p: v for p, good, v in zip(edges, ok, latency) if good and v is not None}, min)
+    fast = min_mbps if speed is None else max(min_mbps, min_ratio * speed)
+
+    def why_bad(good, mb: float | None, lat: float | None) -> str | None:
+        if not good:
+            return "failed"
+        if mb is not None and mb < min_mbps:
+            return f"{mb:.2f} Mbit/s is below {min_mbps:g}"
+        if mb is not None and speed is not None and mb < min_ratio * speed:
+            return f"{mb:.2f} Mbit/s is below {min_ratio:g} x the others' {speed:.1f}"
+        if lat is not None and lat > max_latency_s and (lat_ref is None or lat > latency_ratio * lat_ref):
+            return f"latency {lat * 1e3:.1f} ms is above {latency_ratio:g} x the others' " \
+                   f"{(lat_ref or 0) * 1e3:.2f} ms"
+        return None
+
+    if any(i < 0 or j < 0 for i, j in edges):
+        raise ValueError("pair indices are machine numbers, 0 or more")
+    size = 1 + max((max(i, j) for i, j in edges), default=-1)
+    member = [0] * size                 # machine -> its pairs, and how many of them are bad
+    failed = [0] * size
+    verdicts: list[str | None] = []
+    for (i, j), good, mb, lat in zip(edges, ok, mbps, latency):
+        # (the usual pair: passed, fast enough, no latency measured; else `why_bad` says)
+        v = None if good and mb is not None and mb >= fast and lat is None else why_bad(good, mb, lat)
+        verdicts.append(v)
+        member[i] += 1
+        member[j] += 1
+        if v is not None:
+            failed[i] += 1
+            failed[j] += 1
+    bad_machines = [m for m, k in enumerate(member) if k >= 2 and failed[m] == k]
+    if n == 2:
+        bad_links = sorted(p for p, v in zip(edges, verdicts) if v is not None)
+    else:
+        bad_links = sorted((i, j) for (i, j), v in zip(edges, verdicts)
+                           if v is not None and failed[i] < member[i] and failed[j] < member[j])
+    return {"verdicts": verdicts, "bad_machines": bad_machines, "bad_links": bad_links,
+            "reference_mbps": speed, "reference_latency_s": lat_ref}
 
 
 def judge_speed(gflops: dict[str, float], min_ratio: float = 1 / 3) -> list[str]:

@@ -9,7 +9,10 @@ about an eviction); `AssignMachine` and `FinishJob` are both a row and an act.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Union
+
+from stalwart.diag.pairs import pairs_of
 
 from stalwart.controller.store.ops import (ROWS_ONLY, AddCheckpoint, AssignMachine, CreateRun, FinishJob,
                                            OpenIncident, Record, SaveVersion, UpdateIncident, UpdateRun)
@@ -92,12 +95,35 @@ class InterPair:
 
 @dataclass(frozen=True)
 class RunChecks:
-    """Stop-time checks: `inter` holds each machine's pair tests (its side of each pair)."""
+    """Stop-time checks. The pair test (`inter`) pairs the machines of `ring` along the ring
+    (`stalwart.diag.pairs`); `pairs_of` and `inter_of` give one machine's side of its pairs.
+    (The ring, not every machine's pairs: a 12,500-machine job's pairs are 37,500 objects that
+    the executor and the simulated agents read one machine at a time.)"""
     name: str
     checks: list[str]
     machines: list[str]
-    inter: dict[str, list[InterPair]] = field(default_factory=dict)
+    ring: list[str] = field(default_factory=list)
     timeout_s: float = 10.0
+
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        return {m: i for i, m in enumerate(self.ring)}
+
+    def pairs_of(self, machine: str) -> list[tuple[int, str, int]]:
+        """`machine`'s pair tests in round order: (round, partner, end: 0 or 1)."""
+        i = self._position.get(machine)
+        if i is None:
+            return []
+        ring = self.ring
+        return [(r, ring[j], end) for r, j, end in pairs_of(len(ring), i)]
+
+    def inter_of(self, machine: str) -> list[InterPair]:
+        """`machine`'s side of its pair tests, each with its rendezvous prefix."""
+        out = []
+        for r, peer, end in self.pairs_of(machine):
+            a, b = (machine, peer) if end == 0 else (peer, machine)
+            out.append(InterPair(r, peer, end, f"{self.name}/r{r}/{a}-{b}/"))
+        return out
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ class Executor:
         port = ports.rendezvous.open_scratch(self.job_id, act.name)
         for m in act.machines:
             inter = [{"round": x.round, "peer": x.peer, "rank": x.rank, "port": port, "prefix": x.prefix}
-                     for x in act.inter.get(m, [])]
+                     for x in act.inter_of(m)]
             ports.agents.send(m, p.Diagnose(id=act.name, checks=list(act.checks), store_host=ports.store_host,
                                    local_world=self.G, intra={"port": port, "prefix": f"{act.name}/{m}/"},
                                    inter=inter, timeout_s=act.timeout_s, env=dict(self.spec.env)))

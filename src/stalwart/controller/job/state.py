@@ -24,7 +24,6 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -186,29 +185,16 @@ class PastIncident:
 
 
 @dataclass
-class PairKey:
-    round: int
-    a: str
-    b: str
-    i: int
-    j: int
-
-
-@dataclass
 class Diagnosis:
-    """Stop-time checks in progress."""
+    """Stop-time checks in progress: `ring` the machines of the pair test in ring order (none
+    without it), `answers` each machine's result rows as its agent sent them."""
     name: str
     checks: list[str]
-    pairs: list[PairKey]
     wait: set[str]
     started: float
     deadline: float
-    results: list[dict[str, Any]] = field(default_factory=list)
-
-    @cached_property
-    def pair_keys(self) -> set[tuple[int, str, str]]:
-        """(round, a, b) of every pair (not saved; `pairs` never changes once the checks start)."""
-        return {(k.round, k.a, k.b) for k in self.pairs}
+    ring: list[str] = field(default_factory=list)
+    answers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass

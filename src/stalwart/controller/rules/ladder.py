@@ -12,11 +12,10 @@ agents report them); the job core's `job/flows/diagnosis.py` does the talking.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
 from stalwart.controller.rules.policy import Mechanism
-from stalwart.diag.pairs import judge_digests, judge_pairs, judge_speed
+from stalwart.diag.pairs import edge_of, edge_round, judge_columns, judge_digests, judge_speed, ring_edges
 
 UNEXPLAINED = (Mechanism.REATTEMPT, Mechanism.ROLLBACK, Mechanism.REPLAY)   # rungs that evicted no machine
 NUMERIC = ("nan", "loss_spike")
@@ -27,6 +26,7 @@ LINK_MIN_RATIO = 0.1          # ... or slower than this fraction of a healthy pa
 LINK_MAX_LATENCY_S = 0.5      # ... or slower to answer than this and than LINK_LATENCY_RATIO x a healthy pair
 LINK_LATENCY_RATIO = 20.0     # (a shaped link queues small messages too: 0.1 s at 64 kbit/s)
 SPEED_MIN_RATIO = 0.25        # a self-test slower than this fraction of the median machine is bad
+ROWS_KEPT_MACHINES = 64       # an incident keeps every check row of a job this small (`kept_rows`)
 
 
 def checks_for(symptom: str, category: str, machines: int, stop_time_checks: bool,
@@ -71,84 +71,166 @@ def next_rung(previous: Sequence[str], replay_possible: bool) -> str:
     return "replay" if replay_possible else "reattempt"
 
 
-def verdict(results: Iterable[Mapping], slots: Sequence[str], pair_index: Mapping[tuple, tuple],
+def verdict(answers: Mapping[str, Sequence[Mapping]], slots: Sequence[str], ring: Sequence[str] = (),
             missing: Iterable[str] = (), lost: Iterable[str] = ()) -> dict:
     """What the agents' check results say.
 
-    `results` are the rows of every machine's `diag_result` (check, ok, machine, measure, and for
-    `inter` the pair key). `pair_index` maps a pair key (round, machine_a, machine_b) to slot indices.
-    Machines in `missing` never reported (they timed out): that alone fails them; machines in
-    `lost` fell silent during the checks. A machine that reported without a single row while
-    others have rows fails too: its check processes died (a machine going down takes them along).
-    When no machine finished in time (two or more, none lost) the checks say nothing about any
-    of them: a host or a control plane too loaded for the checks' bound, not every machine
-    broken at once. The verdict is then inconclusive (`"inconclusive"` says why) and blames nobody,
-    as a stack round that flags most machines flags nobody; the ladder goes on without it.
+    `answers` maps each machine that answered to its rows of `diag_result` as its agent sent
+    them (check, ok, detail, measure; an `inter` row names its round and its partner, `peer`).
+    `ring` is the pair test's ring (`stalwart.diag.pairs`; the slots, or none without the test):
+    a pair's result is its ends' rows that name it, partner and round. Machines in `missing`
+    never reported (they timed out): that alone fails them; machines in `lost` fell silent
+    during the checks. A machine that reported without a single row while others have rows
+    fails too: its check processes died (a machine going down takes them along). When no
+    machine finished in time (two or more, none lost) the checks say nothing about any of them:
+    a host or a control plane too loaded for the checks' bound, not every machine broken at
+    once. The verdict is then inconclusive (`"inconclusive"` says why) and blames nobody, as a
+    stack round that flags most machines flags nobody; the ladder goes on without it.
     Returns {"bad": {machine: reason}, "links": [...], "pairs": {...}, "checks": [...]}.
+
+    One pass over the rows, which stay as they came: a 12,500-machine job's checks are 50,000
+    rows, and a copy of each with its machine and pair, grouped by check and by pair, was most of
+    the time its checks took to judge.
     """
-    results = list(results)
     missing, lost = list(missing), list(lost)
-    if len(slots) >= 2 and not lost and not results and set(slots) <= set(missing):
+    answered = [m for m, rows in answers.items() if rows]
+    if len(slots) >= 2 and not lost and not answered and set(slots) <= set(missing):
         return {"bad": {}, "links": [], "pairs": {}, "checks": [],
                 "inconclusive": f"none of the {len(slots)} machines finished its checks in time"}
     bad: dict[str, str] = {m: "lost during the checks (no heartbeat)" for m in lost}
     for m in missing:
         bad.setdefault(m, "did not finish its checks in time")
-    by_check: dict[str, list[Mapping]] = defaultdict(list)
-    for r in results:
-        by_check[r["check"]].append(r)
-    if results:
-        answered = {r["machine"] for r in results}
+    if answered:
+        heard = set(answered)
         for m in slots:
-            if m not in answered:
+            if m not in heard:
                 bad.setdefault(m, "its checks produced no result (their processes died)")
-    for r in by_check.get("selftest", []) + by_check.get("intra", []):
-        if not r.get("ok"):
-            bad.setdefault(r["machine"], f"{r['check']} failed: {r.get('detail', '')}".strip())
+    n = len(ring)
+    position = {m: i for i, m in enumerate(ring)} if n >= 2 else {}
+    even = n % 2 == 0
+    ends: list[list[Mapping] | None] = [None] * len(ring_edges(n))     # each ring edge's rows
+    failed_intra: list[tuple[str, Mapping]] = []
     speed: dict[str, float] = {}
-    for r in by_check.get("selftest", []):
-        g = (r.get("measure") or {}).get("gflops")
-        if r.get("ok") and g:
-            speed[r["machine"]] = min(speed.get(r["machine"], g), g)
+    digests: dict[str, str] = {}
+    checks: set[str] = set()
+    for m, rows in answers.items():
+        i = position.get(m)
+        for r in rows:
+            c = r["check"]
+            checks.add(c)
+            if c == "inter":
+                if i is None:
+                    continue
+                peer = r.get("peer")
+                j = position.get(peer if type(peer) is str else str(peer))
+                if j is None:
+                    continue
+                # (`edge_of` and `edge_round`, written out: this runs for every pair test's row)
+                d = j - i
+                if d == 1 or d == -1:
+                    e = i if d == 1 else j
+                elif n > 2 and (d == n - 1 or d == 1 - n):
+                    e = n - 1
+                else:
+                    continue            # not neighbours on the ring: no pair's result
+                if r.get("round") != (e % 2 if even or e < n - 1 else 2):
+                    continue            # not the round the ring's schedule gives the pair
+                got = ends[e]
+                if got is None:
+                    ends[e] = [r]
+                else:
+                    got.append(r)
+            elif c == "selftest":
+                if not r.get("ok"):
+                    bad.setdefault(m, f"selftest failed: {r.get('detail', '')}".strip())
+                else:
+                    g = (r.get("measure") or {}).get("gflops")
+                    if g:
+                        speed[m] = min(speed.get(m, g), g)
+            elif c == "intra":
+                if not r.get("ok"):
+                    failed_intra.append((m, r))
+            elif c == "align":
+                if r.get("ok"):
+                    digests[f"{m}/{r.get('local_rank', 0)}"] = (r.get("measure") or {}).get("digest", "")
+    for m, r in failed_intra:          # (after every self-test: a machine failing both is named for that)
+        bad.setdefault(m, f"intra failed: {r.get('detail', '')}".strip())
     for m in judge_speed(speed, min_ratio=SPEED_MIN_RATIO):
         bad.setdefault(m, f"selftest too slow: {speed[m]:.1f} GFLOP/s")
     links: list[list[str]] = []
     pairs_summary: dict = {}
-    if pair_index:
-        by_pair: dict[tuple, list[Mapping]] = {}
-        for r in by_check.get("inter", []):
-            key = tuple(r.get("pair", ()))
-            got = by_pair.get(key)
-            if got is None:
-                by_pair[key] = [r]
-            else:
-                got.append(r)
-        pair_res = {}
-        for key, (i, j) in pair_index.items():
-            rows = by_pair.get(key)
-            if rows is not None and len(rows) == 2 and rows[0].get("ok") and rows[1].get("ok"):
+    if ends:
+        edges = ring_edges(n)
+        ok: list[bool] = []
+        mbps: list[float | None] = []
+        latency: list[float | None] = []
+        detail: list[str] = []
+        for got in ends:
+            if got is not None and len(got) == 2 and got[0].get("ok") and got[1].get("ok"):
                 # (the usual pair: both ends passed; their worse measures, as `_pair_result` takes)
-                ma, mb = rows[0].get("measure") or {}, rows[1].get("measure") or {}
+                ma, mb = got[0].get("measure") or {}, got[1].get("measure") or {}
                 x, y, lx, ly = ma.get("mbps"), mb.get("mbps"), ma.get("latency_s"), mb.get("latency_s")
-                pair_res[(i, j)] = {"ok": True, "mbps": None if x is None or y is None else min(x, y),
-                                    "latency_s": None if lx is None or ly is None else max(lx, ly), "detail": ""}
+                ok.append(True)
+                mbps.append(None if x is None or y is None else min(x, y))
+                latency.append(None if lx is None or ly is None else max(lx, ly))
+                detail.append("")
             else:
-                pair_res[(i, j)] = _pair_result(rows or [])
-        judged = judge_pairs(pair_res, len(slots), min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS,
-                             max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
-        pairs_summary = judged["pairs"]
+                res = _pair_result(got or [])
+                ok.append(res["ok"])
+                mbps.append(res["mbps"])
+                latency.append(res["latency_s"])
+                detail.append(res["detail"])
+        judged = judge_columns(edges, ok, mbps, latency, n, min_ratio=LINK_MIN_RATIO, min_mbps=LINK_MIN_MBPS,
+                               max_latency_s=LINK_MAX_LATENCY_S, latency_ratio=LINK_LATENCY_RATIO)
+        verdicts = judged["verdicts"]
+        every = n <= ROWS_KEPT_MACHINES
+        for k in sorted(range(len(edges)), key=edges.__getitem__):
+            v = verdicts[k]
+            if v is None and not every:
+                continue
+            i, j = edges[k]
+            entry = pairs_summary[f"{i}-{j}"] = {"ok": ok[k], "mbps": mbps[k], "latency_s": latency[k],
+                                                 "detail": detail[k], "bad": v is not None}
+            if v not in (None, "failed"):
+                entry["why"] = v
         for i in judged["bad_machines"]:
-            how = "; ".join(f"with {slots[peer]}: {why}" for peer, why in _partners(pairs_summary, i))
-            bad.setdefault(slots[i], f"inter-machine test failed with every partner ({how})")
+            how = "; ".join(f"with {ring[peer]}: {why}" for peer, why in _partners(pairs_summary, i))
+            bad.setdefault(ring[i], f"inter-machine test failed with every partner ({how})")
         for i, j in judged["bad_links"]:
-            links.append([slots[i], slots[j]])
-    digests = {f"{r['machine']}/{r.get('local_rank', 0)}": (r.get("measure") or {}).get("digest", "")
-               for r in by_check.get("align", []) if r.get("ok")}
+            links.append([ring[i], ring[j]])
     for digest_key in judge_digests(digests):
         m = digest_key.split("/")[0]
         bad.setdefault(m, "bitwise alignment: its result differs from the other machines'")
-    return {"bad": bad, "links": links, "pairs": pairs_summary,
-            "checks": sorted(by_check)}
+    return {"bad": bad, "links": links, "pairs": pairs_summary, "checks": sorted(checks)}
+
+
+def kept_rows(answers: Mapping[str, Sequence[Mapping]], ring: Sequence[str], bad: Iterable[str],
+              every_row_up_to: int = ROWS_KEPT_MACHINES) -> tuple[list[dict], int]:
+    """The check results an incident keeps: every row for a job of up to `every_row_up_to`
+    machines, else the rows that failed and every row of a machine named `bad` (a
+    12,500-machine job's checks are 50,000 rows, most of them a pass); each with its machine,
+    and a pair test's with its pair as the ring names it ([round, lower end, higher end]).
+    Returns the rows and how many passed rows were left out."""
+    every = len(answers) <= every_row_up_to
+    named = set(bad)
+    n = len(ring)
+    position = {m: i for i, m in enumerate(ring)}
+    kept, left = [], 0
+    for m, rows in answers.items():
+        whole = every or m in named
+        for r in rows:
+            if not (whole or not r.get("ok")):
+                left += 1
+                continue
+            row = dict(r, machine=m)
+            if r.get("check") == "inter":
+                peer = str(r.get("peer"))
+                i, j = position.get(m), position.get(peer)
+                e = None if i is None or j is None else edge_of(n, i, j)
+                ring_pair = e is not None and r.get("round") == edge_round(n, e)
+                row["pair"] = [r.get("round"), *((peer, m) if ring_pair and j < i else (m, peer))]  # type: ignore[operator]
+            kept.append(row)
+    return kept, left
 
 
 def _pair_result(rows: Sequence[Mapping]) -> dict:

@@ -12,29 +12,13 @@ from stalwart.controller.rules import ladder
 from stalwart.controller.rules import policy
 from stalwart.controller.code import versions
 from stalwart.controller.rules.policy import Mechanism
-from stalwart.controller.job.actions import CloseScratch, InterPair, RunChecks
+from stalwart.controller.job.actions import CloseScratch, RunChecks
 from stalwart.controller.job.flows.base import Actions, Ctx, Failures, Replays, record, save_data
-from stalwart.controller.job.state import (Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PairKey,
-                                           PastIncident)
-from stalwart.diag.pairs import pair_rounds
+from stalwart.controller.job.state import Diagnosis, Incident, IncidentPhase, JobPhase, JobState, PastIncident
+from stalwart.diag.pairs import round_count
 
 DIAG_GRACE_S = 15.0      # start-up of the check processes (torch import) on top of their bounds
 # (the agent kills its check processes at START_GRACE_S + bound x (2 + rounds); we wait 5 s more)
-
-
-def result_rows(machine: str, ev: protocol.DiagResult, pair_keys) -> list[dict]:
-    """A machine's check results as the diagnosis keeps them: each with its machine, and a pair
-    test's result with its pair in the order the checks named it (`pair_keys`)."""
-    rows = []
-    for raw in ev.results:
-        r = dict(raw, machine=machine)
-        if r.get("check") == "inter":
-            a, b = machine, str(r.get("peer"))
-            if (r.get("round"), b, a) in pair_keys:
-                a, b = b, a
-            r["pair"] = [r.get("round"), a, b]
-        rows.append(r)
-    return rows
 
 
 class DiagnosisFlow:
@@ -79,27 +63,16 @@ class DiagnosisFlow:
     def start(self, st: JobState, inc: Incident, checks: list[str], now: float) -> Actions:
         st.diag_seq += 1
         name = f"job{st.job_id}-diag{st.diag_seq}"
-        pairs: list[PairKey] = []
-        slots = st.slots
-        inter: dict[str, list[InterPair]] = {m: [] for m in slots}
-        if "inter" in checks:
-            # (positional: a pair's three objects are most of the checks' start on a large job)
-            for r, round_pairs in enumerate(pair_rounds(len(slots))):
-                for i, j in round_pairs:
-                    a, b = slots[i], slots[j]
-                    pairs.append(PairKey(r, a, b, i, j))
-                    prefix = f"{name}/r{r}/{a}-{b}/"
-                    inter[a].append(InterPair(r, b, 0, prefix))
-                    inter[b].append(InterPair(r, a, 1, prefix))
+        ring = list(st.slots) if "inter" in checks and len(st.slots) >= 2 else []
         bound = self.ctx.policy.diag_timeout_s
-        rounds = len({k.round for k in pairs}) or 1
-        st.diag = Diagnosis(name=name, checks=checks, pairs=pairs, wait=set(st.slots) if checks else set(),
+        rounds = round_count(len(ring)) or 1
+        st.diag = Diagnosis(name=name, checks=checks, ring=ring, wait=set(st.slots) if checks else set(),
                             started=now, deadline=now + DIAG_GRACE_S + bound * (2 + rounds) + 5.0)
         st.move(JobPhase.DIAGNOSING)
         inc.move(IncidentPhase.LOCALIZING)
         acts: Actions = [record("checks_started", now, incident=inc.seq, checks=checks)]
         if checks:
-            acts.append(RunChecks(name=name, checks=checks, machines=sorted(st.diag.wait), inter=inter,
+            acts.append(RunChecks(name=name, checks=checks, machines=sorted(st.diag.wait), ring=ring,
                                   timeout_s=bound))
             return acts
         return acts + self.diagnosed(st, now)
@@ -108,7 +81,7 @@ class DiagnosisFlow:
         d = st.diag
         if d is None or ev.id != d.name or machine not in d.wait or st.reconciling:
             return []       # (while a restart is reconciled: the checks are run again after it)
-        d.results.extend(result_rows(machine, ev, d.pair_keys))
+        d.answers[machine] = list(ev.results)
         d.wait.discard(machine)
         return self.diagnosed(st, now) if not d.wait else []
 
@@ -119,11 +92,11 @@ class DiagnosisFlow:
         d = st.diag
         if d is None or st.reconciling or st.terminal:
             return acts
-        keys, name, wait, results = d.pair_keys, d.name, d.wait, d.results
+        name, wait, answers = d.name, d.wait, d.answers
         for machine, ev in items:
             if ev.id != name or machine not in wait:
                 continue
-            results.extend(result_rows(machine, ev, keys))
+            answers[machine] = list(ev.results)
             wait.discard(machine)
             if not wait:
                 return self.diagnosed(st, now)      # st.diag is None now: the rest are not looked at
@@ -138,8 +111,9 @@ class DiagnosisFlow:
             return []
         st.diag = None
         took = round(now - d.started, 3)
+        rows, left_out = ladder.kept_rows(d.answers, d.ring, ())
         inc.data["stop_time_checks"] = {"checks": d.checks, "seconds": took, "aborted": f"{machine} lost",
-                                        "results": d.results}
+                                        "results": rows, "rows_left_out": left_out}
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=[],
                                 aborted=f"{machine} lost")]
@@ -158,15 +132,15 @@ class DiagnosisFlow:
         assert d is not None and inc is not None and inc.resolution is not None
         st.diag = None
         res = inc.resolution
-        pair_index = {(k.round, k.a, k.b): (k.i, k.j) for k in d.pairs}
-        v = ladder.verdict(d.results, list(st.slots), pair_index, missing=sorted(d.wait),
+        v = ladder.verdict(d.answers, st.slots, d.ring, missing=sorted(d.wait),
                            lost=sorted(m for m in inc.lost if m in st.slots))
         ready = len(self.ctx.ready_standbys(st))
         evict, why = ladder.evictions(v, ready)
         took = round(now - d.started, 3)
+        rows, left_out = ladder.kept_rows(d.answers, d.ring, v["bad"])
         inc.data["stop_time_checks"] = {"checks": d.checks, "seconds": took, "bad": v["bad"],
-                                        "links": v["links"], "pairs": v["pairs"], "results": d.results,
-                                        "inconclusive": v.get("inconclusive")}
+                                        "links": v["links"], "pairs": v["pairs"], "results": rows,
+                                        "rows_left_out": left_out, "inconclusive": v.get("inconclusive")}
         acts: Actions = [CloseScratch(name=d.name), save_data(inc),
                          record("checks_done", now, incident=inc.seq, seconds=took, evict=evict)]
         if evict:
