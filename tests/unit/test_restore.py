@@ -150,7 +150,7 @@ def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
     included, and the restart's candidates built from the plan's columns."""
     import random
     from stalwart.controller.job.actions import RestoreCopy
-    from stalwart.controller.job.flows.run import _copies
+    from stalwart.controller.job.actions import RestoreCopies
     from stalwart.controller.job.state import JobState, dumps, loads
     rng = random.Random(11)
     world, machines = 7, [f"m{i}" for i in range(9)]
@@ -205,7 +205,7 @@ def test_the_arrays_hold_what_the_tables_copy_by_copy_do():
             want = ref.plan(world, nxt, alive, bad)
             assert plan(arr, world, nxt, alive, bad) == want, (trial, op)
             step, cols = arr.plan_columns(world, [nxt[r] for r in range(world)], alive, bad)
-            assert step == want[0] and _copies(step, cols) == {   # what a restart's StartRun lists
+            assert step == want[0] and RestoreCopies(step, cols) == {   # what a restart's StartRun lists
                 r: [RestoreCopy(c["tier"], c["step"], c.get("holder"), c.get("location")) for c in cs]
                 for r, cs in want[1].items() if cs}, (trial, op)
         st = JobState(job_id=1, created_at=0.0, avail=arr)
@@ -242,12 +242,12 @@ def test_a_long_jobs_durable_locations_do_not_pile_up_and_the_copies_stay():
 
 
 def test_a_restarts_candidates_from_the_plans_columns_are_the_plans_lists():
-    """`_copies` (the StartRun's candidates, built from `plan_columns`) lists for every rank the
+    """`RestoreCopies` (the StartRun's candidates, from `plan_columns`) lists for every rank the
     copies `plan` lists, in its order (own, backup, durable), with equal copies one object, on
     random availabilities where every rank holds some copy of the newest steps."""
     import random
     from stalwart.controller.job.actions import RestoreCopy
-    from stalwart.controller.job.flows.run import _copies
+    from stalwart.controller.job.actions import RestoreCopies
     rng = random.Random(3)
     machines = [f"m{i}" for i in range(6)]
     for trial in range(200):
@@ -265,9 +265,12 @@ def test_a_restarts_candidates_from_the_plans_columns_are_the_plans_lists():
         alive = set(rng.sample(machines, rng.randrange(2, 7)))
         step, lists = av.plan(world, nxt, alive, set())
         got_step, cols = av.plan_columns(world, nxt, alive, set())
-        got = _copies(got_step, cols)
-        assert got_step == step and got == {
-            r: [RestoreCopy(c["tier"], c["step"], c.get("holder"), c.get("location")) for c in cs]
-            for r, cs in lists.items() if cs}, trial
+        got = RestoreCopies(got_step, cols)
+        want = {r: [RestoreCopy(c["tier"], c["step"], c.get("holder"), c.get("location")) for c in cs]
+                for r, cs in lists.items() if cs}
+        assert got_step == step and got == want and len(got) == len(want), trial
+        assert got.best_tiers() == {cs[0].tier for cs in want.values()}, trial
+        assert all(got.get(r) is None for r in (-1, world, "0")), trial
         shared = [c for cs in got.values() for c in cs if c.location == "/d/shared"]
         assert all(c is shared[0] for c in shared), trial
+

@@ -471,7 +471,7 @@ class Sim:
                     del inj.bad[m]
         else:
             fo = pr.hot_update_s if planned else pr.restart_s if plat.restart == "warm" else pr.peer_restart_s
-            durable = any(c and c[0].tier == "durable" for c in act.restore.values()) or \
+            durable = "durable" in act.restore.best_tiers() or \
                 (act.restore_step < 0 and self.seg is not None and self.seg.resume_step > 0
                  and not self.resume_from_memory)
             if durable:

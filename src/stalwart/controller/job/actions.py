@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
-from stalwart.diag.pairs import pairs_of
+import numpy as np
 
 from stalwart.controller.store.ops import (ROWS_ONLY, AddCheckpoint, AssignMachine, CreateRun, FinishJob,
                                            OpenIncident, Record, SaveVersion, UpdateIncident, UpdateRun)
+from stalwart.diag.pairs import pairs_of
 
 # -- the store (the event log, incidents, runs, versions, checkpoints, the job row, machine roles):
 # Record, OpenIncident, UpdateIncident, CreateRun, UpdateRun, SaveVersion, AddCheckpoint,
@@ -41,6 +42,56 @@ class RestoreCopy:
     location: str | None = None
 
 
+class RestoreCopies(Mapping[int, list[RestoreCopy]]):
+    """Every rank's copies of `step`, best first (own, backup, durable): rank -> its copies, the
+    ranks without any copy absent. Held as the restore plan's columns
+    (`Availability.plan_columns`: per tier, whether each rank has a copy there and its holder or
+    location) and made into a rank's list when read: a 100,000-rank restart lists 100,000 ranks,
+    which the executor reads machine by machine and the simulator not at all. Equal copies (a
+    durable step's) are one object."""
+
+    def __init__(self, step: int = -1, cols: Sequence[tuple[str, Sequence[bool], Sequence[str]]] = ()):
+        self.step = step
+        self.cols = list(cols)
+        self._world = len(self.cols[0][1]) if self.cols else 0
+        self._made: dict[tuple[str, str], RestoreCopy] = {}
+
+    def _copy(self, tier: str, holder: str) -> RestoreCopy:
+        made = self._made.get((tier, holder))
+        if made is None:
+            made = self._made[(tier, holder)] = (RestoreCopy(tier, self.step, None, holder) if tier == "durable"
+                                                 else RestoreCopy(tier, self.step, holder))
+        return made
+
+    def __getitem__(self, rank: int) -> list[RestoreCopy]:
+        if not isinstance(rank, int) or not 0 <= rank < self._world:
+            raise KeyError(rank)
+        got = [self._copy(tier, who[rank]) for tier, has, who in self.cols if has[rank]]
+        if not got:
+            raise KeyError(rank)
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        cols = [has for _, has, _ in self.cols]
+        return (r for r in range(self._world) if any(has[r] for has in cols))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"RestoreCopies(step={self.step}, ranks={self._world}, tiers={[c[0] for c in self.cols]})"
+
+    def best_tiers(self) -> set[str]:
+        """The tiers some rank's best copy is in."""
+        out, taken = set(), np.zeros(self._world, dtype=bool)
+        for tier, has, _ in self.cols:
+            mask = np.asarray(has, dtype=bool)
+            if (mask & ~taken).any():
+                out.add(tier)
+            taken |= mask
+        return out
+
+
 @dataclass(frozen=True)
 class StartRun:
     """Start run `run` on `slots` (machine i holds ranks i*G..): warm machines hand the ranks to
@@ -48,7 +99,7 @@ class StartRun:
     run: int
     slots: list[str]
     restore_step: int
-    restore: dict[int, list[RestoreCopy]]
+    restore: RestoreCopies
     warm: list[str]
     code_path: str | None
     version: int | None

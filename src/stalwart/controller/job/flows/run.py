@@ -4,13 +4,12 @@ and the checkpoint copies the agents announce."""
 from __future__ import annotations
 
 import logging
-from itertools import compress
 
 from stalwart import protocol
 from stalwart.controller.rules import scriptsteps
 from stalwart.controller.rules.hangwatch import HangWatch
 from stalwart.controller.cluster.roles import Role
-from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopy,
+from stalwart.controller.job.actions import (AddCheckpoint, AssignMachine, CreateRun, Record, RestoreCopies,
                                              SendChaos, StartRun, UpdateIncident, UpdateRun)
 from stalwart.controller.job.events import StepReport
 from stalwart.controller.job.flows.base import Actions, Ctx, Detection, Failures, HotUpdates, Standbys, record
@@ -49,10 +48,10 @@ class RunFlow:
         acts += [AssignMachine(machine=m, state=Role.STANDBY) for m in st.pool.standby]
         if st.versioning_off:
             log.info("job %s: hot update off: %s", st.job_id, st.versioning_off)
-        return acts + self.start_run(st, -1, {}, now)
+        return acts + self.start_run(st, -1, RestoreCopies(), now)
 
     # -- runs -------------------------------------------------------------------------------------
-    def start_run(self, st: JobState, restore_step: int, copies: dict[int, list[RestoreCopy]], now: float) -> Actions:
+    def start_run(self, st: JobState, restore_step: int, copies: RestoreCopies, now: float) -> Actions:
         """A new run on the slots from `restore_step` (-1: from the start), rank r restoring from
         `copies[r]`, best first."""
         settled = self._settle(st, restore_step)
@@ -131,7 +130,7 @@ class RunFlow:
         alive = {m for m in st.slots if self.ctx.cluster.alive(m)}
         bad = st.bad_step_set(st.avail.held_steps()) if st.bad_steps else frozenset()
         step, cols = st.avail.plan_columns(self.ctx.world, next_machine, alive, bad)
-        return self.start_run(st, step, _copies(step, cols), now)
+        return self.start_run(st, step, RestoreCopies(step, cols), now)
 
     # -- steps ------------------------------------------------------------------------------------
     def on_step(self, st: JobState, ev: protocol.Step, now: float) -> Actions:
@@ -438,22 +437,6 @@ class RunFlow:
             if t1 > t0 and s1 > s0:
                 return (s1 - s0) / (t1 - t0)
         return None
-
-
-def _copies(step: int, cols: list[tuple[str, list[bool], list[str]]]) -> dict[int, list[RestoreCopy]]:
-    """Every rank's restore candidates as the StartRun action lists them, from the restore plan's
-    columns (`Availability.plan_columns`): rank -> its copies, best first (own, backup, durable);
-    equal copies (a durable step's) are one object. Where every rank has a copy in every tier
-    listed (a restart on the same machines), the lists are the tiers' columns zipped."""
-    per_tier = []
-    for tier, has, who in cols:
-        made = {h: RestoreCopy(tier, step, None, h) if tier == "durable" else RestoreCopy(tier, step, h)
-                for h in set(compress(who, has))}
-        per_tier.append(list(map(made.__getitem__, who)) if all(has) else
-                        [made[h] if x else None for x, h in zip(has, who)])
-    if all(all(has) for _, has, _ in cols):
-        return dict(enumerate(map(list, zip(*per_tier))))
-    return {r: got for r, cs in enumerate(zip(*per_tier)) if (got := [c for c in cs if c is not None])}
 
 
 def _take_metrics(acc: PendingStep, loss: float | None, grad_norm: float | None, tokens: int | None) -> None:
