@@ -274,3 +274,13 @@ def test_a_restarts_candidates_from_the_plans_columns_are_the_plans_lists():
         shared = [c for cs in got.values() for c in cs if c.location == "/d/shared"]
         assert all(c is shared[0] for c in shared), trial
 
+
+def test_a_copy_added_when_the_names_are_compacted_is_kept():
+    """Every durable copy has a location of its own, so the names are compacted now and then
+    (`Availability._compact`); the copy whose name triggers it is kept like any other."""
+    av = Availability(keep=2)
+    for i in range(2100):
+        av.add(0, "durable", i, f"/d/{i}")
+        assert av.copies[0]["durable"] == ({i - 1: f"/d/{i - 1}"} if i else {}) | {i: f"/d/{i}"}, i
+    av.replace_columns("own", ["m0", "m1"], [[0, 1], [2]], [7])
+    assert {r: av.copies[r]["own"] for r in range(3)} == {0: {7: "m0"}, 1: {7: "m0"}, 2: {7: "m1"}}

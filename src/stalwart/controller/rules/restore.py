@@ -9,6 +9,7 @@ order own -> backup -> durable, so the agent falls back tier by tier when a copy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import AbstractSet, Any, Iterable, Sequence
 
 import numpy as np
@@ -116,10 +117,14 @@ class Availability:
         """Rank ranks[i]'s tier gets the `new` steps held by holders[i] (the ranks distinct); each
         keeps its newest copies: a step it had takes the new holder, then the oldest go past the
         tier's keep (trimming once after several steps leaves what trimming after each would)."""
+        if len(ranks):
+            self._put_ids(np.asarray(ranks, dtype=np.int64), tier, new, self._ids(holders))
+
+    def _put_ids(self, rows: np.ndarray, tier: str, new: Iterable[int], holder_ids: np.ndarray) -> None:
+        """`_put` with the holders as indices into the names (`_ids`)."""
         new_steps = np.asarray(sorted({int(s) for s in new}), dtype=np.int64)
-        if not len(ranks) or not len(new_steps):
+        if not len(rows) or not len(new_steps):
             return
-        rows = np.asarray(ranks, dtype=np.int64)
         self._grow(int(rows.max()) + 1)
         steps, holder = self._tier(tier)
         old_s, old_h = steps[rows], holder[rows]
@@ -127,7 +132,7 @@ class Availability:
         old_s, old_h = np.where(taken, EMPTY, old_s), np.where(taken, -1, old_h)
         n = len(new_steps)
         all_s = np.concatenate([old_s, np.broadcast_to(new_steps, (len(rows), n))], axis=1)
-        all_h = np.concatenate([old_h, np.broadcast_to(self._ids(holders)[:, None], (len(rows), n))], axis=1)
+        all_h = np.concatenate([old_h, np.broadcast_to(holder_ids[:, None], (len(rows), n))], axis=1)
         k = steps.shape[1]
         order = np.argsort(all_s, axis=1, kind="stable")[:, -k:]           # the newest k (free slots first)
         steps[rows] = np.take_along_axis(all_s, order, axis=1)
@@ -175,27 +180,29 @@ class Availability:
         listed twice, and no listed rank holds a copy of a machine listed after its own: then
         forgetting every machine's copies first and writing every rank's after leaves what the
         machine-by-machine order does (otherwise it is that order, one machine at a time)."""
-        cols = [list(rs) for rs in ranks]
-        rows = [r for rs in cols for r in rs]
-        if len(set(machines)) == len(machines) and len(set(rows)) == len(rows) and \
-                not self._later_holders(tier, machines, cols):
+        cols = [rs if isinstance(rs, (list, tuple)) else list(rs) for rs in ranks]
+        lengths = np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
+        rows = np.fromiter(chain.from_iterable(cols), dtype=np.int64, count=int(lengths.sum()))
+        # (whole columns: a 100,000-rank stop report's ranks are one array, not a list of them)
+        distinct = not len(rows) or (int(rows.min()) >= 0 and int(np.bincount(rows).max()) <= 1)
+        if len(set(machines)) == len(machines) and distinct and not self._later_holders(tier, machines, rows, lengths):
             self._forget(machines, (tier,))
-            self._put(rows, tier, steps, [m for m, rs in zip(machines, cols) for _ in rs])
+            self._put_ids(rows, tier, steps, np.repeat(self._ids(machines), lengths))
             return
         for machine, rs in zip(machines, cols):
             self._forget((machine,), (tier,))
             self._put(rs, tier, steps, [machine] * len(rs))
 
-    def _later_holders(self, tier: str, machines: Sequence[str], cols: list[list[int]]) -> bool:
-        """Whether some rank in cols[i] holds a copy (in `tier`) of machines[j], j > i."""
+    def _later_holders(self, tier: str, machines: Sequence[str], rows: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether some rank of machines[i] (`rows`, `lengths[i]` of them in order) holds a copy
+        (in `tier`) of machines[j], j > i."""
         if tier not in self._steps or not self._rows:
             return False
         pos = np.full(len(self._names) + 1, -1, dtype=np.int64)        # holder index -> position (+1: none)
         for i, m in enumerate(machines):
             if m in self._index:
                 pos[self._index[m]] = i
-        rows = np.asarray([r for rs in cols for r in rs], dtype=np.int64)
-        mine = np.asarray([i for i, rs in enumerate(cols) for _ in rs], dtype=np.int64)
+        mine = np.repeat(np.arange(len(machines), dtype=np.int64), lengths)
         inside = rows < self._rows
         rows, mine = rows[inside], mine[inside]
         if not len(rows):
