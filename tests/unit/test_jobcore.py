@@ -445,6 +445,43 @@ def test_stop_time_checks_then_replay_isolate_a_silent_corrupter():
     assert [(x.machine, x.state) for x in of(acts, a.AssignMachine)] == [("m2", "evicted"), ("m4", "active")]
 
 
+def test_a_replay_phase_ends_with_its_last_group_in_any_order():
+    """The phase ends when its last running group ends, whatever the order its groups' workers
+    report in, with reports after a group ended and with the count of running groups lost (a
+    state saved before it was kept) and made again."""
+    import random
+    for seed in range(6):
+        rng = random.Random(seed)
+        h = started(Harness(machines=8, gpus=1, standby=1, steps=500,
+                            policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))
+        h.steps(3)
+        for attempt in range(2):
+            h.step(loss=NAN)
+            h.stopped()
+            acts = h.advance(2.0)
+            if attempt == 0:
+                h.steps(2)
+        groups = of(acts, a.StartReplayGroup)
+        assert len(groups) == 4 and h.st.phase == JobPhase.REPLAYING
+        events = [(g, m, i) for g in groups for i, m in enumerate(g.machines)]
+        rng.shuffle(events)
+        events += events[:3]                    # reports after their group ended change nothing
+        failing = rng.choice(groups).run
+        waiting = {g.run: set(range(len(g.machines))) for g in groups}
+        running = set(waiting)
+        for n, (g, m, i) in enumerate(events):
+            if n == 3:
+                h.st.replay.running = -1
+            ev = p.WorkerExit(run=g.run, rank=i, code=1) if g.run == failing else p.Done(run=g.run, rank=i)
+            acts = h.agent(m, ev)
+            waiting[g.run].discard(i)
+            was_running = bool(running)
+            if g.run == failing or not waiting[g.run]:
+                running.discard(g.run)
+            assert bool(records(acts, "replay_phase_done")) == (was_running and not running), (seed, n)
+        assert len(records(h.log, "replay_phase_done")) == 1, seed
+
+
 def test_a_machine_lost_during_a_replay_ends_it_and_is_evicted():
     h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
                         policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))

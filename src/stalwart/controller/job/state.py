@@ -216,6 +216,21 @@ class Replay:
     phase: int = 0
     failed: list[list[int]] = field(default_factory=lambda: [[], []])
     groups: dict[int, ReplayGroup] = field(default_factory=dict)
+    running: int = -1           # groups of the phase still running (-1: not counted yet)
+
+    def still_running(self) -> int:
+        """How many groups of the phase neither finished nor failed (counted once, then kept
+        by `group_ended`: a phase of thousands of groups ends one group at a time)."""
+        if self.running < 0:
+            self.running = sum(1 for g in self.groups.values() if g.failed is None and len(g.done) < g.world)
+        return self.running
+
+    def group_ended(self) -> None:
+        """A running group of the phase finished or failed (already marked so)."""
+        if self.running < 0:
+            self.still_running()        # (counts the others: this one is no longer running)
+        else:
+            self.running -= 1
 
 
 @dataclass

@@ -61,7 +61,7 @@ class ReplayFlow:
     def _phase(self, st: JobState, now: float) -> Actions:
         rp, p = st.replay, self.ctx.policy
         assert rp is not None
-        rp.groups, rp.deadline = {}, now + p.replay_timeout_s
+        rp.groups, rp.deadline, rp.running = {}, now + p.replay_timeout_s, -1
         acts: Actions = []
         for g, machines in enumerate(rp.plan.phases[rp.phase]):
             st.run_seq += 1
@@ -96,8 +96,11 @@ class ReplayFlow:
             grp.done.add(ev.rank)  # type: ignore[arg-type]
         elif isinstance(ev, protocol.WorkerExit) and not ev.expected:
             grp.failed = policy.describe_exit(ev.rank, machine, ev.code, ev.signal) + " (replay)"
-        if grp.failed is None and len(grp.done) < grp.world and now <= rp.deadline:
-            return []       # this group still runs: `check` would wait too (without looking at every group)
+        if grp.failed is None and len(grp.done) < grp.world:
+            if now <= rp.deadline:
+                return []   # this group still runs: `check` would wait too (without looking at every group)
+        else:
+            rp.group_ended()
         return self.check(st, now)
 
     def on_lost(self, st: JobState, machine: str, now: float) -> Actions:
@@ -122,11 +125,12 @@ class ReplayFlow:
         rp = st.replay
         assert rp is not None
         groups = list(rp.groups.values())
-        if now > rp.deadline:
+        if now > rp.deadline and rp.still_running():
             for grp in groups:
                 if grp.failed is None and len(grp.done) < grp.world:
                     grp.failed = f"did not finish {self.ctx.policy.replay_steps} steps in time"
-        if any(grp.failed is None and len(grp.done) < grp.world for grp in groups):
+            rp.running = 0
+        if rp.still_running():
             return []
         acts: Actions = []
         for run, grp in rp.groups.items():
