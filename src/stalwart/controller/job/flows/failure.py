@@ -136,13 +136,14 @@ class FailureFlow:
         latest = now
         late = 0.0
         if inc.awaiting:
-            cluster, slots = self.ctx.cluster, set(st.slots)
+            cluster = self.ctx.cluster
             freshest = cluster.freshest(st.slots)
             latest = now if freshest is None else freshest
             late = cluster.beat_late_s()
             near = latest - policy.silence_limit(p.heartbeat_s, late) + SILENCE_MARGIN_S
-            heard = cluster.unheard_since(inc.awaiting & slots, near)
-            heard.update(dict.fromkeys(inc.awaiting - slots))
+            outside = inc.awaiting.difference(st.slots)      # (none unless the slots changed since)
+            heard = cluster.unheard_since(inc.awaiting - outside if outside else inc.awaiting, near)
+            heard.update(dict.fromkeys(outside))
         noted: Actions = []
         for m in policy.silent_during_stop(heard, heard, latest, p.heartbeat_s, late):
             inc.awaiting.discard(m)
