@@ -84,9 +84,9 @@ class Agents:
         self.sim = sim
         self.rng = random.Random(sim.seed ^ 0xA6E)
         self._inter_rows: dict[tuple[int, str], dict[str, Any]] = {}
-        # a healthy machine's answer to the checks, per checks and machine, while the ring stays
-        self._healthy: dict[tuple[tuple[str, ...], str], list[dict[str, Any]]] = {}
-        self._healthy_ring: list[str] = []
+        # a healthy machine's answer to the checks, per checks and machine, with its place in the
+        # ring when it answered (see `checks`)
+        self._healthy: dict[tuple[tuple[str, ...], str], tuple[tuple | None, list[dict[str, Any]]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------------
     def send(self, delay: float, machine: str, ev: p.Event) -> None:
@@ -176,16 +176,20 @@ class Agents:
         dt = sim.profile.checks_s
         out: list[tuple[str, p.Event]] = []
         passed = {c: self.passed(c) for c in act.checks}     # a healthy machine's rows (shared)
-        if act.ring != self._healthy_ring:
-            self._healthy, self._healthy_ring = {}, list(act.ring)
         healthy, key = self._healthy, tuple(act.checks)
+        ring, n = act.ring, len(act.ring)
+        position = {m: i for i, m in enumerate(ring)} if "inter" in act.checks else {}
         for m in act.machines:
             if not sim.cluster.alive(m):
                 continue
             bad = self.caught(m, act.checks)
-            if bad is None and (rows := healthy.get((key, m))) is not None:
+            # a healthy machine answers what it answered the last time it had the same place in
+            # the ring (the same neighbours): an eviction changes two machines' pairs, not all
+            i = position.get(m)
+            place = None if i is None else (n, i, ring[i - 1], ring[(i + 1) % n])
+            if bad is None and (got := healthy.get((key, m))) is not None and got[0] == place:
                 # (the same rows as the last time: the core copies the rows it keeps, never changes them)
-                out.append((m, p.DiagResult(id=act.name, results=rows, t=sim.now + dt)))
+                out.append((m, p.DiagResult(id=act.name, results=got[1], t=sim.now + dt)))
                 continue
             results: list[dict[str, Any]] = []
             for c in act.checks:
@@ -204,7 +208,9 @@ class Agents:
                     results.append({"check": c, "ok": not fail, "detail": "failed" if fail else "ok",
                                     "measure": {"gflops": 100.0} if c == "selftest" else {}})
             if bad is None:
-                healthy[(key, m)] = results
+                if len(healthy) > INTER_ROWS_KEPT:
+                    healthy.clear()
+                healthy[(key, m)] = (place, results)
             out.append((m, p.DiagResult(id=act.name, results=results, t=sim.now + dt)))
         self.send_all(dt, out)
 
