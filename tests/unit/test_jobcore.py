@@ -827,15 +827,17 @@ def test_one_report_of_a_step_for_all_ranks_decides_as_each_rank_alone():
     """StepReport (one step of many ranks as columns) gives the actions and the state, hang watch
     included, of the same reports handled one rank at a time: whole steps with compute times,
     a step some ranks reported before the rest, a report listing a rank twice, a report of a
-    committed step and one of another run, then a crash and the restart."""
-    def drive(together: bool) -> tuple[list[a.Action], str]:
+    committed step and one of another run, then a crash and the restart. The same with every
+    whole-job report's ranks a `range` (as the simulator sends them)."""
+    def drive(together: bool, as_range: bool = False) -> tuple[list[a.Action], str]:
         h = started(Harness(machines=4, gpus=2, standby=1))
         out: list[a.Action] = []
 
         def send(s: int, ranks: list[int], run: int = 1, loss: float | None = 2.0) -> None:
             comp = tuple(0.5 + 0.01 * r for r in ranks)
+            listed = range(h.world) if as_range and ranks == list(range(h.world)) else tuple(ranks)
             rep = StepReport(run=run, step=s, t=h.now, dur=1.0, machines=tuple(h.machine_of(r) for r in ranks),
-                             ranks=tuple(ranks), compute_s=comp, loss=loss, grad_norm=1.0, local_grad_norm=0.5)
+                             ranks=listed, compute_s=comp, loss=loss, grad_norm=1.0, local_grad_norm=0.5)
             if together:
                 out.extend(h.event(rep))
             else:
@@ -857,7 +859,8 @@ def test_one_report_of_a_step_for_all_ranks_decides_as_each_rank_alone():
         return out, S.dumps(h.st)
     one, st_one = drive(False)
     together, st_together = drive(True)
-    assert repr(together) == repr(one) and st_together == st_one
+    ranged, st_ranged = drive(True, as_range=True)
+    assert repr(together) == repr(one) == repr(ranged) and st_together == st_one == st_ranged
     assert [x["step"] for x in records(one, "step")] == list(range(9))
     assert of(one, a.TraceStacks)                 # the hang was seen, from the same per-rank times
 

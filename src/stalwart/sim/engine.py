@@ -360,7 +360,7 @@ class Sim:
         tr.reports += 1
         self.stats["reports"] += 1
         self._handle(StepReport(run=tr.run, step=k, t=t_k, dur=dur, machines=tuple(tr.slots),
-                                ranks=tuple(range(len(tr.slots))), compute_s=tuple(comp) if comp else None,
+                                ranks=range(len(tr.slots)), compute_s=tuple(comp) if comp else None,
                                 loss=loss, grad_norm=loss, local_grad_norm=1.0))
 
     def report_durable(self, tr: Training) -> None:

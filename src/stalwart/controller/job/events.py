@@ -37,7 +37,7 @@ class StepReport:
     t: float
     dur: float | None
     machines: tuple[str, ...]
-    ranks: tuple[int, ...]
+    ranks: tuple[int, ...] | range
     compute_s: tuple[float | None, ...] | None = None
     loss: float | None = None
     grad_norm: float | None = None

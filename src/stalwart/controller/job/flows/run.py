@@ -4,6 +4,7 @@ and the checkpoint copies the agents announce."""
 from __future__ import annotations
 
 import logging
+from typing import AbstractSet
 
 from stalwart import protocol
 from stalwart.controller.rules import scriptsteps
@@ -172,26 +173,35 @@ class RunFlow:
         if acc is None:
             acc = run.pending[rep.step] = PendingStep()
         before = len(acc.ranks)
-        new = set(ranks)
-        if len(new) != len(ranks) or not acc.ranks.isdisjoint(new):
-            # a rank listed twice or reported already: one by one (the rare case)
-            acts: Actions = []
-            for one in rep.as_agent_events().items:
-                acts += self.on_step(st, one[1], now)   # type: ignore[arg-type]
-            return acts
-        # distinct new ranks: the set grows by one per rank, full at the k-th
-        k = self.ctx.world - before
-        n = k if 0 < k <= len(ranks) else len(ranks)
-        if n < len(ranks):
-            ranks = ranks[:n]
-            new = set(ranks)
-        if n == 0:
-            return []
-        # (a step's first report, the usual one of every rank: its columns become the step's tables)
-        if acc.ranks:
-            acc.ranks |= new
+        new: AbstractSet[int] | range
+        whole = not before and isinstance(ranks, range) and ranks.step == 1 and ranks.start == 0 \
+            and len(ranks) == self.ctx.world
+        if whole:
+            # every rank once, the step's first report (the simulator's whole-job report): the step
+            # commits below, and a committed step's set of ranks is never read, so none is made
+            assert isinstance(ranks, range)
+            new, n = ranks, len(ranks)
         else:
-            acc.ranks = new
+            new = set(ranks)
+            if len(new) != len(ranks) or not acc.ranks.isdisjoint(new):
+                # a rank listed twice or reported already: one by one (the rare case)
+                acts: Actions = []
+                for one in rep.as_agent_events().items:
+                    acts += self.on_step(st, one[1], now)   # type: ignore[arg-type]
+                return acts
+            # distinct new ranks: the set grows by one per rank, full at the k-th
+            k = self.ctx.world - before
+            n = k if 0 < k <= len(ranks) else len(ranks)
+            if n < len(ranks):
+                ranks = ranks[:n]
+                new = set(ranks)
+            if n == 0:
+                return []
+            # (a step's first report, the usual one of every rank: its columns become the step's tables)
+            if acc.ranks:
+                acc.ranks |= new
+            else:
+                acc.ranks = new
         local: dict[int, float | None] = dict.fromkeys(ranks, rep.local_grad_norm)
         if acc.local:
             acc.local.update(local)
@@ -213,7 +223,7 @@ class RunFlow:
         acc.dur = max(acc.dur, rep.dur or 0.0)
         if acc.loss is None or 0 in new:          # rank 0's metrics win; else the first reported
             _take_metrics(acc, rep.loss, rep.grad_norm, rep.tokens)
-        if len(acc.ranks) == self.ctx.world:
+        if whole or len(acc.ranks) == self.ctx.world:
             return self.commit(st, rep.step, run.pending.pop(rep.step), now)
         return []
 
