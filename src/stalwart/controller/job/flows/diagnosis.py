@@ -81,7 +81,7 @@ class DiagnosisFlow:
         d = st.diag
         if d is None or ev.id != d.name or machine not in d.wait or st.reconciling:
             return []       # (while a restart is reconciled: the checks are run again after it)
-        d.answers[machine] = list(ev.results)
+        d.answers[machine] = ev.results
         d.wait.discard(machine)
         return self.diagnosed(st, now) if not d.wait else []
 
@@ -96,7 +96,7 @@ class DiagnosisFlow:
         for machine, ev in items:
             if ev.id != name or machine not in wait:
                 continue
-            answers[machine] = list(ev.results)
+            answers[machine] = ev.results      # (kept as sent: never changed)
             wait.discard(machine)
             if not wait:
                 return self.diagnosed(st, now)      # st.diag is None now: the rest are not looked at
