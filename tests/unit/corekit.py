@@ -150,6 +150,18 @@ class Harness:
             out += self.agent(m, p.Stopped(run=self.st.run_seq))
         return out
 
+    def nan_twice(self) -> list[a.Action]:
+        """Three steps, then a NaN nobody is blamed for, the reattempt, and the NaN again: the
+        actions of the second (a dual-phase replay's first phase, where the policy allows one)."""
+        self.steps(3)
+        for attempt in range(2):
+            self.step(loss=math.nan)
+            self.stopped()
+            acts = self.advance(2.0)
+            if attempt == 0:
+                self.steps(2)
+        return acts
+
     def diag(self, checks: a.RunChecks, bad: dict[str, str] | None = None) -> list[a.Action]:
         """Every machine answers the checks: all pass but the self-test of the `bad` ones."""
         out: list[a.Action] = []

@@ -37,13 +37,7 @@ def test_a_replay_failing_in_every_group_blames_no_machine():
     h = Harness(machines=4, gpus=1, standby=1, steps=500,
                 policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2})
     h.tick()
-    h.steps(3)
-    for attempt in range(2):
-        h.step(loss=NAN)
-        h.stopped()
-        acts = h.advance(2.0)
-        if attempt == 0:
-            h.steps(2)
+    acts = h.nan_twice()
     for _ in range(2):              # both phases: every group reports a NaN
         groups = of(acts, a.StartReplayGroup)
         assert groups and h.st.phase == JobPhase.REPLAYING

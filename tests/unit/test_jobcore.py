@@ -454,14 +454,7 @@ def test_a_replay_phase_ends_with_its_last_group_in_any_order():
         rng = random.Random(seed)
         h = started(Harness(machines=8, gpus=1, standby=1, steps=500,
                             policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))
-        h.steps(3)
-        for attempt in range(2):
-            h.step(loss=NAN)
-            h.stopped()
-            acts = h.advance(2.0)
-            if attempt == 0:
-                h.steps(2)
-        groups = of(acts, a.StartReplayGroup)
+        groups = of(h.nan_twice(), a.StartReplayGroup)
         assert len(groups) == 4 and h.st.phase == JobPhase.REPLAYING
         events = [(g, m, i) for g in groups for i, m in enumerate(g.machines)]
         rng.shuffle(events)
@@ -485,14 +478,7 @@ def test_a_replay_phase_ends_with_its_last_group_in_any_order():
 def test_a_machine_lost_during_a_replay_ends_it_and_is_evicted():
     h = started(Harness(machines=4, gpus=1, standby=1, steps=500,
                         policy={"alignment_test": False, "replay_k": 2, "replay_steps": 2}))
-    h.steps(3)
-    for attempt in range(2):
-        h.step(loss=NAN)
-        h.stopped()
-        acts = h.advance(2.0)
-        if attempt == 0:
-            h.steps(2)
-    groups = of(acts, a.StartReplayGroup)
+    groups = of(h.nan_twice(), a.StartReplayGroup)
     assert h.st.phase == JobPhase.REPLAYING
     h.cluster.dead.add("m3")
     acts = h.event(MachineLost(machine="m3"))
