@@ -86,11 +86,11 @@ def verdict(answers: Mapping[str, Sequence[Mapping]], slots: Sequence[str], ring
     a host or a control plane too loaded for the checks' bound, not every machine broken at
     once. The verdict is then inconclusive (`"inconclusive"` says why) and blames nobody, as a
     stack round that flags most machines flags nobody; the ladder goes on without it.
-    Returns {"bad": {machine: reason}, "links": [...], "pairs": {...}, "checks": [...]}.
+    Returns {"bad": {machine: reason}, "links": [...], "pairs": {...}, "checks": [...]}; "pairs"
+    holds every judged pair for a ring of up to ROWS_KEPT_MACHINES machines, the bad ones beyond.
 
-    One pass over the rows, which stay as they came: a 12,500-machine job's checks are 50,000
-    rows, and a copy of each with its machine and pair, grouped by check and by pair, was most of
-    the time its checks took to judge.
+    One pass over the rows, read where they are (a 12,500-machine job's checks are 50,000 rows):
+    no copy of a row with its machine and pair, no grouping by check or by pair.
     """
     missing, lost = list(missing), list(lost)
     answered = [m for m, rows in answers.items() if rows]
