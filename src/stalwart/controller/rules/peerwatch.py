@@ -140,11 +140,11 @@ class PeerWatch:
         if t < self.not_before:
             return
         index = self._samples.index
-        rows = [index.get(m, -1) for m in machines]
-        at = np.flatnonzero(np.array(rows, dtype=np.int64) >= 0)
+        rows = np.asarray([index.get(m, -1) for m in machines], dtype=np.int64)
+        at = np.flatnonzero(rows >= 0)
         if len(at) == 0:
             return
-        self._samples.put_columns(np.asarray(rows, dtype=np.int64)[at], int(t // self.period_s),
+        self._samples.put_columns(rows[at], int(t // self.period_s),
                                   {k: np.asarray(v, dtype=float)[at] for k, v in values.items()})
 
     def check(self, now: float) -> tuple[Hashable | None, dict]:
